@@ -1,0 +1,38 @@
+//! `keel`: the user's command. Prepares data, submits and watches jobs, pulls checkpoints,
+//! runs a whole local cluster, and tries a checkpoint with fill-mask.
+
+use clap::{Parser, Subcommand};
+
+mod client;
+mod inspect;
+mod prepare;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "keel",
+    version,
+    about = "Keel: synchronous data-parallel BERT pretraining on CPU machines"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Tokenize a corpus into training shards (like BERT's create_pretraining_data.py).
+    Prepare(prepare::Args),
+    /// Print the sequences of prepared shards as JSON lines.
+    Inspect(inspect::Args),
+    #[command(flatten)]
+    Client(client::Command),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Prepare(args) => prepare::run(args),
+        Command::Inspect(args) => inspect::run(args),
+        Command::Client(cmd) => client::run(cmd),
+    }
+}

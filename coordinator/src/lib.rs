@@ -1,0 +1,3 @@
+//! Keel coordinator library: jobs, corpus preparation, membership, step orchestration, checkpoints.
+
+pub mod data;

@@ -1,0 +1,30 @@
+//! Keel's contracts: what the coordinator, the workers and the client agree on.
+//!
+//! # Layout
+//! - `rpc`, `ring_rpc`: gRPC code generated from `proto/keel.proto` (control plane) and
+//!   `proto/ring.proto` (worker-to-worker data plane).
+//! - `config`: the model config (HF `config.json`) and presets.
+//! - `params`: the flat parameter layout with HF names, shared by weights, gradients, moments.
+//! - `weights`: `model.safetensors` load/save in the layout `save_pretrained` writes.
+//! - `tokenizer`, `shard`, `split`: WordPiece vocabulary, the binary shard format, and how
+//!   sequences are split among workers.
+//! - `jobspec`, `checkpoint`: the job file (TOML) and the checkpoint folder.
+
+/// gRPC messages and services generated from `proto/keel.proto` (control plane).
+pub mod rpc {
+    tonic::include_proto!("keel.v1");
+}
+
+/// gRPC messages and services generated from `proto/ring.proto` (worker-to-worker data plane).
+pub mod ring_rpc {
+    tonic::include_proto!("keel.ring.v1");
+}
+
+pub mod checkpoint;
+pub mod config;
+pub mod jobspec;
+pub mod params;
+pub mod shard;
+pub mod split;
+pub mod tokenizer;
+pub mod weights;

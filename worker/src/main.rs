@@ -1,0 +1,41 @@
+//! `keel-worker`: a Keel worker process, plus its benchmarks.
+//!
+//! Without a subcommand it runs a worker (`keel_worker::serve`); `bench` runs training steps
+//! (`keel_worker::bench`); `bench-allreduce` measures the ring all-reduce (`keel_worker::allreduce::bench`).
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "keel-worker",
+    version,
+    about = "Keel worker: computes BERT gradients and all-reduces them with its ring peers"
+)]
+#[command(args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: keel_worker::serve::Args,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Benchmark full training steps (forward, backward, AdamW) on random tokens; prints one JSON line.
+    Bench(keel_worker::bench::Args),
+    /// Benchmark the ring all-reduce on loopback with several local processes; prints JSON lines.
+    BenchAllreduce(keel_worker::allreduce::bench::Args),
+    /// Internal: one peer of `bench-allreduce` (started by it, not by users).
+    #[command(hide = true)]
+    AllreducePeer(keel_worker::allreduce::bench::PeerArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Bench(args)) => keel_worker::bench::run(args),
+        Some(Command::BenchAllreduce(args)) => keel_worker::allreduce::bench::run(args),
+        Some(Command::AllreducePeer(args)) => keel_worker::allreduce::bench::run_peer(args),
+        None => keel_worker::serve::main(cli.serve),
+    }
+}
