@@ -267,13 +267,13 @@ impl BertConfig {
                 format!("`{}` is not \"bert\"", self.model_type),
             );
         }
-        if let Some(kind) = self.position_embedding_type.as_deref() {
-            if kind != "absolute" {
-                return invalid(
-                    "position_embedding_type",
-                    format!("`{kind}` is not supported (only \"absolute\")"),
-                );
-            }
+        if let Some(kind) = self.position_embedding_type.as_deref()
+            && kind != "absolute"
+        {
+            return invalid(
+                "position_embedding_type",
+                format!("`{kind}` is not supported (only \"absolute\")"),
+            );
         }
         if self.is_decoder || self.add_cross_attention {
             return invalid("is_decoder", "Keel trains BERT encoders only".to_string());
