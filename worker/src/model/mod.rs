@@ -30,6 +30,7 @@ mod linear;
 mod loss;
 mod mlm_head;
 mod nsp_head;
+mod vmath;
 
 pub use bert::{Bert, ForwardOutputs};
 pub use dropout::DropoutKey;
