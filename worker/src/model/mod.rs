@@ -24,6 +24,8 @@ mod element;
 mod embeddings;
 mod encoder_layer;
 pub mod gemm;
+#[cfg(test)]
+mod gradcheck;
 mod init;
 mod layernorm;
 mod linear;
