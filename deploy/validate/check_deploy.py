@@ -384,7 +384,9 @@ def check_pod(kind: str, name: str, pod: dict, ctx: dict, rep: Report) -> None:
     for c in spec.get("containers", []):
         cname = f"{kind}/{name}/{c['name']}"
         ports = {p["containerPort"] for p in c.get("ports", [])}
-        for probe in ("livenessProbe", "readinessProbe"):
+        for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+            if probe == "startupProbe" and probe not in c:
+                continue
             grpc = (c.get(probe) or {}).get("grpc")
             rep.check(
                 grpc is not None and grpc.get("port") in ports,
