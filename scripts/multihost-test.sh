@@ -453,10 +453,10 @@ run_job() { # run_job TAG: start a cluster, run the job from the user's host, pu
     || die "[$tag] keel submit failed"
   [ -n "$job" ] || die "[$tag] keel submit printed no job id"
   log "[$tag] submitted job $job from the user's host ${ADDR[user]}"
-  t0=$SECONDS
+  t0=$EPOCHREALTIME
   keel_user "$JOB_TIMEOUT" watch "$job" >"$WORK/logs/$tag-watch.log" 2>&1 \
     || die "[$tag] keel watch $job failed or passed ${JOB_TIMEOUT}s (exit $?)"
-  t1=$SECONDS
+  t1=$EPOCHREALTIME
   keel_user 60 status "$job" >"$WORK/logs/$tag-status.log" 2>&1 || die "[$tag] keel status $job failed"
   sed 's/^/    /' "$WORK/logs/$tag-status.log" | head -n 20
   keel_user 300 pull "$job" --out "$WORK/$tag/pulled" >"$WORK/logs/$tag-pull.log" 2>&1 \
@@ -472,7 +472,8 @@ run_job() { # run_job TAG: start a cluster, run the job from the user's host, pu
   done
   TX_BEFORE=()
   local ms; ms="$(step_ms_from_logs "$tag")"
-  STEP_RESULT="job $((t1 - t0)) s for $STEPS steps (watch wall time, includes data preparation)"
+  STEP_RESULT="$(awk -v a="$t0" -v b="$t1" -v n="$STEPS" \
+    'BEGIN { printf "job %.1f s for %d steps (submit to end, data preparation included)", b - a, n }')"
   [ -n "$ms" ] && STEP_RESULT="median step ${ms} ms; $STEP_RESULT"
   log "[$tag] $STEP_RESULT"
   stop_cluster
@@ -510,8 +511,8 @@ result_plain="$STEP_RESULT"
 if [ "$NETEM" = 1 ]; then
   apply_shaping
   run_job shaped
-  log "RESULT plain links:                  $result_plain"
-  log "RESULT links with '$SHAPING': $STEP_RESULT"
+  log "RESULT plain links: $result_plain"
+  log "RESULT links shaped by '$SHAPING': $STEP_RESULT"
 else
   log "RESULT: $result_plain"
 fi
