@@ -16,10 +16,12 @@
 # host), then runs a short job across the three workers (tiny preset, 30 steps, max_seq_length 64)
 # and pulls the checkpoint from the user's host, checking its files. With --netem every host's
 # link gets `netem delay 1ms rate 1gbit` and the job runs a second time under it; both step
-# times are printed.
+# times are printed. With --slurm, deploy/slurm/keel.sbatch then runs the same job on an
+# "allocation" of the three worker hosts: srun, scontrol and squeue are stand-ins that run one
+# task per host in that host's namespace, each host with its own private scratch directory.
 #
 # Usage (as root):
-#   scripts/multihost-test.sh [--netem] [--plumbing-only] [--keep] [--steps N]
+#   scripts/multihost-test.sh [--netem] [--slurm] [--plumbing-only] [--keep] [--steps N]
 #                             [--bin-dir DIR] [--corpus PATH] [BIN_DIR [CORPUS]]
 #   BIN_DIR  directory holding keel, keel-coordinator, keel-worker
 #            (default: $CARGO_TARGET_DIR/release, else target/release)
@@ -35,6 +37,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 NETEM=0
+SLURM=0
 PLUMBING_ONLY=0
 KEEP=0
 STEPS=30
@@ -50,6 +53,7 @@ positional=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --netem) NETEM=1 ;;
+    --slurm) SLURM=1 ;;
     --plumbing-only) PLUMBING_ONLY=1 ;;
     --keep) KEEP=1 ;;
     --steps) STEPS="${2:?--steps needs a number}"; shift ;;
@@ -480,6 +484,93 @@ run_job() { # run_job TAG: start a cluster, run the job from the user's host, pu
 }
 
 # ---------------------------------------------------------------------------------------------
+# deploy/slurm/keel.sbatch on an "allocation" of the hosts w1 w2 w3 (w1 is the batch host).
+# Stand-ins for Slurm's commands: scontrol expands the node list, squeue reports an hour left,
+# srun runs one task per node inside that node's namespace. Every node gets its own scratch
+# directory, bind-mounted over the shared scratch path, like a node-local /tmp.
+write_slurm_standins() { # write_slurm_standins DIR
+  local bin="$1/bin"
+  mkdir -p "$bin"
+  cat >"$bin/scontrol" <<'SH'
+#!/usr/bin/env bash
+# Stand-in for `scontrol show hostnames LIST` (LIST comma-separated, no ranges).
+[ "${1:-} ${2:-}" = "show hostnames" ] || { echo "scontrol stand-in: only 'show hostnames'" >&2; exit 1; }
+tr ',' '\n' <<<"${3:-$SLURM_JOB_NODELIST}"
+SH
+  cat >"$bin/squeue" <<'SH'
+#!/usr/bin/env bash
+# Stand-in for `squeue -h -j JOB -o %L`: an hour left.
+echo "1:00:00"
+SH
+  cat >"$bin/node-run" <<'SH'
+#!/usr/bin/env bash
+# node-run NODE CMD...: CMD on NODE: its network namespace, its own scratch over the shared path.
+node="$1"; shift
+mkdir -p "$KEEL_MH_NODES/$node" "$KEEL_MH_SCRATCH"
+# `ip netns exec` gives the command a mount namespace of its own: the bind mount stays there.
+exec ip netns exec "$KEEL_MH_PREFIX-$node" bash -c \
+  'mount --bind "$1" "$2" && shift 2 && exec "$@"' _ "$KEEL_MH_NODES/$node" "$KEEL_MH_SCRATCH" "$@"
+SH
+  cat >"$bin/srun" <<'SH'
+#!/usr/bin/env bash
+# Stand-in for srun: one task per node of SLURM_JOB_NODELIST (the first --nodes=N of them).
+nodes="" cpus=1
+while [[ "${1:-}" == -* ]]; do
+  case "$1" in
+    --nodes=*) nodes="${1#*=}" ;;
+    --cpus-per-task=*) cpus="${1#*=}" ;;
+  esac
+  shift
+done
+mapfile -t names < <(tr ',' '\n' <<<"$SLURM_JOB_NODELIST")
+pids=()
+for i in "${!names[@]}"; do
+  if [ -n "$nodes" ] && [ "$i" -ge "$nodes" ]; then break; fi
+  SLURM_NODEID=$i SLURM_PROCID=$i SLURM_CPUS_PER_TASK=$cpus node-run "${names[$i]}" "$@" &
+  pids+=("$!")
+done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM INT
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit "$rc"
+SH
+  chmod 0755 "$bin"/*
+}
+
+run_slurm() {
+  local sb="$WORK/slurm" w
+  mkdir -p "$sb/submit"
+  write_slurm_standins "$sb"
+  write_job "$sb/submit/job.toml"
+  for w in w1 w2 w3; do TX_BEFORE+=("$(link_tx_bytes "$w")"); done
+  log "[slurm] sbatch deploy/slurm/keel.sbatch on nodes w1,w2,w3 (batch host w1)"
+  local t0=$EPOCHREALTIME
+  PATH="$sb/bin:$PATH" KEEL_MH_PREFIX="$PREFIX" KEEL_MH_NODES="$sb/nodes" KEEL_MH_SCRATCH="$sb/scratch" \
+    SLURM_JOB_ID=4242 SLURM_JOB_NODELIST=w1,w2,w3 SLURM_SUBMIT_DIR="$sb/submit" SLURM_CPUS_ON_NODE="$THREADS" \
+    SLURM_CPUS_PER_TASK="$THREADS" TMPDIR="$sb/scratch" KEEL_BIN_DIR="$BIN_DIR" \
+    KEEL_SLURM_TIMEOUT="$JOB_TIMEOUT" NO_COLOR=1 RUST_LOG="${RUST_LOG:-info}" \
+    timeout $((JOB_TIMEOUT + 300)) "$sb/bin/node-run" w1 bash "$REPO/deploy/slurm/keel.sbatch" \
+    "$sb/submit/job.toml" "$sb/out" >"$WORK/logs/slurm-batch.log" 2>&1 \
+    || die "[slurm] keel.sbatch failed (exit $?); see slurm-batch.log above"
+  local t1=$EPOCHREALTIME
+  grep '^\[keel.sbatch' "$WORK/logs/slurm-batch.log" | sed 's/^/    /'
+  check_checkpoint "$sb/out"
+  local i=0 sent
+  for w in w1 w2 w3; do
+    sent=$(( $(link_tx_bytes "$w") - TX_BEFORE[i] ))
+    log "[slurm] $w sent $((sent / 1024)) KiB over its link"
+    [ "$sent" -gt $((1024 * 1024)) ] || die "[slurm] $w sent only $sent bytes: did gradients cross the network?"
+    i=$((i + 1))
+  done
+  TX_BEFORE=()
+  [ ! -e "$sb/submit/.keel-4242.token" ] || die "[slurm] the generated token was not removed"
+  for w in w1 w2 w3; do
+    [ -z "$(ls -A "$sb/nodes/$w" 2>/dev/null)" ] || die "[slurm] scratch of node $w not cleaned: $(ls -A "$sb/nodes/$w")"
+  done
+  log "[slurm] $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "sbatch ran %.1f s", b - a }'); checkpoint in place, token and node scratch removed"
+}
+
+# ---------------------------------------------------------------------------------------------
 log "work dir $WORK"
 setup_network
 check_plumbing
@@ -508,6 +599,9 @@ fi
 
 run_job plain
 result_plain="$STEP_RESULT"
+if [ "$SLURM" = 1 ]; then
+  run_slurm
+fi
 if [ "$NETEM" = 1 ]; then
   apply_shaping
   run_job shaped
