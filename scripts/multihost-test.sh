@@ -13,10 +13,12 @@
 #   keelmhPID-net    (no address: the bridge keelbr0 and the host-side end of every veth)
 #
 # It first checks the plumbing (a TCP server on each host's Keel port reached from every other
-# host), then runs a short job across the three workers (tiny preset, 30 steps, max_seq_length 64)
-# and pulls the checkpoint from the user's host, checking its files. With --netem every host's
+# host), then runs a short job across the three workers (tiny preset, 30 steps, max_seq_length 64,
+# vocab_size 2000) and pulls the checkpoint from the user's host, checking its files. With --netem every host's
 # link gets `netem delay 1ms rate 1gbit` and the job runs a second time under it; both step
-# times are printed. With --slurm, deploy/slurm/keel.sbatch then runs the same job on an
+# times are printed (a kernel without sch_netem gets `tbf rate 1gbit`: the bandwidth limit
+# without the delay; the script says so). --plumbing-only stops after the network checks and
+# needs no binaries. With --slurm, deploy/slurm/keel.sbatch then runs the same job on an
 # "allocation" of the three worker hosts: srun, scontrol and squeue are stand-ins that run one
 # task per host in that host's namespace, each host with its own private scratch directory.
 #
