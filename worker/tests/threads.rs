@@ -94,3 +94,27 @@ fn same_gradients_with_one_two_and_three_threads() {
     let d = max_rel_diff(&g2, &g1);
     assert!(d < 1e-5, "f32 grads differ by {d:e}");
 }
+
+#[test]
+fn adamw_is_identical_with_two_threads() {
+    use keel_worker::optim::{AdamW, AdamWConfig, Optimizer};
+    let config = BertConfig::preset("tiny", 600).unwrap();
+    let layout = ParamLayout::bert(&config, Heads::MaskedLm);
+    let params = init_params(&config, &layout, 3);
+    let grads: Vec<f32> = (0..params.len())
+        .map(|i| ((i as f32) * 0.37).sin() * 1e-2)
+        .collect();
+    let mut results = Vec::new();
+    for threads in [1, 2] {
+        set_blas_threads(threads);
+        let mut p = params.clone();
+        let mut opt = AdamW::<f32>::new(&layout, AdamWConfig::default());
+        for _ in 0..3 {
+            opt.step(&mut p, &grads, 1e-3);
+        }
+        results.push(p);
+    }
+    set_blas_threads(1);
+    assert_eq!(results[0], results[1]);
+    assert_ne!(results[0], params);
+}

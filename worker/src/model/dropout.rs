@@ -113,6 +113,27 @@ impl Mask {
     }
 }
 
+/// Hidden-state dropout of `b` sequences of `row` elements each (`x` `[b, row]`, sequence
+/// `i` keyed by `sample_ids[i]`), split among the model's threads.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn apply_sequences<A: Element>(
+    x: &mut [A],
+    row: usize,
+    key: DropoutKey,
+    sample_ids: &[u64],
+    layer: usize,
+    site: Site,
+    p: f64,
+) {
+    let b = sample_ids.len();
+    let min_rows = (1usize << 15).div_ceil(row.max(1));
+    super::parallel::zip_units(x, row, sample_ids, 1, b, min_rows, |x, ids| {
+        for (seq, &id) in x.chunks_exact_mut(row).zip(ids) {
+            Mask::new(key, id, layer, site, p).apply(seq, 0);
+        }
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

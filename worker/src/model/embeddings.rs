@@ -8,7 +8,7 @@ use keel_proto::config::BertConfig;
 use keel_proto::params::ParamLayout;
 
 use super::Element;
-use super::dropout::{DropoutKey, Mask, Site};
+use super::dropout::{self, DropoutKey, Site};
 use super::layernorm::LayerNorm;
 use super::linear::find;
 
@@ -96,9 +96,7 @@ impl Embeddings {
     fn dropout<A: Element>(&self, x: &mut [A], inputs: &TokenInputs<'_>) {
         if let Some((key, ids)) = inputs.dropout {
             let row = inputs.t * self.c;
-            for (bi, seq) in x[..inputs.b * row].chunks_exact_mut(row).enumerate() {
-                Mask::new(key, ids[bi], 0, Site::Embeddings, self.p).apply(seq, 0);
-            }
+            dropout::apply_sequences(x, row, key, &ids[..inputs.b], 0, Site::Embeddings, self.p);
         }
     }
 

@@ -17,7 +17,7 @@ use keel_proto::params::ParamLayout;
 use super::Element;
 use super::activation;
 use super::attention::{self, AttentionDims};
-use super::dropout::{DropoutKey, Mask, Site};
+use super::dropout::{self, DropoutKey, Site};
 use super::element::grow;
 use super::layernorm::LayerNorm;
 use super::linear::Linear;
@@ -132,9 +132,15 @@ impl EncoderLayer {
     fn hidden_dropout<A: Element>(&self, x: &mut [A], inputs: &LayerInputs<'_>, site: Site) {
         if let Some((key, ids)) = inputs.dropout {
             let row = inputs.t * self.query.out;
-            for (bi, seq) in x[..inputs.b * row].chunks_exact_mut(row).enumerate() {
-                Mask::new(key, ids[bi], self.index, site, self.p_hidden).apply(seq, 0);
-            }
+            dropout::apply_sequences(
+                x,
+                row,
+                key,
+                &ids[..inputs.b],
+                self.index,
+                site,
+                self.p_hidden,
+            );
         }
     }
 

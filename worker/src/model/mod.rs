@@ -133,3 +133,8 @@ pub struct LossSums<A> {
 pub fn set_blas_threads(n: usize) {
     parallel::set_threads(n);
 }
+
+/// The thread count set by [`set_blas_threads`] (1 by default).
+pub fn threads() -> usize {
+    parallel::threads()
+}

@@ -78,22 +78,44 @@ impl<A: Element> Optimizer<A> for AdamW<A> {
         let step_size = lr / bc1;
         let bc2_sqrt = bc2.sqrt();
         let eps = A::of(cfg.eps);
+        let lr_wd = lr * A::of(cfg.weight_decay);
+        // The update is elementwise: split each tensor among the model's threads.
+        let threads = crate::model::threads();
         for (range, decay) in &self.decay {
-            let shrink = if *decay {
-                A::one() - lr * A::of(cfg.weight_decay)
-            } else {
-                A::one()
+            let shrink = if *decay { A::one() - lr_wd } else { A::one() };
+            let update = |p: &mut [A], g: &[A], m: &mut [A], v: &mut [A]| {
+                for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                    *p *= shrink;
+                    *m = b1 * *m + (A::one() - b1) * g;
+                    *v = b2 * *v + (A::one() - b2) * g * g;
+                    *p -= step_size * *m / (v.sqrt() / bc2_sqrt + eps);
+                }
             };
             let p = &mut params[range.clone()];
             let g = &grads[range.clone()];
             let m = &mut self.exp_avg[range.clone()];
             let v = &mut self.exp_avg_sq[range.clone()];
-            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                *p *= shrink;
-                *m = b1 * *m + (A::one() - b1) * g;
-                *v = b2 * *v + (A::one() - b2) * g * g;
-                *p -= step_size * *m / (v.sqrt() / bc2_sqrt + eps);
+            let parts = if range.len() >= 1 << 16 { threads } else { 1 };
+            if parts <= 1 {
+                update(p, g, m, v);
+                continue;
             }
+            let chunk = range.len().div_ceil(parts);
+            std::thread::scope(|scope| {
+                let mut pieces = p
+                    .chunks_mut(chunk)
+                    .zip(g.chunks(chunk))
+                    .zip(m.chunks_mut(chunk))
+                    .zip(v.chunks_mut(chunk));
+                let first = pieces.next();
+                for (((p, g), m), v) in pieces {
+                    let update = &update;
+                    scope.spawn(move || update(p, g, m, v));
+                }
+                if let Some((((p, g), m), v)) = first {
+                    update(p, g, m, v);
+                }
+            });
         }
     }
 
