@@ -325,6 +325,7 @@ impl ShardWriter {
         let mut tmp = self.out.into_inner().map_err(|e| io(e.into_error()))?;
         tmp.seek(SeekFrom::Start(0)).map_err(io)?;
         tmp.write_all(&header).map_err(io)?;
+        crate::tokenizer::set_readable(tmp.as_file()).map_err(io)?;
         tmp.as_file().sync_all().map_err(io)?;
         tmp.persist(&path).map_err(|e| io(e.error))?;
         // Make the rename durable too.

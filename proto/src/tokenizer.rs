@@ -540,7 +540,23 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TokenizerError> {
     };
     let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io)?;
     tmp.write_all(bytes).map_err(io)?;
+    // Temporary files are created 0600; the outputs are ordinary readable files.
+    set_readable(tmp.as_file()).map_err(io)?;
     tmp.as_file().sync_all().map_err(io)?;
     tmp.persist(path).map_err(|e| io(e.error))?;
+    Ok(())
+}
+
+/// Gives a finished output file mode 0644 (rw-r--r--) on Unix; a no-op elsewhere.
+///
+/// Errors: the OS error of `set_permissions`.
+pub fn set_readable(file: &std::fs::File) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        file.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+    }
+    #[cfg(not(unix))]
+    let _ = file;
     Ok(())
 }
