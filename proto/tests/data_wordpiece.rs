@@ -194,3 +194,25 @@ fn vocab_without_special_tokens_is_an_error() {
     let err = KeelTokenizer::from_vocab_file(&path, true).unwrap_err();
     assert!(err.to_string().contains("[CLS]"), "{err}");
 }
+
+#[test]
+fn grouped_line_encoding_equals_line_by_line() {
+    let tok = reference_tokenizer();
+    let mut lines = corpus_lines("corpus/en-fortunes/fortunes.txt", 200_000);
+    lines.extend(corpus_lines("corpus/zh-poetry/poetry.txt", 100_000));
+    // Lines that tokenise to nothing, and a literal "[SEP]" (forces the fallback).
+    lines.insert(3, "\u{200d}".to_string());
+    lines.insert(7, "   ".to_string());
+    for group in lines.chunks(64) {
+        let per_line: Vec<Vec<u32>> = group.iter().map(|l| tok.encode(l)).collect();
+        assert_eq!(tok.encode_lines(group), per_line);
+    }
+    let with_sep = ["a [SEP] b".to_string(), "c".to_string()];
+    let per_line: Vec<Vec<u32>> = with_sep.iter().map(|l| tok.encode(l)).collect();
+    assert_eq!(tok.encode_lines(&with_sep), per_line);
+    assert_eq!(
+        per_line[0].len(),
+        3,
+        "a literal [SEP] is the special token, as in HF"
+    );
+}
