@@ -25,7 +25,7 @@ pub struct Args {
     #[arg(long)]
     cased: bool,
     /// `mlm` (full-sentence packing) or `mlm+nsp` (BERT sentence pairs).
-    #[arg(long, default_value = "mlm")]
+    #[arg(long, default_value = "mlm", value_parser = parse_objective)]
     objective: Objective,
     /// Tokens per sequence, [CLS]/[SEP] included.
     #[arg(long, default_value_t = 128)]
@@ -54,6 +54,16 @@ pub struct Args {
     /// Refuse a vocabulary larger than this (the model's vocab_size).
     #[arg(long)]
     model_vocab_size: Option<usize>,
+}
+
+fn parse_objective(s: &str) -> Result<Objective, String> {
+    match s {
+        "mlm" => Ok(Objective::Mlm),
+        "mlm+nsp" => Ok(Objective::MlmNsp),
+        other => Err(format!(
+            "unknown objective {other:?}: expected mlm or mlm+nsp"
+        )),
+    }
 }
 
 /// Runs `keel prepare`.

@@ -118,6 +118,45 @@ impl PrepareOptions {
     }
 }
 
+impl PrepareOptions {
+    /// Options from a job file's `[data]` section: its corpus, vocabulary, objective, length,
+    /// heldout fraction and shards (`0` = `world_size` shards), with `seed` and `threads`.
+    pub fn from_spec(
+        spec: &keel_proto::jobspec::DataSpec,
+        out_dir: PathBuf,
+        world_size: usize,
+        seed: u64,
+        threads: usize,
+    ) -> Self {
+        let vocab = match (&spec.vocab, spec.vocab_size) {
+            (Some(path), _) => VocabSource::File {
+                path: path.clone(),
+                lowercase: spec.lowercase,
+            },
+            (None, size) => VocabSource::Train {
+                vocab_size: size.unwrap_or(30_522),
+                lowercase: spec.lowercase,
+            },
+        };
+        let mut o = PrepareOptions::new(
+            spec.corpus.iter().map(PathBuf::from).collect(),
+            vocab,
+            spec.objective,
+            out_dir,
+        );
+        o.max_seq_length = spec.max_seq_length;
+        o.heldout_fraction = spec.heldout_fraction;
+        o.shards = if spec.shards == 0 {
+            world_size.max(1)
+        } else {
+            spec.shards
+        };
+        o.seed = seed;
+        o.threads = threads.max(1);
+        o
+    }
+}
+
 /// Errors of the prepare pipeline and of opening a prepared folder.
 #[derive(Debug, thiserror::Error)]
 pub enum PrepareError {

@@ -63,6 +63,24 @@ impl Default for MaskingConfig {
     }
 }
 
+impl MaskingConfig {
+    /// Settings from a job file's `[data]` section (`dupe_factor` 0 = dynamic masking).
+    pub fn from_spec(spec: &keel_proto::jobspec::DataSpec) -> Self {
+        Self {
+            masked_lm_prob: spec.masked_lm_prob,
+            max_predictions_per_seq: spec.max_predictions_per_seq,
+            whole_word: spec.whole_word_masking,
+            mode: if spec.dupe_factor == 0 {
+                MaskingMode::Dynamic
+            } else {
+                MaskingMode::Static {
+                    dupe_factor: u64::from(spec.dupe_factor),
+                }
+            },
+        }
+    }
+}
+
 /// Errors of [`MaskingConfig::validate`].
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum MaskingError {
