@@ -191,3 +191,30 @@ fn one_document_corpus_works_for_mlm_and_explains_nsp() {
     let err = prepare(&o).unwrap_err().to_string();
     assert!(err.contains("1000 shards"), "{err}");
 }
+
+#[test]
+fn options_follow_the_job_file() {
+    let spec: keel_proto::jobspec::DataSpec = serde_json::from_value(serde_json::json!({
+        "corpus": ["a.txt", "dir/"], "vocab_size": 8000, "lowercase": false,
+        "objective": "mlm+nsp", "max_seq_length": 64, "heldout_fraction": 0.02
+    }))
+    .unwrap();
+    let o = PrepareOptions::from_spec(&spec, PathBuf::from("out"), 3, 9, 2);
+    assert_eq!(
+        o.vocab,
+        VocabSource::Train {
+            vocab_size: 8000,
+            lowercase: false
+        }
+    );
+    assert_eq!(o.objective, Objective::MlmNsp);
+    assert_eq!(
+        o.corpus,
+        vec![PathBuf::from("a.txt"), PathBuf::from("dir/")]
+    );
+    assert_eq!(
+        (o.max_seq_length, o.shards, o.seed, o.threads),
+        (64, 3, 9, 2)
+    );
+    assert_eq!(o.heldout_fraction, 0.02);
+}

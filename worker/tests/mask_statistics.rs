@@ -264,3 +264,27 @@ fn collate_pads_and_flattens_positions() {
         Err(CollateError::MixedNsp)
     ));
 }
+
+#[test]
+fn masking_config_follows_the_job_file() {
+    let spec: keel_proto::jobspec::DataSpec = serde_json::from_value(serde_json::json!({
+        "corpus": ["c.txt"], "dupe_factor": 3, "whole_word_masking": true,
+        "masked_lm_prob": 0.2, "max_predictions_per_seq": 30
+    }))
+    .unwrap();
+    let c = MaskingConfig::from_spec(&spec);
+    assert_eq!(c.mode, MaskingMode::Static { dupe_factor: 3 });
+    assert!(c.whole_word);
+    assert_eq!((c.masked_lm_prob, c.max_predictions_per_seq), (0.2, 30));
+    c.validate().unwrap();
+    let dynamic: keel_proto::jobspec::DataSpec =
+        serde_json::from_value(serde_json::json!({ "corpus": ["c.txt"] })).unwrap();
+    let d = MaskingConfig::from_spec(&dynamic);
+    assert_eq!(d.mode, MaskingMode::Dynamic);
+    assert!(!d.whole_word);
+    let bad = MaskingConfig {
+        mode: MaskingMode::Static { dupe_factor: 0 },
+        ..d
+    };
+    assert!(bad.validate().is_err());
+}
