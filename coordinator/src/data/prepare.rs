@@ -522,6 +522,16 @@ pub fn prepare(options: &PrepareOptions) -> Result<PreparedManifest, PrepareErro
         source,
     })?;
 
+    // A manifest left from an earlier run would describe shards about to be replaced: remove
+    // it first, so that a folder with a manifest is always a complete, consistent one.
+    let old_manifest = options.out_dir.join(MANIFEST_FILE);
+    if old_manifest.exists() {
+        std::fs::remove_file(&old_manifest).map_err(|source| PrepareError::Io {
+            path: old_manifest.clone(),
+            source,
+        })?;
+    }
+
     let t0 = Instant::now();
     let tokenizer = load_or_train(&files, options, total_bytes)?;
     let train_vocab_s = match options.vocab {
