@@ -480,11 +480,11 @@ fn absorb(
             payload: Payload::Ready(sum_to_bytes(local, &frame.data)),
         })
     } else if t + 2 == n {
-        add_assign_le(local, &frame.data);
+        // Keep the final sum and encode it for the all-gather in one pass.
         Some(Outgoing {
             ring_step: next,
             offset: range.start,
-            payload: Payload::Local(range),
+            payload: Payload::Ready(sum_store_to_bytes(local, &frame.data)),
         })
     } else {
         copy_le(local, &frame.data);
@@ -502,21 +502,48 @@ fn le_f32(b: &[u8]) -> f32 {
 
 /// `local[i] + incoming[i]` as little-endian bytes (`incoming`: `local.len() * 4` bytes).
 fn sum_to_bytes(local: &[f32], incoming: &[u8]) -> Bytes {
-    let mut out = vec![0u8; local.len() * 4];
-    for ((o, a), b) in out
-        .chunks_exact_mut(4)
-        .zip(local)
+    let sums: Vec<f32> = local
+        .iter()
         .zip(incoming.chunks_exact(4))
-    {
-        o.copy_from_slice(&(a + le_f32(b)).to_le_bytes());
-    }
-    Bytes::from(out)
+        .map(|(a, b)| a + le_f32(b))
+        .collect();
+    f32_vec_to_bytes(sums)
 }
 
-/// `local[i] += incoming[i]`.
-fn add_assign_le(local: &mut [f32], incoming: &[u8]) {
-    for (a, b) in local.iter_mut().zip(incoming.chunks_exact(4)) {
-        *a += le_f32(b);
+/// `local[i] += incoming[i]`, returning the new `local` as little-endian bytes too.
+fn sum_store_to_bytes(local: &mut [f32], incoming: &[u8]) -> Bytes {
+    let sums: Vec<f32> = local
+        .iter_mut()
+        .zip(incoming.chunks_exact(4))
+        .map(|(a, b)| {
+            *a += le_f32(b);
+            *a
+        })
+        .collect();
+    f32_vec_to_bytes(sums)
+}
+
+/// A `Vec<f32>` viewed as its bytes (little-endian machines), without copying.
+#[cfg(target_endian = "little")]
+struct F32Bytes(Vec<f32>);
+
+#[cfg(target_endian = "little")]
+impl AsRef<[u8]> for F32Bytes {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: f32 has no padding and every bit pattern is valid u8s; u8 needs no alignment.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast::<u8>(), self.0.len() * 4) }
+    }
+}
+
+/// `values` as little-endian bytes, without a copy on little-endian machines.
+fn f32_vec_to_bytes(values: Vec<f32>) -> Bytes {
+    #[cfg(target_endian = "little")]
+    {
+        Bytes::from_owner(F32Bytes(values))
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        f32s_to_bytes(&values)
     }
 }
 
