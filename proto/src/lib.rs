@@ -9,6 +9,7 @@
 //! - `tokenizer`, `shard`, `split`: WordPiece vocabulary, the binary shard format, and how
 //!   sequences are split among workers.
 //! - `jobspec`, `checkpoint`: the job file (TOML) and the checkpoint folder.
+//! - `protocol`: the control-plane protocol as numbered steps, and its timeouts.
 
 /// gRPC messages and services generated from `proto/keel.proto` (control plane).
 pub mod rpc {
@@ -23,6 +24,7 @@ pub mod ring_rpc {
 pub mod checkpoint;
 pub mod config;
 pub mod jobspec;
+pub mod protocol;
 pub mod params;
 pub mod shard;
 pub mod split;
