@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 
 mod client;
 mod inspect;
+mod plot;
 mod prepare;
 
 #[derive(Parser, Debug)]
