@@ -13,6 +13,7 @@ use keel_proto::params::Heads;
 use keel_proto::rpc::JobFile;
 use keel_proto::split::WorkerPlan;
 use keel_proto::tokenizer::KeelTokenizer;
+use crate::data::{PrepareOptions, VocabSource};
 use std::path::{Path, PathBuf};
 
 /// File name of the model config kept in the job folder (copied into every checkpoint).
@@ -28,13 +29,36 @@ pub fn prepare(job_id: &str, spec: &JobSpec, job_dir: &Path) -> Result<PreparedJ
         message,
     };
     let data_dir = job_dir.join("data");
-    let options = crate::data::PrepareOptions::from_job(spec, &data_dir);
+    let lowercase = spec.data.lowercase;
+    let vocab = match (&spec.data.vocab, spec.data.vocab_size) {
+        (Some(path), _) => VocabSource::File {
+            path: path.clone(),
+            lowercase,
+        },
+        (None, Some(vocab_size)) => VocabSource::Train {
+            vocab_size,
+            lowercase,
+        },
+        (None, None) => return Err(fail("data: give vocab_size or vocab".into())),
+    };
+    let objective = match spec.data.objective {
+        Objective::Mlm => crate::data::Objective::Mlm,
+        Objective::MlmNsp => crate::data::Objective::MlmNsp,
+    };
+    let corpus = spec.data.corpus.iter().map(PathBuf::from).collect();
+    let mut options = PrepareOptions::new(corpus, vocab, objective, data_dir.clone());
+    options.max_seq_length = spec.data.max_seq_length;
+    options.shards = spec.data.shards.max(1);
+    options.seed = spec.train.seed;
+    options.heldout_fraction = spec.data.heldout_fraction;
+    options.threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let manifest = crate::data::prepare(&options).map_err(|e| fail(format!("data: {e}")))?;
-    let total_sequences = manifest.train_sequences as u64;
+    let total_sequences = manifest.total_sequences;
 
     let vocab_path = data_dir.join("vocab.txt");
-    let tokenizer = KeelTokenizer::from_vocab_file(&vocab_path, spec.data.lowercase)
-        .map_err(|e| fail(format!("{}: {e}", vocab_path.display())))?;
+    let tokenizer_path = data_dir.join("tokenizer.json");
+    let tokenizer = KeelTokenizer::from_tokenizer_json(&tokenizer_path)
+        .map_err(|e| fail(format!("{}: {e}", tokenizer_path.display())))?;
     let vocab_size = tokenizer.vocab_size();
 
     let heads = match spec.data.objective {
@@ -44,6 +68,7 @@ pub fn prepare(job_id: &str, spec: &JobSpec, job_dir: &Path) -> Result<PreparedJ
     let mut shared_files = vec![
         ("heldout".to_string(), data_dir.join("heldout.keel")),
         ("vocab".to_string(), vocab_path.clone()),
+        ("tokenizer".to_string(), tokenizer_path),
     ];
     let mut config = if let Some(preset) = &spec.model.preset {
         BertConfig::preset(preset, vocab_size).map_err(|e| fail(format!("model.preset: {e}")))?

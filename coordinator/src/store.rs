@@ -35,7 +35,6 @@ where
     let mut tmp: Option<tempfile::TempDir> = None;
     let mut job_dir = PathBuf::new();
     let mut current: Option<(String, tokio::fs::File, Sha256, u64)> = None;
-    let mut lowercase = true;
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|s| CoordinatorError::BadRequest(format!("upload stream: {s}")))?;
         if key.is_none() {
@@ -47,7 +46,6 @@ where
                 let mut reg = shared.lock();
                 let job = reg.check_key(Some(&k))?;
                 job_dir = job.dir.clone();
-                lowercase = job.spec.data.lowercase;
             }
             let parent = job_dir.join("checkpoints");
             std::fs::create_dir_all(&parent).map_err(CoordinatorError::io(&parent))?;
@@ -125,8 +123,8 @@ where
         let config_src = job_dir2.join(JOB_CONFIG_FILE);
         let config_dst = dir.join(JOB_CONFIG_FILE);
         std::fs::copy(&config_src, &config_dst).map_err(CoordinatorError::io(&config_src))?;
-        let vocab = job_dir2.join("data").join("vocab.txt");
-        let tokenizer = KeelTokenizer::from_vocab_file(&vocab, lowercase)
+        let vocab = job_dir2.join("data").join("tokenizer.json");
+        let tokenizer = KeelTokenizer::from_tokenizer_json(&vocab)
             .map_err(|e| CoordinatorError::BadRequest(format!("{}: {e}", vocab.display())))?;
         tokenizer
             .save(&dir)

@@ -60,8 +60,8 @@ pub struct TrainSetup {
     pub shard: PathBuf,
     /// The held-out shard.
     pub heldout: PathBuf,
-    /// The vocabulary (vocab.txt).
-    pub vocab: PathBuf,
+    /// The tokenizer (tokenizer.json), for the special ids and vocabulary of masking.
+    pub tokenizer: PathBuf,
     /// Initial weights (HF model.safetensors), or `None` to initialise from the seed.
     pub init_weights: Option<PathBuf>,
     /// Scratch folder for staging checkpoints.
@@ -193,8 +193,8 @@ pub fn train(
     };
     let schedule = LrSchedule::from_spec(t);
 
-    let tokenizer = KeelTokenizer::from_vocab_file(&setup.vocab, spec.data.lowercase)
-        .map_err(|e| err0(format!("{}: {e}", setup.vocab.display())))?;
+    let tokenizer = KeelTokenizer::from_tokenizer_json(&setup.tokenizer)
+        .map_err(|e| err0(format!("{}: {e}", setup.tokenizer.display())))?;
     let nsp = spec.data.objective == Objective::MlmNsp;
     let pipeline = Pipeline {
         shard: ShardReader::open(&setup.shard).map_err(|e| err0(format!("{}: {e}", setup.shard.display())))?,

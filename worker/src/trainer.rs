@@ -17,7 +17,7 @@ use std::time::Duration;
 use tonic::transport::Channel;
 
 /// What a job needs from the worker process.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct JobContext {
     /// The coordinator.
     pub client: CoordinatorClient<Channel>,
@@ -97,7 +97,7 @@ pub async fn run_job(ctx: JobContext, start: StartJob) -> Result<(), JobError> {
         total_sequences: start.total_sequences,
         shard: role("shard")?,
         heldout: role("heldout")?,
-        vocab: role("vocab")?,
+        tokenizer: role("tokenizer")?,
         init_weights: paths.get("init_weights").cloned(),
         work_dir,
     };
