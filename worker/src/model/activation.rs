@@ -1,0 +1,84 @@
+//! The feed-forward activations (`hidden_act`), elementwise on any shape.
+//!
+//! - `gelu`: `x * Phi(x)`, `Phi(x) = (1 + erf(x / sqrt 2)) / 2` (Hendrycks & Gimpel 2016, eq. 1;
+//!   HF/PyTorch `gelu`, exact).
+//! - `gelu_new`: `x/2 * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (same paper, section 2).
+//! - `relu`: `max(0, x)`.
+
+use keel_proto::config::HiddenAct;
+
+use super::Element;
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const INV_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
+/// 1 / sqrt(2 pi): the standard normal density at 0.
+const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
+
+/// `y = act(x)`.
+pub(crate) fn forward<A: Element>(act: HiddenAct, y: &mut [A], x: &[A]) {
+    let half = A::of(0.5);
+    match act {
+        HiddenAct::Gelu => {
+            let s = A::of(INV_SQRT_2);
+            for (o, &v) in y.iter_mut().zip(x) {
+                *o = half * v * (A::one() + (v * s).erf());
+            }
+        }
+        HiddenAct::GeluNew => {
+            let (k, a) = (A::of(SQRT_2_OVER_PI), A::of(0.044715));
+            for (o, &v) in y.iter_mut().zip(x) {
+                *o = half * v * (A::one() + (k * (v + a * v * v * v)).tanh());
+            }
+        }
+        HiddenAct::Relu => {
+            for (o, &v) in y.iter_mut().zip(x) {
+                *o = if v > A::zero() { v } else { A::zero() };
+            }
+        }
+    }
+}
+
+/// `d *= act'(x)`: turns the gradient w.r.t. the output into the gradient w.r.t. the input.
+pub(crate) fn backward<A: Element>(act: HiddenAct, d: &mut [A], x: &[A]) {
+    let half = A::of(0.5);
+    match act {
+        HiddenAct::Gelu => {
+            let (s, p) = (A::of(INV_SQRT_2), A::of(INV_SQRT_2PI));
+            for (g, &v) in d.iter_mut().zip(x) {
+                let cdf = half * (A::one() + (v * s).erf());
+                let pdf = p * (-half * v * v).exp();
+                *g *= cdf + v * pdf;
+            }
+        }
+        HiddenAct::GeluNew => {
+            let (k, a) = (A::of(SQRT_2_OVER_PI), A::of(0.044715));
+            let three_a = A::of(3.0 * 0.044715);
+            for (g, &v) in d.iter_mut().zip(x) {
+                let th = (k * (v + a * v * v * v)).tanh();
+                let du = k * (A::one() + three_a * v * v);
+                *g *= half * (A::one() + th) + half * v * (A::one() - th * th) * du;
+            }
+        }
+        HiddenAct::Relu => {
+            for (g, &v) in d.iter_mut().zip(x) {
+                if v <= A::zero() {
+                    *g = A::zero();
+                }
+            }
+        }
+    }
+}
+
+/// `y = tanh(x)` (the pooler's activation).
+pub(crate) fn tanh_forward<A: Element>(y: &mut [A], x: &[A]) {
+    for (o, &v) in y.iter_mut().zip(x) {
+        *o = v.tanh();
+    }
+}
+
+/// `d *= 1 - y^2` where `y = tanh(x)`.
+pub(crate) fn tanh_backward<A: Element>(d: &mut [A], y: &[A]) {
+    for (g, &v) in d.iter_mut().zip(y) {
+        *g *= A::one() - v * v;
+    }
+}
