@@ -5,7 +5,9 @@ use crate::{fill_mask, local, pull, watch};
 use anyhow::Context;
 use keel_proto::jobspec::JobSpec;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
-use keel_proto::rpc::{CancelJobRequest, GetJobRequest, JobState, JobStatus, ListJobsRequest, SubmitJobRequest};
+use keel_proto::rpc::{
+    CancelJobRequest, GetJobRequest, JobState, JobStatus, ListJobsRequest, SubmitJobRequest,
+};
 use std::path::{Path, PathBuf};
 use tonic::transport::Channel;
 
@@ -79,7 +81,10 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
                     .context("listing jobs")?
                     .into_inner()
                     .jobs;
-                println!("{:<10} {:<20} {:>12} {:>9}  workers", "job", "state", "step", "loss");
+                println!(
+                    "{:<10} {:<20} {:>12} {:>9}  workers",
+                    "job", "state", "step", "loss"
+                );
                 for j in jobs {
                     println!(
                         "{:<10} {:<20} {:>12} {:>9.4}  {}",
@@ -95,7 +100,9 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
             Command::Status(a) => {
                 let mut client = connect(&a.conn.coordinator)?;
                 let s = client
-                    .get_job(GetJobRequest { job_id: a.job.clone() })
+                    .get_job(GetJobRequest {
+                        job_id: a.job.clone(),
+                    })
                     .await
                     .with_context(|| format!("job {}", a.job))?
                     .into_inner();
@@ -110,7 +117,9 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
             Command::Cancel(a) => {
                 let mut client = connect(&a.conn.coordinator)?;
                 let s = client
-                    .cancel_job(CancelJobRequest { job_id: a.job.clone() })
+                    .cancel_job(CancelJobRequest {
+                        job_id: a.job.clone(),
+                    })
                     .await
                     .with_context(|| format!("cancelling {}", a.job))?
                     .into_inner();
@@ -140,7 +149,10 @@ pub fn connect(addr: &str) -> anyhow::Result<CoordinatorClient<Channel>> {
 /// and submits it. Returns the job id.
 ///
 /// Errors: the job file's own error (naming the key), or the coordinator's refusal.
-pub async fn submit(client: &mut CoordinatorClient<Channel>, job_file: &Path) -> anyhow::Result<String> {
+pub async fn submit(
+    client: &mut CoordinatorClient<Channel>,
+    job_file: &Path,
+) -> anyhow::Result<String> {
     let mut spec = JobSpec::from_file(job_file)?;
     let cwd = std::env::current_dir()?;
     spec.resolve_paths(&cwd);
@@ -171,7 +183,13 @@ pub fn state_name(state: i32) -> &'static str {
 
 /// A job status as JSON (NaN as null).
 pub fn status_json(s: &JobStatus) -> serde_json::Value {
-    let num = |x: f64| if x.is_finite() { serde_json::json!(x) } else { serde_json::Value::Null };
+    let num = |x: f64| {
+        if x.is_finite() {
+            serde_json::json!(x)
+        } else {
+            serde_json::Value::Null
+        }
+    };
     serde_json::json!({
         "job_id": s.job_id,
         "state": state_name(s.state),

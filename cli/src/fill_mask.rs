@@ -58,7 +58,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 /// The top-`k` candidates for each [MASK] of `text`, in order.
 ///
 /// Errors: the checkpoint cannot be loaded, or `text` has no [MASK].
-pub fn fill_mask(dir: &std::path::Path, text: &str, k: usize) -> anyhow::Result<Vec<Vec<Candidate>>> {
+pub fn fill_mask(
+    dir: &std::path::Path,
+    text: &str,
+    k: usize,
+) -> anyhow::Result<Vec<Vec<Candidate>>> {
     let tokenizer = KeelTokenizer::from_tokenizer_json(&dir.join("tokenizer.json"))
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     let config = BertConfig::from_json_file(dir.join("config.json"))?;
@@ -70,7 +74,12 @@ pub fn fill_mask(dir: &std::path::Path, text: &str, k: usize) -> anyhow::Result<
     let mut ids = vec![special.cls];
     ids.extend(tokenizer.encode(text));
     ids.push(special.sep);
-    let positions: Vec<usize> = ids.iter().enumerate().filter(|(_, id)| **id == special.mask).map(|(i, _)| i).collect();
+    let positions: Vec<usize> = ids
+        .iter()
+        .enumerate()
+        .filter(|(_, id)| **id == special.mask)
+        .map(|(i, _)| i)
+        .collect();
     anyhow::ensure!(!positions.is_empty(), "the text has no [MASK]");
     let types = vec![0u32; ids.len()];
     let logits = model.mlm_logits(&params, &ids, &types, &positions)?;

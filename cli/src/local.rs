@@ -89,12 +89,22 @@ fn sibling_exe(name: &str) -> anyhow::Result<PathBuf> {
     let dir = me.parent().context("the keel executable has no folder")?;
     let path = dir.join(name);
     if !path.is_file() {
-        anyhow::bail!("{} not found next to {} (build all binaries: cargo build --release --bins)", path.display(), me.display());
+        anyhow::bail!(
+            "{} not found next to {} (build all binaries: cargo build --release --bins)",
+            path.display(),
+            me.display()
+        );
     }
     Ok(path)
 }
 
-fn spawn(cluster: &mut Cluster, name: &str, exe: &Path, args: &[String], logs: &Path) -> anyhow::Result<()> {
+fn spawn(
+    cluster: &mut Cluster,
+    name: &str,
+    exe: &Path,
+    args: &[String],
+    logs: &Path,
+) -> anyhow::Result<()> {
     let log = std::fs::File::create(logs.join(format!("{name}.log")))?;
     let child = Command::new(exe)
         .args(args)
@@ -136,14 +146,21 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let threads = args.threads.unwrap_or(cores / args.workers).max(1);
     let coordinator_exe = sibling_exe("keel-coordinator")?;
     let worker_exe = sibling_exe("keel-worker")?;
-    let mut cluster = Cluster { children: Vec::new() };
+    let mut cluster = Cluster {
+        children: Vec::new(),
+    };
     let port = free_port()?;
     let coord_addr = format!("127.0.0.1:{port}");
     spawn(
         &mut cluster,
         "coordinator",
         &coordinator_exe,
-        &["--listen".into(), coord_addr.clone(), "--data-dir".into(), root.join("coordinator").display().to_string()],
+        &[
+            "--listen".into(),
+            coord_addr.clone(),
+            "--data-dir".into(),
+            root.join("coordinator").display().to_string(),
+        ],
         &logs,
     )?;
     let mut client = crate::client::connect(&coord_addr)?;
@@ -153,7 +170,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         if client.ping(PingRequest {}).await.is_ok() {
             break;
         }
-        anyhow::ensure!(Instant::now() < deadline, "the coordinator did not answer within 30 s (log: {})", logs.join("coordinator.log").display());
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the coordinator did not answer within 30 s (log: {})",
+            logs.join("coordinator.log").display()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     for i in 0..args.workers {

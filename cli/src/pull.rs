@@ -42,7 +42,10 @@ pub async fn pull(
     };
     std::fs::create_dir_all(&parent).with_context(|| format!("creating {}", parent.display()))?;
     if out.exists() && !out.join(keel_proto::checkpoint::MANIFEST_FILE).is_file() {
-        anyhow::bail!("{} exists and is not a Keel checkpoint: not replacing it", out.display());
+        anyhow::bail!(
+            "{} exists and is not a Keel checkpoint: not replacing it",
+            out.display()
+        );
     }
     let tmp = tempfile::Builder::new()
         .prefix(".keel-pull-")
@@ -65,7 +68,9 @@ pub async fn pull(
         }
     }
     let metrics = client
-        .pull_metrics(GetJobRequest { job_id: job.to_string() })
+        .pull_metrics(GetJobRequest {
+            job_id: job.to_string(),
+        })
         .await
         .map_err(|s| anyhow::anyhow!("pulling the metrics of {job}: {}", s.message()))?
         .into_inner();
@@ -76,7 +81,8 @@ pub async fn pull(
     }
     let dir = tmp.keep();
     if out.exists() {
-        std::fs::remove_dir_all(out).with_context(|| format!("removing the earlier {}", out.display()))?;
+        std::fs::remove_dir_all(out)
+            .with_context(|| format!("removing the earlier {}", out.display()))?;
     }
     std::fs::rename(&dir, out).with_context(|| format!("renaming into {}", out.display()))?;
     std::fs::File::open(&parent).and_then(|f| f.sync_all()).ok();
@@ -91,28 +97,46 @@ async fn receive_files(
 ) -> anyhow::Result<Vec<String>> {
     let mut names = Vec::new();
     let mut current: Option<(String, std::fs::File, Sha256, u64)> = None;
-    while let Some(chunk) = stream.message().await.map_err(|s| anyhow::anyhow!("transfer: {}", s.message()))? {
+    while let Some(chunk) = stream
+        .message()
+        .await
+        .map_err(|s| anyhow::anyhow!("transfer: {}", s.message()))?
+    {
         check_plain_name(&chunk.name)?;
         if current.as_ref().is_none_or(|(n, ..)| *n != chunk.name) {
             if let Some((n, ..)) = &current {
                 anyhow::bail!("{n}: the stream moved on before its last chunk");
             }
             let path = dir.join(&chunk.name);
-            let file = std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+            let file = std::fs::File::create(&path)
+                .with_context(|| format!("creating {}", path.display()))?;
             current = Some((chunk.name.clone(), file, Sha256::new(), 0));
         }
-        let Some((name, file, hasher, written)) = current.as_mut() else { continue };
+        let Some((name, file, hasher, written)) = current.as_mut() else {
+            continue;
+        };
         if chunk.offset != *written {
-            anyhow::bail!("{name}: chunk at offset {} after {written} bytes", chunk.offset);
+            anyhow::bail!(
+                "{name}: chunk at offset {} after {written} bytes",
+                chunk.offset
+            );
         }
         file.write_all(&chunk.data)?;
         hasher.update(&chunk.data);
         *written += chunk.data.len() as u64;
         if chunk.last {
             file.sync_all()?;
-            let got: String = hasher.clone().finalize().iter().map(|b| format!("{b:02x}")).collect();
+            let got: String = hasher
+                .clone()
+                .finalize()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
             if got != chunk.sha256 {
-                anyhow::bail!("{name}: received sha256 {got}, the coordinator sent {}", chunk.sha256);
+                anyhow::bail!(
+                    "{name}: received sha256 {got}, the coordinator sent {}",
+                    chunk.sha256
+                );
             }
             names.push(name.clone());
             current = None;

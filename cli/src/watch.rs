@@ -12,23 +12,35 @@ use tonic::transport::Channel;
 /// on stderr (hidden when stderr is not a terminal); without, prints nothing.
 ///
 /// Errors: the job is unknown or the stream breaks.
-pub async fn watch(client: &mut CoordinatorClient<Channel>, job: &str, bar: bool) -> anyhow::Result<JobStatus> {
+pub async fn watch(
+    client: &mut CoordinatorClient<Channel>,
+    job: &str,
+    bar: bool,
+) -> anyhow::Result<JobStatus> {
     let mut stream = client
-        .watch_job(GetJobRequest { job_id: job.to_string() })
+        .watch_job(GetJobRequest {
+            job_id: job.to_string(),
+        })
         .await
         .with_context(|| format!("watching {job}"))?
         .into_inner();
-    let pb = if bar { ProgressBar::new(0) } else { ProgressBar::hidden() };
+    let pb = if bar {
+        ProgressBar::new(0)
+    } else {
+        ProgressBar::hidden()
+    };
     pb.set_style(
-        ProgressStyle::with_template(
-            "{prefix} [{bar:30}] {pos}/{len} steps | {msg} | ETA {eta}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> "),
+        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} steps | {msg} | ETA {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
     );
     pb.set_prefix(job.to_string());
     let mut last = None;
-    while let Some(status) = stream.message().await.with_context(|| format!("watching {job}"))? {
+    while let Some(status) = stream
+        .message()
+        .await
+        .with_context(|| format!("watching {job}"))?
+    {
         pb.set_length(status.max_steps);
         pb.set_position(status.step);
         let state = JobState::try_from(status.state).unwrap_or(JobState::Unspecified);
@@ -47,21 +59,29 @@ pub async fn watch(client: &mut CoordinatorClient<Channel>, job: &str, bar: bool
             state_name(status.state).to_string()
         };
         pb.set_message(msg);
-        let finished = matches!(state, JobState::Completed | JobState::Failed | JobState::Cancelled);
+        let finished = matches!(
+            state,
+            JobState::Completed | JobState::Failed | JobState::Cancelled
+        );
         last = Some(status);
         if finished {
             break;
         }
     }
     pb.finish();
-    let status = last.ok_or_else(|| anyhow::anyhow!("the coordinator closed the watch of {job}"))?;
+    let status =
+        last.ok_or_else(|| anyhow::anyhow!("the coordinator closed the watch of {job}"))?;
     if bar {
         eprintln!(
             "{job}: {} at step {}/{}{}",
             state_name(status.state),
             status.step,
             status.max_steps,
-            if status.loss.is_finite() { format!(", loss {:.4}", status.loss) } else { String::new() }
+            if status.loss.is_finite() {
+                format!(", loss {:.4}", status.loss)
+            } else {
+                String::new()
+            }
         );
     }
     Ok(status)

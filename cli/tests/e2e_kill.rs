@@ -24,7 +24,10 @@ fn killing_a_worker_fails_the_job_naming_the_worker_and_step() {
     job.eval_every = 0;
     job.peer_timeout_seconds = 5.0;
     let job_path = job.write(root);
-    let out = run_keel(&["submit", job_path.to_str().unwrap(), "--coordinator", &addr], root);
+    let out = run_keel(
+        &["submit", job_path.to_str().unwrap(), "--coordinator", &addr],
+        root,
+    );
     let job_id = String::from_utf8(out.stdout).unwrap().trim().to_string();
 
     // Wait until training runs (data preparation included).
@@ -32,7 +35,12 @@ fn killing_a_worker_fails_the_job_naming_the_worker_and_step() {
         let s = status(&job_id, &addr, root);
         (s["step"].as_u64()? >= 3).then_some(s)
     })
-    .unwrap_or_else(|| panic!("the job never reached step 3: {}", status(&job_id, &addr, root)));
+    .unwrap_or_else(|| {
+        panic!(
+            "the job never reached step 3: {}",
+            status(&job_id, &addr, root)
+        )
+    });
     // workers[r] = "w-N (host:port)" of rank r: kill the process behind rank 1.
     let rank1 = running["workers"][1].as_str().unwrap().to_string();
     let victim = workers
@@ -47,13 +55,28 @@ fn killing_a_worker_fails_the_job_naming_the_worker_and_step() {
         let s = status(&job_id, &addr, root);
         (s["state"] == "failed").then_some(s)
     })
-    .unwrap_or_else(|| panic!("the job did not fail after its worker was killed: {}", status(&job_id, &addr, root)));
+    .unwrap_or_else(|| {
+        panic!(
+            "the job did not fail after its worker was killed: {}",
+            status(&job_id, &addr, root)
+        )
+    });
     let error = failed["error"].as_str().unwrap();
     println!("error: {error}");
     let cause = error.split(" [ring:").next().unwrap();
-    assert!(cause.contains(&victim_addr), "the error does not name the dead worker {victim_addr}: {error}");
-    assert!(cause.contains("step"), "the error does not name the step: {error}");
+    assert!(
+        cause.contains(&victim_addr),
+        "the error does not name the dead worker {victim_addr}: {error}"
+    );
+    assert!(
+        cause.contains("step"),
+        "the error does not name the step: {error}"
+    );
     // The surviving worker is still alive and free for the next job.
     let (survivor, _) = &mut workers[0];
-    assert!(survivor.child.try_wait().unwrap().is_none(), "the surviving worker exited:\n{}", survivor.log_text());
+    assert!(
+        survivor.child.try_wait().unwrap().is_none(),
+        "the surviving worker exited:\n{}",
+        survivor.log_text()
+    );
 }

@@ -62,18 +62,43 @@ fn pretrain(corpus_name: &str, lowercase: bool, fill_mask_text: &str) {
 
     // The loss curve: every step reported, and the MLM loss far below chance.
     let lines = metrics(&out.join("metrics.jsonl"));
-    let losses: Vec<f64> = lines.iter().filter_map(|l| l.get("loss")?.as_f64()).collect();
-    assert_eq!(losses.len() as u64, job.max_steps, "one metrics line per step");
-    let vocab = std::fs::read_to_string(out.join("vocab.txt")).unwrap().lines().count();
+    let losses: Vec<f64> = lines
+        .iter()
+        .filter_map(|l| l.get("loss")?.as_f64())
+        .collect();
+    assert_eq!(
+        losses.len() as u64,
+        job.max_steps,
+        "one metrics line per step"
+    );
+    let vocab = std::fs::read_to_string(out.join("vocab.txt"))
+        .unwrap()
+        .lines()
+        .count();
     let chance = (vocab as f64).ln();
     let first: f64 = losses[..10].iter().sum::<f64>() / 10.0;
     let last: f64 = losses[losses.len() - 10..].iter().sum::<f64>() / 10.0;
-    println!("{corpus_name}: vocab {vocab}, ln(V) {chance:.3}, loss first 10 steps {first:.3}, last 10 steps {last:.3}");
-    assert!(last < chance - 1.5, "final loss {last:.3} is not well below ln(V) = {chance:.3}");
-    assert!(last < first - 1.0, "loss did not fall: {first:.3} -> {last:.3}");
-    let evals: Vec<f64> = lines.iter().filter_map(|l| l.get("eval_loss")?.as_f64()).collect();
+    println!(
+        "{corpus_name}: vocab {vocab}, ln(V) {chance:.3}, loss first 10 steps {first:.3}, last 10 steps {last:.3}"
+    );
+    assert!(
+        last < chance - 1.5,
+        "final loss {last:.3} is not well below ln(V) = {chance:.3}"
+    );
+    assert!(
+        last < first - 1.0,
+        "loss did not fall: {first:.3} -> {last:.3}"
+    );
+    let evals: Vec<f64> = lines
+        .iter()
+        .filter_map(|l| l.get("eval_loss")?.as_f64())
+        .collect();
     assert_eq!(evals.len(), 2, "eval at steps 100 and 200");
-    assert!(evals[1] < chance - 1.0, "eval loss {} not below ln(V)", evals[1]);
+    assert!(
+        evals[1] < chance - 1.0,
+        "eval loss {} not below ln(V)",
+        evals[1]
+    );
     assert!(out.join("loss.png").is_file());
 
     // HF layout: the files from_pretrained reads, and exactly HF's tensor scheme.
@@ -96,7 +121,11 @@ fn pretrain(corpus_name: &str, lowercase: bool, fill_mask_text: &str) {
     let fixture_config = BertConfig::from_json_file(fixture_dir.join("config.json")).unwrap();
     let fixture_shapes = shapes(&fixture_dir.join("model.safetensors"));
     for (name, shape) in &fixture_shapes {
-        assert_eq!(shape, &expected_shape(name, &fixture_config), "the shape rule for {name} disagrees with HF's file");
+        assert_eq!(
+            shape,
+            &expected_shape(name, &fixture_config),
+            "the shape rule for {name} disagrees with HF's file"
+        );
     }
     let ours = shapes(&out.join("model.safetensors"));
     assert_eq!(
@@ -111,21 +140,37 @@ fn pretrain(corpus_name: &str, lowercase: bool, fill_mask_text: &str) {
     // Loads back into Keel; fill-mask (a separate process) prints the same probabilities as
     // the logits computed here.
     let layout = ParamLayout::bert(&config, config.heads());
-    let params = keel_proto::weights::load_safetensors(out.join("model.safetensors"), &layout).unwrap();
+    let params =
+        keel_proto::weights::load_safetensors(out.join("model.safetensors"), &layout).unwrap();
     assert!(params.iter().all(|x| x.is_finite()));
-    let tokenizer = keel_proto::tokenizer::KeelTokenizer::from_tokenizer_json(&out.join("tokenizer.json")).unwrap();
+    let tokenizer =
+        keel_proto::tokenizer::KeelTokenizer::from_tokenizer_json(&out.join("tokenizer.json"))
+            .unwrap();
     let special = tokenizer.special();
     let mut ids = vec![special.cls];
     ids.extend(tokenizer.encode(fill_mask_text));
     ids.push(special.sep);
-    let pos = ids.iter().position(|&id| id == special.mask).expect("a [MASK] in the text");
+    let pos = ids
+        .iter()
+        .position(|&id| id == special.mask)
+        .expect("a [MASK] in the text");
     let mut model = Bert::<f32>::new(&config, config.heads()).unwrap();
-    let logits = model.mlm_logits(&params, &ids, &vec![0; ids.len()], &[pos]).unwrap();
+    let logits = model
+        .mlm_logits(&params, &ids, &vec![0; ids.len()], &[pos])
+        .unwrap();
     let row: Vec<f64> = logits.row(0).iter().map(|&x| f64::from(x)).collect();
     let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let z: f64 = row.iter().map(|x| (x - max).exp()).sum();
     let fill = run_keel(
-        &["fill-mask", "--checkpoint", out.to_str().unwrap(), "--top-k", "5", "--json", fill_mask_text],
+        &[
+            "fill-mask",
+            "--checkpoint",
+            out.to_str().unwrap(),
+            "--top-k",
+            "5",
+            "--json",
+            fill_mask_text,
+        ],
         dir.path(),
     );
     let printed: serde_json::Value = serde_json::from_slice(&fill.stdout).unwrap();
@@ -135,14 +180,27 @@ fn pretrain(corpus_name: &str, lowercase: bool, fill_mask_text: &str) {
         let id = cand["token"].as_u64().unwrap() as usize;
         let p = (row[id] - max).exp() / z;
         let score = cand["score"].as_f64().unwrap();
-        assert!((p - score).abs() <= 1e-6 * p.max(1e-3), "token {id}: fill-mask {score}, here {p}");
+        assert!(
+            (p - score).abs() <= 1e-6 * p.max(1e-3),
+            "token {id}: fill-mask {score}, here {p}"
+        );
     }
-    println!("fill-mask {fill_mask_text:?}: {}", top.iter().map(|c| format!("{} {:.3}", c["token_str"], c["score"])).collect::<Vec<_>>().join(", "));
+    println!(
+        "fill-mask {fill_mask_text:?}: {}",
+        top.iter()
+            .map(|c| format!("{} {:.3}", c["token_str"], c["score"]))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
 }
 
 #[test]
 fn two_workers_pretrain_tiny_bert_on_the_king_james_bible() {
-    pretrain("en-kjv", true, "and god said , let there be [MASK] : and there was light .");
+    pretrain(
+        "en-kjv",
+        true,
+        "and god said , let there be [MASK] : and there was light .",
+    );
 }
 
 #[test]

@@ -48,7 +48,10 @@ fn max_relative_difference(a: &Path, b: &Path) -> f64 {
         let (shape_b, vb) = &wb[name];
         assert_eq!(shape, shape_b, "{name}");
         let scale = vb.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-12);
-        let diff = va.iter().zip(vb).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+        let diff = va
+            .iter()
+            .zip(vb)
+            .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
         worst = worst.max(diff / scale);
     }
     worst
@@ -63,12 +66,20 @@ fn one_two_and_three_workers_with_the_same_global_batch_give_the_same_weights() 
     let three = run(dir.path(), &corpus, 3, 4, "w3");
     let d2 = max_relative_difference(&two, &one);
     let d3 = max_relative_difference(&three, &one);
-    println!("max relative weight difference after 10 steps: 2 vs 1 workers {d2:.2e}, 3 vs 1 workers {d3:.2e}");
+    println!(
+        "max relative weight difference after 10 steps: 2 vs 1 workers {d2:.2e}, 3 vs 1 workers {d3:.2e}"
+    );
     assert!(d2 <= 1e-5, "2 workers differ from 1 by {d2:e}");
     assert!(d3 <= 1e-5, "3 workers differ from 1 by {d3:e}");
     // The weights did move: the comparison is not between two untouched initialisations.
-    let init_vs_trained = weights(&one)["cls.predictions.bias"].1.iter().any(|x| *x != 0.0);
-    assert!(init_vs_trained, "cls.predictions.bias is still all zeros after 10 steps");
+    let init_vs_trained = weights(&one)["cls.predictions.bias"]
+        .1
+        .iter()
+        .any(|x| *x != 0.0);
+    assert!(
+        init_vs_trained,
+        "cls.predictions.bias is still all zeros after 10 steps"
+    );
 }
 
 #[test]
@@ -78,7 +89,10 @@ fn the_same_job_twice_gives_bit_identical_checkpoints() {
     let a = run(dir.path(), &corpus, 2, 6, "a");
     let b = run(dir.path(), &corpus, 2, 6, "b");
     for f in ["model.safetensors", "optimizer.safetensors"] {
-        let (x, y) = (std::fs::read(a.join(f)).unwrap(), std::fs::read(b.join(f)).unwrap());
+        let (x, y) = (
+            std::fs::read(a.join(f)).unwrap(),
+            std::fs::read(b.join(f)).unwrap(),
+        );
         assert!(x == y, "{f} differs between two runs of the same job");
     }
 }

@@ -14,7 +14,10 @@ use tonic::Status;
 /// error) when the receiver hangs up.
 ///
 /// Errors: sends a `Status` (not found / internal) on `tx` when a file cannot be read.
-pub async fn send_files(files: Vec<(String, PathBuf)>, tx: mpsc::Sender<Result<FileChunk, Status>>) {
+pub async fn send_files(
+    files: Vec<(String, PathBuf)>,
+    tx: mpsc::Sender<Result<FileChunk, Status>>,
+) {
     for (name, path) in files {
         if let Err(e) = send_file(&name, &path, &tx).await {
             let _ = tx.send(Err(e.into())).await;

@@ -5,6 +5,7 @@
 //! `spawn_blocking`.
 
 use crate::CoordinatorError;
+use crate::data::{PrepareOptions, VocabSource};
 use crate::job::PreparedJob;
 use keel_proto::checkpoint::{sha256_file, write_file_atomic};
 use keel_proto::config::BertConfig;
@@ -13,7 +14,6 @@ use keel_proto::params::Heads;
 use keel_proto::rpc::JobFile;
 use keel_proto::split::WorkerPlan;
 use keel_proto::tokenizer::KeelTokenizer;
-use crate::data::{PrepareOptions, VocabSource};
 use std::path::{Path, PathBuf};
 
 /// File name of the model config kept in the job folder (copied into every checkpoint).
@@ -23,7 +23,11 @@ pub const JOB_CONFIG_FILE: &str = "config.json";
 /// config (`job_dir/config.json`) and lists the files every rank fetches.
 ///
 /// Errors: [`CoordinatorError::Prepare`] naming what failed (corpus, vocabulary, config).
-pub fn prepare(job_id: &str, spec: &JobSpec, job_dir: &Path) -> Result<PreparedJob, CoordinatorError> {
+pub fn prepare(
+    job_id: &str,
+    spec: &JobSpec,
+    job_dir: &Path,
+) -> Result<PreparedJob, CoordinatorError> {
     let fail = |message: String| CoordinatorError::Prepare {
         job_id: job_id.to_string(),
         message,
@@ -107,7 +111,9 @@ pub fn prepare(job_id: &str, spec: &JobSpec, job_dir: &Path) -> Result<PreparedJ
         config.attention_probs_dropout_prob = p;
     }
     let config = config.with_heads(heads);
-    config.validate().map_err(|e| fail(format!("model config: {e}")))?;
+    config
+        .validate()
+        .map_err(|e| fail(format!("model config: {e}")))?;
     let model_config_json = config.to_json_pretty();
     write_file_atomic(&job_dir.join(JOB_CONFIG_FILE), model_config_json.as_bytes())?;
     Ok(PreparedJob {

@@ -36,12 +36,9 @@ fn reap_dead_workers(shared: &Arc<Shared>) {
     let mut dead = Vec::new();
     for w in reg.workers.values() {
         let timeout = match &w.job {
-            Some((job_id, _)) => reg
-                .jobs
-                .get(job_id)
-                .map_or(HEARTBEAT_TIMEOUT, |j| {
-                    Duration::from_secs_f64(j.spec.cluster.peer_timeout_seconds.max(1.0))
-                }),
+            Some((job_id, _)) => reg.jobs.get(job_id).map_or(HEARTBEAT_TIMEOUT, |j| {
+                Duration::from_secs_f64(j.spec.cluster.peer_timeout_seconds.max(1.0))
+            }),
             None => HEARTBEAT_TIMEOUT,
         };
         let silent = w.last_seen.elapsed();
@@ -68,7 +65,11 @@ fn start_preparing(shared: &Arc<Shared>) {
     let queued: Vec<String> = reg
         .order
         .iter()
-        .filter(|id| reg.jobs.get(*id).is_some_and(|j| j.state == JobState::Queued))
+        .filter(|id| {
+            reg.jobs
+                .get(*id)
+                .is_some_and(|j| j.state == JobState::Queued)
+        })
         .cloned()
         .collect();
     for id in queued {
@@ -96,7 +97,11 @@ fn start_preparing(shared: &Arc<Shared>) {
                     }
                 }
                 Ok(Err(e)) => reg.end_job(&id, JobState::Failed, Some(e.to_string())),
-                Err(e) => reg.end_job(&id, JobState::Failed, Some(format!("preparation panicked: {e}"))),
+                Err(e) => reg.end_job(
+                    &id,
+                    JobState::Failed,
+                    Some(format!("preparation panicked: {e}")),
+                ),
             }
             drop(reg);
             shared.wake.notify_one();
@@ -157,7 +162,9 @@ fn assign_workers(shared: &Arc<Shared>) {
         }
         tracing::info!(job = %id, generation, world_size = chosen.len(), workers = ?names, "forming the ring");
         let shared = shared.clone();
-        tokio::spawn(start_ranks(shared, id, generation, spec, prepared, dir, chosen, peers));
+        tokio::spawn(start_ranks(
+            shared, id, generation, spec, prepared, dir, chosen, peers,
+        ));
     }
 }
 
@@ -186,14 +193,20 @@ async fn start_ranks(
         Ok(Ok(files)) => files,
         Ok(Err(e)) => return reg.end_job(&job_id, JobState::Failed, Some(e.to_string())),
         Err(e) => {
-            return reg.end_job(&job_id, JobState::Failed, Some(format!("shard task panicked: {e}")));
+            return reg.end_job(
+                &job_id,
+                JobState::Failed,
+                Some(format!("shard task panicked: {e}")),
+            );
         }
     };
     let spec_json = match serde_json::to_string(&spec) {
         Ok(s) => s,
         Err(e) => return reg.end_job(&job_id, JobState::Failed, Some(format!("spec: {e}"))),
     };
-    let Ok(job) = reg.job_mut(&job_id) else { return };
+    let Ok(job) = reg.job_mut(&job_id) else {
+        return;
+    };
     if job.generation != generation || job.state != JobState::Running {
         return;
     }
@@ -231,7 +244,9 @@ async fn start_ranks(
             .and_then(|w| w.commands.as_ref())
             .is_some_and(|tx| tx.try_send(Ok(cmd)).is_ok());
         if !sent {
-            failed = Some(format!("worker {wid} (rank {rank}) could not be sent its assignment"));
+            failed = Some(format!(
+                "worker {wid} (rank {rank}) could not be sent its assignment"
+            ));
             break;
         }
     }

@@ -71,8 +71,13 @@ impl Coordinator for CoordinatorService {
         request: Request<SubmitJobRequest>,
     ) -> Result<Response<SubmitJobReply>, Status> {
         let req = request.into_inner();
-        let origin = if req.origin.is_empty() { "job" } else { &req.origin };
-        let spec = JobSpec::from_toml_str(&req.spec_toml, origin).map_err(CoordinatorError::from)?;
+        let origin = if req.origin.is_empty() {
+            "job"
+        } else {
+            &req.origin
+        };
+        let spec =
+            JobSpec::from_toml_str(&req.spec_toml, origin).map_err(CoordinatorError::from)?;
         let mut reg = self.shared.lock();
         reg.next_job += 1;
         let id = format!("job-{}", reg.next_job);
@@ -89,7 +94,10 @@ impl Coordinator for CoordinatorService {
         Ok(Response::new(SubmitJobReply { job_id: id }))
     }
 
-    async fn list_jobs(&self, _: Request<ListJobsRequest>) -> Result<Response<ListJobsReply>, Status> {
+    async fn list_jobs(
+        &self,
+        _: Request<ListJobsRequest>,
+    ) -> Result<Response<ListJobsReply>, Status> {
         let reg = self.shared.lock();
         let jobs = reg
             .order
@@ -100,7 +108,10 @@ impl Coordinator for CoordinatorService {
         Ok(Response::new(ListJobsReply { jobs }))
     }
 
-    async fn get_job(&self, request: Request<GetJobRequest>) -> Result<Response<JobStatus>, Status> {
+    async fn get_job(
+        &self,
+        request: Request<GetJobRequest>,
+    ) -> Result<Response<JobStatus>, Status> {
         let mut reg = self.shared.lock();
         let job = reg.job_mut(&request.into_inner().job_id)?;
         Ok(Response::new(job.status()))
@@ -113,7 +124,11 @@ impl Coordinator for CoordinatorService {
         let id = request.into_inner().job_id;
         let mut reg = self.shared.lock();
         reg.job_mut(&id)?;
-        reg.end_job(&id, JobState::Cancelled, Some("cancelled by the user".into()));
+        reg.end_job(
+            &id,
+            JobState::Cancelled,
+            Some("cancelled by the user".into()),
+        );
         let status = reg.job_mut(&id)?.status();
         Ok(Response::new(status))
     }
@@ -256,7 +271,9 @@ impl Coordinator for CoordinatorService {
             let w = reg
                 .workers
                 .get_mut(&id)
-                .ok_or(CoordinatorError::UnknownWorker { worker_id: id.clone() })?;
+                .ok_or(CoordinatorError::UnknownWorker {
+                    worker_id: id.clone(),
+                })?;
             w.commands = Some(tx);
             w.last_seen = Instant::now();
         }
@@ -387,7 +404,11 @@ impl Coordinator for CoordinatorService {
         let mut reg = self.shared.lock();
         let id = reg.check_key(r.key.as_ref())?.id.clone();
         let step = r.key.as_ref().map_or(0, |k| k.step);
-        let ranks = reg.jobs.get(&id).map(|j| reg.describe_ranks(j)).unwrap_or_default();
+        let ranks = reg
+            .jobs
+            .get(&id)
+            .map(|j| reg.describe_ranks(j))
+            .unwrap_or_default();
         let who = reg
             .workers
             .get(&r.worker_id)

@@ -78,7 +78,10 @@ impl Shared {
         if let Ok(entries) = std::fs::read_dir(data_dir.join("jobs")) {
             for entry in entries.flatten() {
                 let name = entry.file_name().to_string_lossy().into_owned();
-                if let Some(n) = name.strip_prefix("job-").and_then(|n| n.parse::<u64>().ok()) {
+                if let Some(n) = name
+                    .strip_prefix("job-")
+                    .and_then(|n| n.parse::<u64>().ok())
+                {
                     registry.next_job = registry.next_job.max(n);
                 }
             }

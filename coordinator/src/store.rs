@@ -27,7 +27,10 @@ pub fn checkpoint_dir(job_dir: &Path, step: u64) -> PathBuf {
 /// Errors: `BadRequest` for an empty stream, a bad file name or a chunk out of order;
 /// `Checkpoint(ChecksumMismatch)` when a file's bytes do not match its sha256; `Stale` /
 /// `UnknownJob` for a key that is not current; `Io`.
-pub async fn receive_upload<S>(shared: Arc<Shared>, mut stream: S) -> Result<TrainingKey, CoordinatorError>
+pub async fn receive_upload<S>(
+    shared: Arc<Shared>,
+    mut stream: S,
+) -> Result<TrainingKey, CoordinatorError>
 where
     S: Stream<Item = Result<FileChunk, tonic::Status>> + Unpin,
 {
@@ -36,12 +39,12 @@ where
     let mut job_dir = PathBuf::new();
     let mut current: Option<(String, tokio::fs::File, Sha256, u64)> = None;
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|s| CoordinatorError::BadRequest(format!("upload stream: {s}")))?;
+        let chunk =
+            chunk.map_err(|s| CoordinatorError::BadRequest(format!("upload stream: {s}")))?;
         if key.is_none() {
-            let k = chunk
-                .key
-                .clone()
-                .ok_or_else(|| CoordinatorError::BadRequest("first upload chunk has no key".into()))?;
+            let k = chunk.key.clone().ok_or_else(|| {
+                CoordinatorError::BadRequest("first upload chunk has no key".into())
+            })?;
             {
                 let mut reg = shared.lock();
                 let job = reg.check_key(Some(&k))?;
@@ -61,7 +64,10 @@ where
             continue;
         };
         check_plain_name(&chunk.name)?;
-        if current.as_ref().is_none_or(|(name, ..)| name != &chunk.name) {
+        if current
+            .as_ref()
+            .is_none_or(|(name, ..)| name != &chunk.name)
+        {
             if let Some((name, ..)) = &current {
                 return Err(CoordinatorError::BadRequest(format!(
                     "file {name} ended without its last chunk"
@@ -113,7 +119,9 @@ where
         )));
     }
     let (Some(key), Some(tmp)) = (key, tmp) else {
-        return Err(CoordinatorError::BadRequest("empty checkpoint upload".into()));
+        return Err(CoordinatorError::BadRequest(
+            "empty checkpoint upload".into(),
+        ));
     };
     let step = key.step;
     let final_dir = checkpoint_dir(&job_dir, step);
@@ -141,7 +149,12 @@ where
             job.checkpoints.push(step);
             job.checkpoints.sort_unstable();
         }
-        prune(job.spec.train.keep_checkpoints, job.spec.train.max_steps, &job.dir, &mut job.checkpoints);
+        prune(
+            job.spec.train.keep_checkpoints,
+            job.spec.train.max_steps,
+            &job.dir,
+            &mut job.checkpoints,
+        );
         job.publish();
     }
     tracing::info!(job = %key.job_id, step, "checkpoint stored");
@@ -167,16 +180,24 @@ fn prune(keep: usize, max_steps: u64, job_dir: &Path, steps: &mut Vec<u64>) {
 /// The files of a stored checkpoint, sorted by name, manifest last.
 ///
 /// Errors: `NotFound` if the folder does not exist; `Io`.
-pub fn checkpoint_files(job_dir: &Path, step: u64) -> Result<Vec<(String, PathBuf)>, CoordinatorError> {
+pub fn checkpoint_files(
+    job_dir: &Path,
+    step: u64,
+) -> Result<Vec<(String, PathBuf)>, CoordinatorError> {
     let dir = checkpoint_dir(job_dir, step);
     if !dir.is_dir() {
-        return Err(CoordinatorError::NotFound(format!("no checkpoint at step {step}")));
+        return Err(CoordinatorError::NotFound(format!(
+            "no checkpoint at step {step}"
+        )));
     }
     let mut files = Vec::new();
     for entry in std::fs::read_dir(&dir).map_err(CoordinatorError::io(&dir))? {
         let entry = entry.map_err(CoordinatorError::io(&dir))?;
         if entry.path().is_file() {
-            files.push((entry.file_name().to_string_lossy().into_owned(), entry.path()));
+            files.push((
+                entry.file_name().to_string_lossy().into_owned(),
+                entry.path(),
+            ));
         }
     }
     files.sort_by_key(|(name, _)| (name == keel_proto::checkpoint::MANIFEST_FILE, name.clone()));

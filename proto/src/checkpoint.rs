@@ -276,7 +276,10 @@ mod tests {
         read.verify(&dest).unwrap();
         std::fs::write(dest.join("a.bin"), b"hellO").unwrap();
         let err = read.verify(&dest).unwrap_err();
-        assert!(matches!(err, CheckpointError::ChecksumMismatch { .. }), "{err}");
+        assert!(
+            matches!(err, CheckpointError::ChecksumMismatch { .. }),
+            "{err}"
+        );
     }
 
     #[test]

@@ -24,8 +24,8 @@ pub mod ring_rpc {
 pub mod checkpoint;
 pub mod config;
 pub mod jobspec;
-pub mod protocol;
 pub mod params;
+pub mod protocol;
 pub mod shard;
 pub mod split;
 pub mod tokenizer;

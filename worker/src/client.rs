@@ -130,10 +130,14 @@ pub async fn fetch_cached(
     let mut hasher = Sha256::new();
     let mut written = 0u64;
     let mut finished = false;
-    while let Some(chunk) = stream.message().await.map_err(|status| TransferError::Rpc {
-        what: format!("fetching {}", file.name),
-        status,
-    })? {
+    while let Some(chunk) = stream
+        .message()
+        .await
+        .map_err(|status| TransferError::Rpc {
+            what: format!("fetching {}", file.name),
+            status,
+        })?
+    {
         if chunk.offset != written || finished {
             return Err(TransferError::Protocol(format!(
                 "{}: chunk at offset {} after {written} bytes",
@@ -219,7 +223,11 @@ pub async fn upload_dir(
                     offset,
                     data: buf.into(),
                     last,
-                    sha256: if last { hex(&hasher.clone().finalize()) } else { String::new() },
+                    sha256: if last {
+                        hex(&hasher.clone().finalize())
+                    } else {
+                        String::new()
+                    },
                     size,
                 };
                 offset += filled as u64;

@@ -24,6 +24,7 @@ pub mod client;
 pub mod data;
 pub mod model;
 pub mod optim;
+pub mod optim_state;
 pub mod ringlink;
 pub mod serve;
 pub mod step;

@@ -34,7 +34,13 @@ pub struct RingLink {
 
 impl std::fmt::Debug for Request {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Request(step {}, bucket {}, {} elems)", self.step, self.bucket, self.data.len())
+        write!(
+            f,
+            "Request(step {}, bucket {}, {} elems)",
+            self.step,
+            self.bucket,
+            self.data.len()
+        )
     }
 }
 
@@ -65,9 +71,14 @@ impl RingLink {
         tokio::spawn(async move {
             while let Some(mut req) = rx.recv().await {
                 let t0 = Instant::now();
-                let result = ring.all_reduce_sum(req.step, req.bucket, &mut req.data).await;
+                let result = ring
+                    .all_reduce_sum(req.step, req.bucket, &mut req.data)
+                    .await;
                 let took = t0.elapsed();
-                busy.fetch_add(took.as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
+                busy.fetch_add(
+                    took.as_micros() as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
                 let _ = req.reply.send(result.map(|()| (req.data, took)));
             }
         });
@@ -90,7 +101,12 @@ impl RingLink {
     /// Sums `data` across ranks and waits for the result (the math thread blocks).
     ///
     /// Errors: [`RingLinkError`].
-    pub fn all_reduce(&self, step: u64, bucket: u32, data: Vec<f32>) -> Result<Vec<f32>, RingLinkError> {
+    pub fn all_reduce(
+        &self,
+        step: u64,
+        bucket: u32,
+        data: Vec<f32>,
+    ) -> Result<Vec<f32>, RingLinkError> {
         self.submit(step, bucket, data).wait()
     }
 }

@@ -222,7 +222,9 @@ async fn session(
         while let Some(cmd) = commands.message().await? {
             match cmd.command {
                 Some(worker_command::Command::Start(start)) => {
-                    let Some(key) = start.key.clone() else { continue };
+                    let Some(key) = start.key.clone() else {
+                        continue;
+                    };
                     let cancel = Arc::new(AtomicBool::new(false));
                     if let Ok(mut map) = jobs.lock() {
                         map.insert(key.job_id.clone(), cancel.clone());
@@ -246,7 +248,9 @@ async fn session(
                             map.remove(&key.job_id);
                         }
                         if let Ok(mut job) = current.job.lock()
-                            && job.as_ref().is_some_and(|(j, g)| *j == key.job_id && *g == key.generation)
+                            && job
+                                .as_ref()
+                                .is_some_and(|(j, g)| *j == key.job_id && *g == key.generation)
                         {
                             *job = None;
                         }
@@ -282,13 +286,16 @@ async fn heartbeat_loop(
     let mut failures = 0u32;
     loop {
         tokio::time::sleep(interval).await;
-        let key = current.job.lock().ok().and_then(|j| j.clone()).map(|(job_id, generation)| {
-            TrainingKey {
+        let key = current
+            .job
+            .lock()
+            .ok()
+            .and_then(|j| j.clone())
+            .map(|(job_id, generation)| TrainingKey {
                 job_id,
                 generation,
                 step: current.step.load(Ordering::SeqCst),
-            }
-        });
+            });
         match client
             .heartbeat(HeartbeatRequest {
                 worker_id: worker_id.clone(),
@@ -297,7 +304,9 @@ async fn heartbeat_loop(
             .await
         {
             Ok(reply) if !reply.get_ref().known => {
-                return Err(tonic::Status::not_found("the coordinator forgot this worker"));
+                return Err(tonic::Status::not_found(
+                    "the coordinator forgot this worker",
+                ));
             }
             Ok(_) => failures = 0,
             Err(e) => {

@@ -11,13 +11,16 @@
 
 use crate::batch::Batch;
 use crate::buckets::{BUCKET_ELEMS, Buckets, FIRST_SPECIAL_BUCKET};
-use crate::data::{MaskingConfig, MaskingVocab, collate, mask_sequence};
+use crate::data::{MaskingConfig, MaskingMode, MaskingVocab, collate, mask_sequence};
 use crate::model::{Bert, DropoutKey, ModelError, StepOptions, init_params};
-use crate::optim::{AdamW, Lamb, LrSchedule, Optimizer, clip_grad_norm};
+use crate::optim::{
+    AdamW, AdamWConfig, Lamb, LambConfig, LrSchedule, Optimizer, ScheduleKind, clip_grad_norm,
+    global_norm,
+};
 use crate::ringlink::{RingLink, RingLinkError};
 use keel_proto::checkpoint::{OPTIMIZER_FILE, TRAINER_STATE_FILE, TrainerState, write_file_atomic};
 use keel_proto::config::BertConfig;
-use keel_proto::jobspec::{JobSpec, Objective, OptimizerKind};
+use keel_proto::jobspec::{JobSpec, Objective, OptimizerKind, TrainSpec};
 use keel_proto::params::ParamLayout;
 use keel_proto::rpc::{EvalReport, StepReport, TrainingKey};
 use keel_proto::shard::ShardReader;
@@ -37,7 +40,7 @@ pub const EVAL_BUCKET: u32 = FIRST_SPECIAL_BUCKET + 2;
 /// Held-out sequences evaluated at most (across all ranks), to bound eval time.
 pub const EVAL_MAX_SEQUENCES: usize = 1024;
 /// Mixed into the job seed for the held-out masks, so they differ from training masks.
-const EVAL_SEED_SALT: u64 = 0x5eed_e7a1;
+pub const EVAL_SEED_SALT: u64 = 0x5eed_e7a1;
 
 /// Everything the loop needs, prepared by `trainer`.
 #[derive(Debug, Clone)]
@@ -138,7 +141,9 @@ struct Pipeline {
     masking: MaskingConfig,
     vocab: MaskingVocab,
     seed: u64,
-    nsp: bool,
+    /// Every batch is padded to `max_seq_length`: shapes then do not depend on how the global
+    /// batch is split, which keeps 1 worker and N workers equal.
+    pad_to: usize,
 }
 
 impl Pipeline {
@@ -155,9 +160,10 @@ impl Pipeline {
                 .shard
                 .find_global(g)
                 .ok_or_else(|| err(format!("sequence {g} is not in this rank's shard")))?;
-            masked.push(mask_sequence(&seq, self.seed, mb.epoch, &self.masking, &self.vocab));
+            let m = mask_sequence(&seq, self.seed, mb.epoch, &self.masking, &self.vocab);
+            masked.push((seq, m));
         }
-        collate(&masked, &mb.sample_ids, &self.vocab, self.nsp).map_err(|e| err(e.to_string()))
+        collate(&masked, &mb.sample_ids, self.pad_to).map_err(|e| err(e.to_string()))
     }
 }
 
@@ -178,26 +184,27 @@ pub fn train(
     let config = &setup.config;
     let heads = config.heads();
     let layout = ParamLayout::bert(config, heads);
-    let mut model = Bert::<f32>::new(config, heads).map_err(|source| TrainError::Model { step: 0, source })?;
+    let mut model =
+        Bert::<f32>::new(config, heads).map_err(|source| TrainError::Model { step: 0, source })?;
     let mut params = match &setup.init_weights {
-        Some(path) => keel_proto::weights::load_safetensors(path, &layout).map_err(|e| TrainError::Io {
-            step: 0,
-            message: format!("{}: {e}", path.display()),
-        })?,
+        Some(path) => {
+            keel_proto::weights::load_safetensors(path, &layout).map_err(|e| TrainError::Io {
+                step: 0,
+                message: format!("{}: {e}", path.display()),
+            })?
+        }
         None => init_params(config, &layout, t.seed),
     };
     let mut grads = vec![0f32; layout.total_len()];
-    let mut optimizer: Box<dyn Optimizer> = match t.optimizer {
-        OptimizerKind::Adamw => Box::new(AdamW::from_spec(t, &layout)),
-        OptimizerKind::Lamb => Box::new(Lamb::from_spec(t, &layout)),
-    };
-    let schedule = LrSchedule::from_spec(t);
+    let mut optimizer = optimizer_for(t, &layout);
+    let schedule = schedule_for(t);
 
     let tokenizer = KeelTokenizer::from_tokenizer_json(&setup.tokenizer)
         .map_err(|e| err0(format!("{}: {e}", setup.tokenizer.display())))?;
     let nsp = spec.data.objective == Objective::MlmNsp;
     let pipeline = Pipeline {
-        shard: ShardReader::open(&setup.shard).map_err(|e| err0(format!("{}: {e}", setup.shard.display())))?,
+        shard: ShardReader::open(&setup.shard)
+            .map_err(|e| err0(format!("{}: {e}", setup.shard.display())))?,
         plan: WorkerPlan::new(
             setup.total_sequences,
             setup.world_size,
@@ -206,12 +213,23 @@ pub fn train(
             t.gradient_accumulation_steps as u32,
         )
         .map_err(|e| err0(e.to_string()))?,
-        masking: MaskingConfig::from_spec(&spec.data),
+        masking: MaskingConfig {
+            masked_lm_prob: spec.data.masked_lm_prob,
+            max_predictions_per_seq: spec.data.max_predictions_per_seq,
+            whole_word: spec.data.whole_word_masking,
+            mode: match spec.data.dupe_factor {
+                0 => MaskingMode::Dynamic,
+                d => MaskingMode::Static {
+                    dupe_factor: u64::from(d),
+                },
+            },
+        },
         vocab: MaskingVocab::from_tokenizer(&tokenizer),
         seed: t.seed,
-        nsp,
+        pad_to: spec.data.max_seq_length,
     };
-    let heldout = ShardReader::open(&setup.heldout).map_err(|e| err0(format!("{}: {e}", setup.heldout.display())))?;
+    let heldout = ShardReader::open(&setup.heldout)
+        .map_err(|e| err0(format!("{}: {e}", setup.heldout.display())))?;
     let mut buckets = Buckets::new(layout.total_len(), BUCKET_ELEMS);
     let k = t.gradient_accumulation_steps as u32;
     let global_batch = spec.global_batch(setup.world_size as usize) as u64;
@@ -229,15 +247,31 @@ pub fn train(
             .map(|j| pipeline.micro_batch(step, j))
             .collect::<Result<Vec<_>, _>>()?;
         let local_masked: usize = batches.iter().map(|b| b.masked_positions.len()).sum();
-        let local_nsp: usize = if nsp { batches.iter().map(Batch::batch_size).sum() } else { 0 };
+        let local_nsp: usize = if nsp {
+            batches.iter().map(Batch::batch_size).sum()
+        } else {
+            0
+        };
         let local_tokens: usize = batches.iter().map(Batch::real_tokens).sum();
         let counts = ring
-            .all_reduce(step, COUNTS_BUCKET, vec![local_masked as f32, local_nsp as f32, local_tokens as f32])
+            .all_reduce(
+                step,
+                COUNTS_BUCKET,
+                vec![local_masked as f32, local_nsp as f32, local_tokens as f32],
+            )
             .map_err(ring_err)?;
         let (global_masked, global_nsp, global_tokens) = (counts[0], counts[1], counts[2]);
         let opts_for = |last: bool| StepOptions {
-            mlm_scale: if global_masked > 0.0 { 1.0 / global_masked } else { 0.0 },
-            nsp_scale: if global_nsp > 0.0 { 1.0 / global_nsp } else { 0.0 },
+            mlm_scale: if global_masked > 0.0 {
+                1.0 / global_masked
+            } else {
+                0.0
+            },
+            nsp_scale: if global_nsp > 0.0 {
+                1.0 / global_nsp
+            } else {
+                0.0
+            },
             dropout: Some(DropoutKey { seed: t.seed, step }),
             report_ready: last,
         };
@@ -268,7 +302,7 @@ pub fn train(
         let grad_norm = if t.max_grad_norm > 0.0 {
             clip_grad_norm(&mut grads, t.max_grad_norm as f32)
         } else {
-            grads.iter().map(|g| f64::from(*g) * f64::from(*g)).sum::<f64>().sqrt() as f32
+            global_norm(&grads)
         };
         let lr = schedule.lr(step);
         optimizer.step(&mut params, &grads, lr);
@@ -277,7 +311,11 @@ pub fn train(
 
         let step_seconds = started.elapsed().as_secs_f64();
         let mlm_loss = f64::from(loss[0]) / f64::from(global_masked.max(1.0));
-        let nsp_loss = if nsp { f64::from(loss[2]) / f64::from(global_nsp.max(1.0)) } else { 0.0 };
+        let nsp_loss = if nsp {
+            f64::from(loss[2]) / f64::from(global_nsp.max(1.0))
+        } else {
+            0.0
+        };
         let ring_seconds = (ring_busy_us.load(Ordering::Relaxed) - busy_before) as f64 * 1e-6;
         let key = TrainingKey {
             job_id: setup.job_id.clone(),
@@ -312,7 +350,9 @@ pub fn train(
         }
         let last = done == t.max_steps;
         if (t.eval_every > 0 && done % t.eval_every == 0) || last {
-            let report = evaluate(&setup, &mut model, &params, &heldout, &pipeline, &ring, done)?;
+            let report = evaluate(
+                &setup, &mut model, &params, &heldout, &pipeline, &ring, done,
+            )?;
             if setup.rank == 0 {
                 tracing::info!(
                     "eval at step {done} | mlm loss {:.4} | accuracy {:.3} | perplexity {:.2}",
@@ -327,11 +367,60 @@ pub fn train(
             }
         }
         if setup.rank == 0 && ((t.checkpoint_every > 0 && done % t.checkpoint_every == 0) || last) {
-            let dir = stage_checkpoint(&setup, &layout, &params, optimizer.as_ref(), done, mlm_loss + nsp_loss, global_batch)?;
+            let dir = stage_checkpoint(
+                &setup,
+                &layout,
+                &params,
+                optimizer.as_ref(),
+                done,
+                mlm_loss + nsp_loss,
+                global_batch,
+            )?;
             let _ = events.send(Event::Checkpoint { step: done, dir });
         }
     }
     Ok(())
+}
+
+/// The job's optimizer over `layout` (hyper-parameters from `[train]`).
+pub fn optimizer_for(t: &TrainSpec, layout: &ParamLayout) -> Box<dyn Optimizer> {
+    match t.optimizer {
+        OptimizerKind::Adamw => Box::new(AdamW::<f32>::new(
+            layout,
+            AdamWConfig {
+                beta1: t.adam_beta1,
+                beta2: t.adam_beta2,
+                eps: t.adam_epsilon,
+                weight_decay: t.weight_decay,
+                bias_correction: true,
+            },
+        )),
+        OptimizerKind::Lamb => Box::new(Lamb::<f32>::new(
+            layout,
+            LambConfig {
+                beta1: t.adam_beta1,
+                beta2: t.adam_beta2,
+                eps: t.adam_epsilon,
+                weight_decay: t.weight_decay,
+            },
+        )),
+    }
+}
+
+/// The job's learning-rate schedule (warmup, then `[train] schedule` to 0 at `max_steps`).
+pub fn schedule_for(t: &TrainSpec) -> LrSchedule {
+    LrSchedule {
+        kind: match t.schedule {
+            keel_proto::jobspec::ScheduleKind::Linear => ScheduleKind::Linear,
+            keel_proto::jobspec::ScheduleKind::Poly => ScheduleKind::Poly {
+                power: t.poly_power,
+            },
+            keel_proto::jobspec::ScheduleKind::Constant => ScheduleKind::Constant,
+        },
+        peak_lr: t.learning_rate,
+        warmup_steps: t.warmup_steps,
+        total_steps: t.max_steps,
+    }
 }
 
 /// Evaluates the held-out set: rank r takes sequences `r, r + W, ...` (at most
@@ -350,7 +439,9 @@ fn evaluate(
 ) -> Result<EvalReport, TrainError> {
     let err = data_err(step);
     let n = heldout.len().min(EVAL_MAX_SEQUENCES);
-    let mine: Vec<usize> = (setup.rank as usize..n).step_by(setup.world_size.max(1) as usize).collect();
+    let mine: Vec<usize> = (setup.rank as usize..n)
+        .step_by(setup.world_size.max(1) as usize)
+        .collect();
     let mut sums = [0f64; 3];
     for chunk in mine.chunks(setup.spec.train.micro_batch_size.max(1)) {
         let mut masked = Vec::with_capacity(chunk.len());
@@ -358,9 +449,16 @@ fn evaluate(
         for &i in chunk {
             let seq = heldout.get(i).map_err(|e| err(e.to_string()))?;
             ids.push(seq.global_index);
-            masked.push(mask_sequence(&seq, pipeline.seed ^ EVAL_SEED_SALT, 0, &pipeline.masking, &pipeline.vocab));
+            let m = mask_sequence(
+                &seq,
+                pipeline.seed ^ EVAL_SEED_SALT,
+                0,
+                &pipeline.masking,
+                &pipeline.vocab,
+            );
+            masked.push((seq, m));
         }
-        let batch = collate(&masked, &ids, &pipeline.vocab, pipeline.nsp).map_err(|e| err(e.to_string()))?;
+        let batch = collate(&masked, &ids, pipeline.pad_to).map_err(|e| err(e.to_string()))?;
         let s = model
             .forward_loss(params, &batch)
             .map_err(|source| TrainError::Model { step, source })?;
@@ -402,11 +500,18 @@ fn stage_checkpoint(
         std::fs::remove_dir_all(&dir).map_err(|e| io(format!("{}: {e}", dir.display())))?;
     }
     std::fs::create_dir_all(&dir).map_err(|e| io(format!("{}: {e}", dir.display())))?;
-    keel_proto::weights::save_safetensors(dir.join(keel_proto::checkpoint::MODEL_FILE), layout, params)
-        .map_err(|e| io(format!("saving weights: {e}")))?;
-    optimizer
-        .save(&dir.join(OPTIMIZER_FILE), layout)
-        .map_err(|e| io(format!("saving optimizer state: {e}")))?;
+    keel_proto::weights::save_safetensors(
+        dir.join(keel_proto::checkpoint::MODEL_FILE),
+        layout,
+        params,
+    )
+    .map_err(|e| io(format!("saving weights: {e}")))?;
+    crate::optim_state::save(
+        &dir.join(OPTIMIZER_FILE),
+        optimizer,
+        &setup.spec.train.optimizer,
+    )
+    .map_err(|e| io(format!("saving optimizer state: {e}")))?;
     let state = TrainerState {
         step,
         job_id: setup.job_id.clone(),
@@ -422,6 +527,7 @@ fn stage_checkpoint(
         },
     };
     let text = serde_json::to_string_pretty(&state).map_err(|e| io(e.to_string()))?;
-    write_file_atomic(&dir.join(TRAINER_STATE_FILE), text.as_bytes()).map_err(|e| io(e.to_string()))?;
+    write_file_atomic(&dir.join(TRAINER_STATE_FILE), text.as_bytes())
+        .map_err(|e| io(e.to_string()))?;
     Ok(dir)
 }

@@ -31,7 +31,11 @@ pub fn corpus(name: &str) -> PathBuf {
 
 /// `../shared/fixtures/NAME` from the crate.
 pub fn fixture(name: &str) -> PathBuf {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures")).join(name)
+    Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/fixtures"
+    ))
+    .join(name)
 }
 
 /// A small job: tiny BERT, sequences of 64 tokens, a small vocabulary.
