@@ -2,6 +2,9 @@
 //! same global batch give the same weights (within 1e-5 relative, the sums are only
 //! reordered), and the same job run twice on the same world size gives bit-identical
 //! checkpoints.
+//!
+//! The jobs use a fixed vocabulary file (the uncased BERT vocab.txt fixture), so that both
+//! sides of each comparison train on byte-identical prepared data.
 
 mod common;
 
@@ -22,7 +25,7 @@ fn run(dir: &Path, corpus: &Path, workers: usize, mbs: usize, name: &str) -> Pat
     let case = dir.join(name);
     std::fs::create_dir_all(&case).unwrap();
     let mut job = JobFile::new(corpus.to_path_buf());
-    job.vocab_size = 500;
+    job.vocab = Some(fixture("wordpiece").join("vocab.txt"));
     job.workers = workers;
     job.micro_batch_size = mbs;
     job.max_steps = 10;
@@ -39,7 +42,15 @@ fn weights(dir: &Path) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<f6
     keel_proto::weights::load_tensors_f64(dir.join("model.safetensors")).unwrap()
 }
 
-/// Largest per-tensor `max |a - b| / max |b|`.
+/// Tensors left out of the comparison: the attention key bias has an exactly zero true
+/// gradient (softmax is invariant to adding the same number to every score of a query), so
+/// its gradient is pure rounding noise and Adam's `m / sqrt(v)` turns any reordering of the
+/// sums into a full-size step. Every other tensor is compared.
+fn compared(name: &str) -> bool {
+    !name.ends_with("attention.self.key.bias")
+}
+
+/// Largest per-tensor `max |a - b| / max |b|` over the compared tensors.
 fn max_relative_difference(a: &Path, b: &Path) -> f64 {
     let (wa, wb) = (weights(a), weights(b));
     assert_eq!(wa.keys().collect::<Vec<_>>(), wb.keys().collect::<Vec<_>>());
@@ -47,6 +58,9 @@ fn max_relative_difference(a: &Path, b: &Path) -> f64 {
     for (name, (shape, va)) in &wa {
         let (shape_b, vb) = &wb[name];
         assert_eq!(shape, shape_b, "{name}");
+        if !compared(name) {
+            continue;
+        }
         let scale = vb.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-12);
         let diff = va
             .iter()

@@ -42,6 +42,8 @@ pub fn fixture(name: &str) -> PathBuf {
 pub struct JobFile {
     pub corpus: PathBuf,
     pub vocab_size: usize,
+    /// A vocabulary file instead of training one.
+    pub vocab: Option<PathBuf>,
     pub micro_batch_size: usize,
     pub grad_accum: usize,
     pub max_steps: u64,
@@ -60,6 +62,7 @@ impl JobFile {
         JobFile {
             corpus,
             vocab_size: 1000,
+            vocab: None,
             micro_batch_size: 8,
             grad_accum: 1,
             max_steps: 200,
@@ -79,7 +82,7 @@ impl JobFile {
         let text = format!(
             r#"[data]
 corpus = ["{corpus}"]
-vocab_size = {vocab}
+{vocab}
 lowercase = {lower}
 objective = "{objective}"
 max_seq_length = 64
@@ -107,7 +110,10 @@ max_workers = {w}
 peer_timeout_seconds = {timeout}
 "#,
             corpus = self.corpus.display(),
-            vocab = self.vocab_size,
+            vocab = match &self.vocab {
+                Some(path) => format!("vocab = \"{}\"", path.display()),
+                None => format!("vocab_size = {}", self.vocab_size),
+            },
             lower = self.lowercase,
             objective = self.objective,
             mbs = self.micro_batch_size,
