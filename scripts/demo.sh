@@ -15,29 +15,11 @@ workers=${KEEL_DEMO_WORKERS:-2}
 
 say() { printf '\n==> %s\n' "$*"; }
 
-as_root() {
-  if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
-    echo "need root (or sudo) to run: $*" >&2; exit 1; fi
-}
-
-need_pkgs=()
-[ -e /usr/include/x86_64-linux-gnu/cblas.h ] || [ -e /usr/include/cblas.h ] || \
-  dpkg -s libopenblas-dev >/dev/null 2>&1 || need_pkgs+=(libopenblas-dev)
-command -v cc >/dev/null || need_pkgs+=(build-essential)
-command -v curl >/dev/null || need_pkgs+=(curl ca-certificates)
-if [ $# -eq 0 ] && ! command -v bible >/dev/null; then need_pkgs+=(bible-kjv); fi
-if [ ${#need_pkgs[@]} -gt 0 ]; then
-  say "Installing Debian packages: ${need_pkgs[*]}"
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
-fi
-
-if ! command -v cargo >/dev/null && [ -x "$HOME/.cargo/bin/cargo" ]; then export PATH="$HOME/.cargo/bin:$PATH"; fi
-if ! command -v cargo >/dev/null; then
-  say "Installing the Rust toolchain with rustup (into ~/.cargo)"
-  curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
-  export PATH="$HOME/.cargo/bin:$PATH"
-fi
+extra=()
+if [ $# -eq 0 ] && ! command -v bible >/dev/null; then extra+=(bible-kjv); fi
+say "Checking what Keel needs (OpenBLAS, a C compiler, Rust${extra:+, ${extra[*]}})"
+scripts/setup.sh "${extra[@]}"
+if ! command -v cargo >/dev/null; then export PATH="$HOME/.cargo/bin:$PATH"; fi
 
 say "Building Keel (release; the first build takes ~5 minutes on 2 cores)"
 cargo build --release --bins

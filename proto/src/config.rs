@@ -64,9 +64,6 @@ pub enum HiddenAct {
 fn default_model_type() -> String {
     "bert".to_string()
 }
-fn default_position_embedding_type() -> String {
-    "absolute".to_string()
-}
 fn default_true() -> bool {
     true
 }
@@ -112,9 +109,9 @@ pub struct BertConfig {
     /// Id of [PAD]; its word-embedding row is initialised to zero.
     #[serde(default)]
     pub pad_token_id: u32,
-    /// Only `"absolute"` is supported.
-    #[serde(default = "default_position_embedding_type")]
-    pub position_embedding_type: String,
+    /// Only `"absolute"` (or absent, as transformers 5 writes it) is supported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub position_embedding_type: Option<String>,
     /// The decoder of the MLM head is the word embeddings (always true for Keel).
     #[serde(default = "default_true")]
     pub tie_word_embeddings: bool,
@@ -181,7 +178,7 @@ impl BertConfig {
             initializer_range: 0.02,
             layer_norm_eps: 1e-12,
             pad_token_id: 0,
-            position_embedding_type: default_position_embedding_type(),
+            position_embedding_type: None,
             tie_word_embeddings: true,
             is_decoder: false,
             add_cross_attention: false,
@@ -270,13 +267,12 @@ impl BertConfig {
                 format!("`{}` is not \"bert\"", self.model_type),
             );
         }
-        if self.position_embedding_type != "absolute" {
+        if let Some(kind) = self.position_embedding_type.as_deref()
+            && kind != "absolute"
+        {
             return invalid(
                 "position_embedding_type",
-                format!(
-                    "`{}` is not supported (only \"absolute\")",
-                    self.position_embedding_type
-                ),
+                format!("`{kind}` is not supported (only \"absolute\")"),
             );
         }
         if self.is_decoder || self.add_cross_attention {

@@ -257,6 +257,12 @@ impl KeelTokenizer {
                 ));
             }
         }
+        if let Some(missing) = SPECIAL_TOKENS.iter().find(|t| !seen.contains(**t)) {
+            return Err(TokenizerError::MissingSpecialToken {
+                path: path.to_path_buf(),
+                token: missing.to_string(),
+            });
+        }
         let model = WordPiece::builder()
             .vocab(
                 WordPiece::read_bytes(text.as_bytes())

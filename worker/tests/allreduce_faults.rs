@@ -229,3 +229,41 @@ fn mismatched_lengths_are_reported_not_hung() {
     assert!(mismatch, "{results:?}");
     assert!(results.iter().all(|r| r.is_err()));
 }
+
+#[test]
+fn the_stream_acks_each_frame_with_its_code_and_stays_open() {
+    let peers = start_peers(2);
+    let _rings = connect_all(&peers, 5, |_| {});
+    let addr = format!("http://{}", peers[0].addr);
+    let codes = peers[0].rt.block_on(async move {
+        let mut client = RingClient::connect(addr).await.unwrap();
+        let four = Bytes::from(vec![0u8; 16]);
+        let frames = vec![
+            frame("job-test", 4, four.clone(), 4, 0), // stale generation
+            frame("other-job", 5, four.clone(), 4, 0), // another job
+            frame("job-test", 5, Bytes::from(vec![0u8; 7]), 4, 0), // not whole f32s
+            frame("job-test", 5, four.clone(), 4, 0), // fine: buffered
+        ];
+        let mut acks = client
+            .stream(futures::stream::iter(frames))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut codes = Vec::new();
+        while let Some(ack) = acks.message().await.unwrap() {
+            codes.push(Code::from_i32(ack.code as i32));
+        }
+        codes
+    });
+    assert_eq!(
+        codes,
+        vec![
+            Code::FailedPrecondition,
+            Code::NotFound,
+            Code::InvalidArgument,
+            Code::Ok
+        ]
+    );
+    // The accepted frame waits in the mailbox for its all-reduce.
+    assert_eq!(peers[0].mailbox.held_bytes(), 16);
+}

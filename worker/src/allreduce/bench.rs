@@ -93,6 +93,8 @@ struct PeerReport {
     bytes: usize,
     /// Seconds of each timed all-reduce.
     seconds: Vec<f64>,
+    /// CPU seconds (user + system, all threads) this process spent in each timed all-reduce.
+    cpu_seconds: Vec<f64>,
     /// Whether every result equalled the known sum.
     correct: bool,
 }
@@ -233,6 +235,17 @@ fn run_world(args: &Args, n: usize) -> anyhow::Result<()> {
         slowest.sort_by(f64::total_cmp);
         let seconds = slowest[slowest.len() / 2];
         let bytes = reports[0].bytes;
+        // CPU of all ranks per all-reduce (median over iterations): the cost on a busy machine.
+        let mut cpu: Vec<f64> = (0..args.iters)
+            .map(|i| {
+                reports
+                    .iter()
+                    .map(|r| r.cpu_seconds.get(i).copied().unwrap_or(f64::NAN))
+                    .sum()
+            })
+            .collect();
+        cpu.sort_by(f64::total_cmp);
+        let cpu_seconds = cpu[cpu.len() / 2];
         let algbw = bytes as f64 / seconds / 1e9;
         let busbw = algbw * 2.0 * (n as f64 - 1.0) / n as f64;
         println!(
@@ -243,6 +256,7 @@ fn run_world(args: &Args, n: usize) -> anyhow::Result<()> {
                 "seconds": seconds,
                 "algbw_gb_s": (algbw * 1000.0).round() / 1000.0,
                 "busbw_gb_s": (busbw * 1000.0).round() / 1000.0,
+                "cpu_seconds_all_ranks": (cpu_seconds * 1e4).round() / 1e4,
                 "iters": args.iters,
                 "streams_per_link": args.streams_per_link,
                 "frame_bytes": args.frame_kib * 1024,
@@ -318,16 +332,19 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
         let len = mib * (1 << 20) / 4;
         let mut data = vec![0.0f32; len];
         let mut seconds = Vec::with_capacity(args.iters);
+        let mut cpu_seconds = Vec::with_capacity(args.iters);
         let mut correct = true;
         for it in 0..args.warmup + args.iters {
             fill_input(&mut data, args.rank);
             let mut token = [1.0f32];
             ring.all_reduce_sum(step, 1, &mut token).await?;
+            let cpu_before = process_cpu_seconds();
             let started = Instant::now();
             ring.all_reduce_sum(step, 0, &mut data).await?;
             let elapsed = started.elapsed().as_secs_f64();
             if it >= args.warmup {
                 seconds.push(elapsed);
+                cpu_seconds.push(process_cpu_seconds() - cpu_before);
             }
             correct &= token[0] == n as f32 && is_known_sum(&data, n);
             step += 1;
@@ -336,12 +353,23 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
             rank: args.rank,
             bytes: len * 4,
             seconds,
+            cpu_seconds,
             correct,
         };
         println!("{}", serde_json::to_string(&report)?);
         std::io::stdout().flush()?;
     }
     Ok(())
+}
+
+/// User + system CPU time of this process (all threads), seconds.
+fn process_cpu_seconds() -> f64 {
+    // SAFETY: getrusage only writes the struct we pass; an all-zero rusage is a valid value.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF with a valid pointer cannot fail.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
 }
 
 /// Rank `r`'s input: `r + 1 + (i mod 13)`, integer-valued so the sum is exact.

@@ -7,6 +7,7 @@
 //!   them to the running all-reduce, bounded in bytes.
 //! - `service`: [`RingService`] / [`ring_service`], the gRPC `keel.ring.v1.Ring` service.
 //! - `ring`: [`Ring`] and [`RingConfig`], the send side and the algorithm.
+//! - `link`: one long-lived `Ring/Stream` call to the right neighbour, acked frame by frame.
 //! - `error`: [`AllReduceError`] (callers), [`FrameRejected`] (wire).
 //! - `bench`: `keel-worker bench-allreduce`.
 //!
@@ -24,8 +25,9 @@
 //!    sum of chunk `(r + 1) % n`.
 //! 5. All-gather, ring steps `n-1..2(n-1)`: finished frames travel once more around the ring;
 //!    each rank copies them and passes them on unchanged.
-//! 6. Every frame carries (job, generation, step, bucket, ring_step, offset, total length) and
-//!    is answered once the receiver accepted it: `INVALID_ARGUMENT` (malformed, length
+//! 6. Frames travel on `streams_per_link` long-lived `Ring/Stream` calls (one per connection).
+//!    Every frame carries (job, generation, step, bucket, ring_step, offset, total length) and
+//!    is acked, in order, once the receiver accepted it; refusals carry a status code: `INVALID_ARGUMENT` (malformed, length
 //!    mismatch), `NOT_FOUND` (other job), `FAILED_PRECONDITION` (older generation, finished
 //!    all-reduce), `UNAVAILABLE` (receiver has not joined the generation yet: retried).
 //! 7. A rank that hears nothing from its left, or whose right accepts nothing, for `timeout`
@@ -34,6 +36,7 @@
 
 pub mod bench;
 mod error;
+mod link;
 mod mailbox;
 mod plan;
 mod ring;
@@ -43,7 +46,7 @@ pub use error::{AllReduceError, FrameRejected};
 pub use mailbox::{DEFAULT_CAPACITY_BYTES, MAX_FRAME_BYTES, Mailbox};
 pub use plan::{chunk_plan, frame_count, frame_plan, recv_chunk, send_chunk};
 pub use ring::{Ring, RingConfig};
-pub use service::{MAX_MESSAGE_BYTES, RingService, ring_service};
+pub use service::{AckStream, MAX_MESSAGE_BYTES, RingService, ring_service};
 
 /// HTTP/2 stream flow-control window, bytes (STACK.md: 16 MiB windows gain 20-40%).
 pub const STREAM_WINDOW_BYTES: u32 = 16 << 20;

@@ -21,9 +21,11 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use keel_proto::ring_rpc::RingFrame;
 use keel_proto::ring_rpc::ring_client::RingClient;
+
+use super::link::LinkStream;
 use tokio::time::{Instant, sleep, sleep_until, timeout_at};
 use tonic::Code;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
 use super::error::AllReduceError;
 use super::mailbox::{InboundFrame, MAX_FRAME_BYTES, Mailbox};
@@ -32,7 +34,7 @@ use super::service::MAX_MESSAGE_BYTES;
 use super::{CONNECTION_WINDOW_BYTES, H2_MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
 
 /// Frames in flight per stream of the link to the right neighbour.
-const IN_FLIGHT_PER_STREAM: usize = 2;
+const IN_FLIGHT_PER_STREAM: usize = 8;
 
 /// How one worker takes part in a ring. Every rank of a generation gets the same `job_id`,
 /// `generation`, `world_size` and `peers`; `frame_bytes` must match too (frames are checked
@@ -107,9 +109,9 @@ pub struct Ring {
     cfg: RingConfig,
     /// Shared with the worker's ring service.
     mailbox: Arc<Mailbox>,
-    /// `streams_per_link` clients, each on its own connection to the right neighbour (empty for
+    /// `streams_per_link` streams, each on its own connection to the right neighbour (empty for
     /// world size 1).
-    right: Vec<RingClient<Channel>>,
+    right: Vec<LinkStream>,
     /// Round-robin cursor over `right`.
     next_stream: AtomicUsize,
 }
@@ -178,11 +180,11 @@ impl Ring {
                         }
                     }
                 };
-                right.push(
+                right.push(LinkStream::spawn(
                     RingClient::new(channel)
                         .max_decoding_message_size(MAX_MESSAGE_BYTES)
                         .max_encoding_message_size(MAX_MESSAGE_BYTES),
-                );
+                ));
             }
         }
         Ok(Ring {
@@ -376,7 +378,7 @@ impl Ring {
         data: Bytes,
     ) -> Result<(), AllReduceError> {
         let stream = self.next_stream.fetch_add(1, Ordering::Relaxed) % self.right.len();
-        let mut client = self.right[stream].clone();
+        let link = &self.right[stream];
         let frame = RingFrame {
             job_id: self.cfg.job_id.clone(),
             generation: self.cfg.generation,
@@ -392,8 +394,8 @@ impl Ring {
         let deadline = Instant::now() + self.cfg.timeout;
         let mut backoff = Duration::from_millis(1);
         loop {
-            let status = match timeout_at(deadline, client.push(frame.clone())).await {
-                Ok(Ok(_)) => return Ok(()),
+            let status = match timeout_at(deadline, link.push(frame.clone())).await {
+                Ok(Ok(())) => return Ok(()),
                 Ok(Err(status)) => status,
                 Err(_) => {
                     return Err(AllReduceError::Timeout {
@@ -525,13 +527,24 @@ fn copy_le(local: &mut [f32], incoming: &[u8]) {
     }
 }
 
-/// `values` as little-endian bytes.
+/// `values` as little-endian bytes (one memcpy).
 fn f32s_to_bytes(values: &[f32]) -> Bytes {
-    let mut out = Vec::with_capacity(values.len() * 4);
-    for v in values {
-        out.extend_from_slice(&v.to_le_bytes());
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: every f32 is 4 initialised bytes and u8 has no alignment requirement; on a
+        // little-endian machine these are exactly the wire bytes.
+        let raw =
+            unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), values.len() * 4) };
+        Bytes::copy_from_slice(raw)
     }
-    Bytes::from(out)
+    #[cfg(not(target_endian = "little"))]
+    {
+        let mut out = Vec::with_capacity(values.len() * 4);
+        for v in values {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        Bytes::from(out)
+    }
 }
 
 fn right_neighbour(cfg: &RingConfig) -> (u32, &str) {

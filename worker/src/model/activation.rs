@@ -10,20 +10,12 @@ use keel_proto::config::HiddenAct;
 use super::Element;
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
-const INV_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
-/// 1 / sqrt(2 pi): the standard normal density at 0.
-const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
 /// `y = act(x)`.
 pub(crate) fn forward<A: Element>(act: HiddenAct, y: &mut [A], x: &[A]) {
     let half = A::of(0.5);
     match act {
-        HiddenAct::Gelu => {
-            let s = A::of(INV_SQRT_2);
-            for (o, &v) in y.iter_mut().zip(x) {
-                *o = half * v * (A::one() + (v * s).erf());
-            }
-        }
+        HiddenAct::Gelu => A::gelu_forward(y, x),
         HiddenAct::GeluNew => {
             let (k, a) = (A::of(SQRT_2_OVER_PI), A::of(0.044715));
             for (o, &v) in y.iter_mut().zip(x) {
@@ -42,14 +34,7 @@ pub(crate) fn forward<A: Element>(act: HiddenAct, y: &mut [A], x: &[A]) {
 pub(crate) fn backward<A: Element>(act: HiddenAct, d: &mut [A], x: &[A]) {
     let half = A::of(0.5);
     match act {
-        HiddenAct::Gelu => {
-            let (s, p) = (A::of(INV_SQRT_2), A::of(INV_SQRT_2PI));
-            for (g, &v) in d.iter_mut().zip(x) {
-                let cdf = half * (A::one() + (v * s).erf());
-                let pdf = p * (-half * v * v).exp();
-                *g *= cdf + v * pdf;
-            }
-        }
+        HiddenAct::Gelu => A::gelu_backward(d, x),
         HiddenAct::GeluNew => {
             let (k, a) = (A::of(SQRT_2_OVER_PI), A::of(0.044715));
             let three_a = A::of(3.0 * 0.044715);

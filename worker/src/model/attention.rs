@@ -127,26 +127,30 @@ pub(crate) fn forward<A: Element>(
 /// Softmax over the keys with `keys[k] != 0`; padded keys get exactly 0 (HF adds `finfo.min`,
 /// whose `exp` underflows to 0). A row with no real key falls back to all keys.
 fn masked_softmax<A: Element>(row: &mut [A], keys: &[u8]) {
+    let all_real = keys.iter().all(|&m| m != 0);
     let any_real = keys.iter().any(|&m| m != 0);
+    if all_real || !any_real {
+        let max = A::max_of(row);
+        let inv = A::one() / A::exp_shifted_sum(row, max);
+        row.iter_mut().for_each(|s| *s *= inv);
+        return;
+    }
     let mut max = A::neg_infinity();
     for (&s, &m) in row.iter().zip(keys) {
-        if (m != 0 || !any_real) && s > max {
+        if m != 0 && s > max {
             max = s;
         }
     }
+    A::exp_shifted_sum(row, max);
     let mut sum = A::zero();
     for (s, &m) in row.iter_mut().zip(keys) {
-        if m != 0 || !any_real {
-            *s = (*s - max).exp();
-            sum += *s;
-        } else {
+        if m == 0 {
             *s = A::zero();
         }
+        sum += *s;
     }
     let inv = A::one() / sum;
-    for s in row.iter_mut() {
-        *s *= inv;
-    }
+    row.iter_mut().for_each(|s| *s *= inv);
 }
 
 /// Given `dctx` `[n, c]`: writes `dq`, `dk`, `dv` `[n, c]`. `scratch` holds `2 * t * t`.

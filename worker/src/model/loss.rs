@@ -13,8 +13,9 @@ pub(crate) struct CrossEntropy<A> {
     pub correct: usize,
 }
 
-/// Cross-entropy of each row against its label. With `grad_scale: Some(s)` the logits are
-/// replaced by `d(s * loss_sum) / d logits = s * (softmax - onehot)`.
+/// Cross-entropy of each row against its label. The logits are overwritten: with
+/// `grad_scale: Some(s)` by `d(s * loss_sum) / d logits = s * (softmax - onehot)`, otherwise
+/// by unnormalised probabilities.
 pub(crate) fn cross_entropy<A: Element>(
     logits: &mut [A],
     labels: &[u32],
@@ -25,24 +26,18 @@ pub(crate) fn cross_entropy<A: Element>(
     let mut correct = 0;
     for (row, &label) in logits.chunks_exact_mut(k).zip(labels) {
         let label = label as usize;
-        let mut max = A::neg_infinity();
-        let mut argmax = 0;
-        for (i, &z) in row.iter().enumerate() {
-            if z > max {
-                max = z;
-                argmax = i;
-            }
-        }
-        if argmax == label {
+        let max = A::max_of(row);
+        if row.iter().position(|&z| z == max) == Some(label) {
             correct += 1;
         }
-        let sum: A = row.iter().map(|&z| (z - max).exp()).sum();
-        let log_sum = sum.ln();
-        loss_sum += log_sum - (row[label] - max);
+        let shifted_label = row[label] - max;
+        // One exp per logit: the row becomes exp(z - max), then softmax * scale.
+        let sum = A::exp_shifted_sum(row, max);
+        loss_sum += sum.ln() - shifted_label;
         if let Some(s) = grad_scale {
             let inv = s / sum;
             for z in row.iter_mut() {
-                *z = (*z - max).exp() * inv;
+                *z *= inv;
             }
             row[label] -= s;
         }

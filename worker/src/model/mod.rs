@@ -24,12 +24,15 @@ mod element;
 mod embeddings;
 mod encoder_layer;
 pub mod gemm;
+#[cfg(test)]
+mod gradcheck;
 mod init;
 mod layernorm;
 mod linear;
 mod loss;
 mod mlm_head;
 mod nsp_head;
+mod vmath;
 
 pub use bert::{Bert, ForwardOutputs};
 pub use dropout::DropoutKey;

@@ -1,0 +1,726 @@
+#!/usr/bin/env python3
+"""Structural checks of Keel's deployment files, run by scripts/validate-deploy.sh.
+
+Each subcommand checks one kind of file against what Keel needs from it (not only that it
+parses) and prints one `ok:` line per passed check and one `error:` line per failure; the exit
+status is 1 when any check failed.
+
+# Layout
+- `CONTRACT_FLAGS`, `CONTRACT_ENV`: the command lines and environment variables the Keel
+  binaries promise (deploy/README.md); every file is checked against them, and against the
+  binaries' own `--help` when built ones are given.
+- `check_systemd`, `check_compose`, `check_dockerfile`, `check_k8s`, `check_slurm`: one per kind.
+- `check_flags`: every flag and KEEL_* variable the files pass to a Keel program.
+- `check_runtime_libs`: the shared libraries of built binaries come from the runtime image's packages.
+
+Needs Python 3.9+ and PyYAML (Debian: python3-yaml). `k8s --typed` also needs the `kubernetes`
+Python client 37 (pydantic models that reject unknown fields).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+# The programs' documented command lines (issue 5); `keel` is keyed by subcommand.
+CONTRACT_FLAGS: dict[str, set[str]] = {
+    "keel-coordinator": {"--listen", "--data-dir", "--token-file"},
+    "keel-worker": {
+        "--coordinator",
+        "--listen",
+        "--advertise-addr",
+        "--threads",
+        "--cache-dir",
+        "--token-file",
+    },
+    "keel submit": set(),
+    "keel jobs": set(),
+    "keel status": set(),
+    "keel watch": set(),
+    "keel cancel": set(),
+    "keel pull": {"--out", "--step"},
+    "keel local": {"--workers", "--out"},
+}
+# Environment variables the binaries read (one per flag), plus the log filter.
+CONTRACT_ENV = {
+    "KEEL_LISTEN",
+    "KEEL_DATA_DIR",
+    "KEEL_COORDINATOR",
+    "KEEL_ADVERTISE_ADDR",
+    "KEEL_THREADS",
+    "KEEL_CACHE_DIR",
+    "KEEL_TOKEN_FILE",
+}
+# KEEL_* names the deployment files define for themselves, never read by a binary.
+DEPLOY_OWN_ENV = {
+    "KEEL_COORDINATOR_LISTEN",  # systemd: coordinator's --listen
+    "KEEL_WORKER_LISTEN",  # systemd: worker's --listen
+    "KEEL_CORPUS_DIR",  # compose: host folder mounted at /corpus
+    "KEEL_JOBS_DIR",  # compose: host folder mounted at /jobs
+    "KEEL_OUT_DIR",  # compose: host folder mounted at /out
+    "KEEL_BIN_DIR",  # slurm: where the binaries are
+    "KEEL_IFACE",  # slurm: interface whose address is advertised
+    "KEEL_WORKER_BIN",  # slurm: the worker's path, passed to srun tasks
+}
+DEPLOY_OWN_ENV_PREFIXES = ("KEEL_SLURM_", "KEEL_MH_", "KEEL_VALIDATE_")
+
+# Packages a debian:bookworm-slim image already has that a Rust binary may link.
+SLIM_BASE_PACKAGES = {"libc6", "libgcc-s1", "libstdc++6", "zlib1g"}
+# Pulled in by libgfortran5 (a Depends), so present whenever it is.
+IMPLIED_PACKAGES = {"libgfortran5": {"libquadmath0"}}
+
+
+class Report:
+    """Collects the outcome of each check; `errors` decides the exit status."""
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self.errors = 0
+
+    def ok(self, msg: str) -> None:
+        print(f"  ok: {msg}")
+
+    def error(self, msg: str) -> None:
+        print(f"  error: {msg}")
+        self.errors += 1
+
+    def check(self, cond: bool, msg: str, why: str = "") -> bool:
+        if cond:
+            self.ok(msg)
+        else:
+            self.error(msg + (f" ({why})" if why else ""))
+        return cond
+
+
+class QuietReport(Report):
+    """A Report for checks run only for their result (their lines are printed elsewhere)."""
+
+    def ok(self, msg: str) -> None:
+        pass
+
+    def error(self, msg: str) -> None:
+        self.errors += 1
+
+
+# ------------------------------------------------------------------------------------------
+# systemd
+
+
+def parse_unit(path: Path) -> dict[str, dict[str, list[str]]]:
+    """Parses a unit file into section -> key -> values (in order; keys may repeat)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current = None
+    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        if current is None or "=" not in line:
+            raise ValueError(f"{path}:{lineno}: expected [Section] or Key=Value, got {raw!r}")
+        key, value = line.split("=", 1)
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def parse_env_file(path: Path, rep: Report) -> dict[str, str]:
+    """Parses a systemd EnvironmentFile (KEY=value lines)."""
+    env: dict[str, str] = {}
+    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)", line)
+        if not m:
+            rep.error(f"{path}:{lineno}: not KEY=value: {raw!r}")
+            continue
+        env[m.group(1)] = m.group(2)
+    return env
+
+
+def check_systemd(root: Path, rep: Report) -> None:
+    d = root / "deploy/systemd"
+    env_file = parse_env_file(d / "keel.env", rep)
+    for key in env_file:
+        if key.startswith("KEEL_"):
+            rep.check(
+                key in CONTRACT_ENV or key in DEPLOY_OWN_ENV,
+                f"keel.env: {key} is a variable Keel or the units read",
+            )
+    for key in ("KEEL_COORDINATOR", "KEEL_ADVERTISE_ADDR", "KEEL_TOKEN_FILE"):
+        rep.check(key in env_file, f"keel.env sets {key} (a worker cannot start without it)")
+    sysusers = (d / "keel.sysusers").read_text().split()
+    sysuser = sysusers[sysusers.index("u") + 1] if "u" in sysusers else None
+
+    units = {
+        "keel-coordinator.service": ("keel-coordinator", "StateDirectory"),
+        "keel-worker.service": ("keel-worker", "CacheDirectory"),
+    }
+    for name, (program, state_key) in units.items():
+        unit = parse_unit(d / name)
+        svc = unit.get("Service", {})
+        one = lambda k: (svc.get(k) or [None])[-1]  # noqa: E731 - last assignment wins
+        rep.check(one("User") == sysuser, f"{name}: User={one('User')} is the sysusers user {sysuser}")
+        rep.check(one("NoNewPrivileges") == "yes", f"{name}: NoNewPrivileges=yes")
+        rep.check(one("ProtectSystem") == "strict", f"{name}: ProtectSystem=strict")
+        rep.check(one("Restart") == "on-failure", f"{name}: Restart=on-failure")
+        rep.check(bool(one(state_key)), f"{name}: {state_key}= gives it a writable directory")
+        rep.check(
+            "/etc/keel/keel.env" in svc.get("EnvironmentFile", []),
+            f"{name}: EnvironmentFile=/etc/keel/keel.env",
+        )
+        rep.check(
+            unit.get("Install", {}).get("WantedBy") == ["multi-user.target"],
+            f"{name}: WantedBy=multi-user.target",
+        )
+        exec_start = shlex.split(one("ExecStart") or "")
+        rep.check(
+            bool(exec_start) and exec_start[0] == f"/usr/local/bin/{program}",
+            f"{name}: ExecStart runs /usr/local/bin/{program}",
+        )
+        defined = set(env_file)
+        for assignment in svc.get("Environment", []):
+            for word in shlex.split(assignment):
+                defined.add(word.split("=", 1)[0])
+        for var in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", one("ExecStart") or ""):
+            rep.check(var in defined, f"{name}: ExecStart's ${{{var}}} is defined by Environment= or keel.env")
+        # The directory the program is told to write to must be the one systemd makes writable.
+        writable = {f"/var/lib/{v}" for v in svc.get("StateDirectory", [])}
+        writable |= {f"/var/cache/{v}" for v in svc.get("CacheDirectory", [])}
+        dir_var = "KEEL_DATA_DIR" if program == "keel-coordinator" else "KEEL_CACHE_DIR"
+        dir_default = {w.split("=", 1)[0]: w.split("=", 1)[1] for w in svc.get("Environment", []) if "=" in w}
+        rep.check(
+            dir_default.get(dir_var) in writable,
+            f"{name}: {dir_var}={dir_default.get(dir_var)} is writable under ProtectSystem=strict",
+            f"writable: {sorted(writable)}",
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# Docker
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[int, str, str]]:
+    """(line, INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out: list[tuple[int, str, str]] = []
+    pending, start = "", 0
+    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+        stripped = raw.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if pending and stripped.startswith("#"):
+            continue  # comment lines inside a continued instruction are skipped by Docker too
+        if not pending:
+            start = lineno
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        full = (pending + stripped).strip()
+        pending = ""
+        word, _, rest = full.partition(" ")
+        out.append((start, word.upper(), rest.strip()))
+    return out
+
+
+DOCKER_INSTRUCTIONS = {
+    "FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME",
+    "USER", "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL", "MAINTAINER",
+}  # fmt: skip
+
+
+def apt_packages(run_args: str) -> set[str]:
+    """Packages named by `apt-get install` in one RUN instruction."""
+    pkgs: set[str] = set()
+    for part in re.split(r"&&|;|\|\|", run_args):
+        words = part.split()
+        if len(words) >= 2 and words[0] in ("apt-get", "apt") and "install" in words:
+            after = words[words.index("install") + 1 :]
+            pkgs |= {w for w in after if not w.startswith("-")}
+    return pkgs
+
+
+def check_dockerfile(root: Path, rep: Report) -> set[str]:
+    """Checks deploy/docker/Dockerfile; returns the runtime stage's apt packages."""
+    path = root / "deploy/docker/Dockerfile"
+    instrs = dockerfile_instructions(path)
+    for lineno, word, _ in instrs:
+        if word not in DOCKER_INSTRUCTIONS:
+            rep.error(f"Dockerfile:{lineno}: unknown instruction {word}")
+    stages: list[list[tuple[int, str, str]]] = []
+    for ins in instrs:
+        if ins[1] == "FROM":
+            stages.append([])
+        if not stages:
+            rep.error(f"Dockerfile:{ins[0]}: {ins[1]} before the first FROM")
+            continue
+        stages[-1].append(ins)
+    if not rep.check(len(stages) >= 2, f"Dockerfile is multi-stage ({len(stages)} stages)"):
+        return set()
+    builder, runtime = stages[0], stages[-1]
+    rep.check(
+        re.fullmatch(r"rust:1-bookworm\s+AS\s+builder", builder[0][2], re.I) is not None,
+        f"Dockerfile: builder stage is rust:1-bookworm AS builder (got {builder[0][2]!r})",
+    )
+    rep.check(runtime[0][2] == "debian:bookworm-slim", f"Dockerfile: runtime stage is debian:bookworm-slim (got {runtime[0][2]!r})")
+    build_pkgs = set().union(*(apt_packages(a) for _, w, a in builder if w == "RUN"))
+    rep.check("libopenblas-dev" in build_pkgs, "Dockerfile: builder installs libopenblas-dev")
+    runs = [a for _, w, a in runtime if w == "RUN"]
+    runtime_pkgs = set().union(*(apt_packages(a) for a in runs))
+    allowed = {"libopenblas0-pthread", "libgfortran5", "ca-certificates"}
+    rep.check(
+        {"libopenblas0-pthread", "ca-certificates"} <= runtime_pkgs <= allowed,
+        f"Dockerfile: runtime installs only OpenBLAS runtime + CA certificates ({sorted(runtime_pkgs)})",
+        f"allowed: {sorted(allowed)}",
+    )
+    for a in runs:
+        if apt_packages(a):
+            rep.check("--no-install-recommends" in a, "Dockerfile: runtime apt-get uses --no-install-recommends")
+            rep.check("rm -rf /var/lib/apt/lists" in a, "Dockerfile: runtime apt lists removed in the same layer")
+    users = [a for _, w, a in runtime if w == "USER"]
+    rep.check(
+        bool(users) and users[-1].split(":")[0] not in ("root", "0"),
+        f"Dockerfile: runtime runs as a non-root USER ({users[-1] if users else 'none'})",
+    )
+    copies = " ".join(a for _, w, a in runtime if w == "COPY")
+    rep.check("--from=builder" in copies, "Dockerfile: runtime copies the binaries from the builder")
+    builder_text = " ".join(a for _, _, a in builder)
+    for program in ("keel", "keel-coordinator", "keel-worker"):
+        rep.check(
+            re.search(rf"target/release/{program}(\s|$)", builder_text) is not None,
+            f"Dockerfile: the builder installs target/release/{program}",
+        )
+    for pkg in ("keel-coordinator", "keel-worker", "keel-cli"):
+        rep.check(f"-p {pkg}" in builder_text, f"Dockerfile: cargo builds package {pkg}")
+    ignore = (root / "deploy/docker/Dockerfile.dockerignore").read_text().split()
+    rep.check("target" in ignore, "Dockerfile.dockerignore keeps target/ out of the build context")
+    return runtime_pkgs
+
+
+def check_compose(root: Path, rep: Report) -> None:
+    path = root / "deploy/docker/compose.yaml"
+    doc = yaml.safe_load(path.read_text())
+    services = doc.get("services", {})
+    rep.check("coordinator" in services, "compose: has a coordinator service")
+    workers = sorted(s for s in services if s.startswith("worker"))
+    rep.check(len(workers) == 3, f"compose: three worker services ({workers})")
+    coord = services.get("coordinator", {})
+    cmd = coord.get("command", [])
+    rep.check(cmd[:1] == ["keel-coordinator"], "compose: coordinator runs keel-coordinator")
+    data_dir = flag_value(cmd, "--data-dir")
+    vols = [v.split(":") for v in coord.get("volumes", []) if isinstance(v, str)]
+    named = [v for v in vols if len(v) >= 2 and v[1] == data_dir]
+    rep.check(
+        bool(named) and named[0][0] in (doc.get("volumes") or {}),
+        f"compose: coordinator's --data-dir {data_dir} is a named volume",
+    )
+    build = coord.get("build", {})
+    dockerfile = (path.parent / build.get("context", ".") / build.get("dockerfile", "Dockerfile")).resolve()
+    rep.check(dockerfile == (root / "deploy/docker/Dockerfile").resolve(), f"compose: coordinator builds {dockerfile}")
+    images = {s.get("image") for s in services.values()}
+    rep.check(len(images) == 1, f"compose: every service uses the one image ({images})")
+    for name in workers:
+        wcmd = services[name].get("command", [])
+        rep.check(wcmd[:1] == ["keel-worker"], f"compose: {name} runs keel-worker")
+        rep.check(flag_value(wcmd, "--advertise-addr") == f"{name}:7071", f"compose: {name} advertises {name}:7071")
+        rep.check(flag_value(wcmd, "--coordinator") == "coordinator:7070", f"compose: {name} joins coordinator:7070")
+        rep.check(
+            "coordinator" in (services[name].get("depends_on") or {}),
+            f"compose: {name} starts after the coordinator",
+        )
+
+
+def flag_value(cmd: list[str], flag: str) -> str | None:
+    for i, word in enumerate(cmd):
+        if word == flag and i + 1 < len(cmd):
+            return cmd[i + 1]
+        if word.startswith(flag + "="):
+            return word.split("=", 1)[1]
+    return None
+
+
+# ------------------------------------------------------------------------------------------
+# Kubernetes
+
+
+def load_k8s(root: Path) -> tuple[list[tuple[str, dict]], dict]:
+    d = root / "deploy/k8s"
+    kust = yaml.safe_load((d / "kustomization.yaml").read_text())
+    docs: list[tuple[str, dict]] = []
+    for res in kust.get("resources", []) + ["secret.example.yaml"]:
+        for doc in yaml.safe_load_all((d / res).read_text()):
+            if doc:
+                docs.append((res, doc))
+    return docs, kust
+
+
+def container_env_names(container: dict, configmaps: dict[str, dict]) -> set[str]:
+    names = {e["name"] for e in container.get("env", [])}
+    for src in container.get("envFrom", []):
+        ref = src.get("configMapRef", {}).get("name")
+        names |= set((configmaps.get(ref) or {}).get("data", {}))
+    return names
+
+
+def check_pod(kind: str, name: str, pod: dict, ctx: dict, rep: Report) -> None:
+    spec = pod.get("spec", {})
+    sc = spec.get("securityContext", {})
+    rep.check(sc.get("runAsNonRoot") is True, f"{kind}/{name}: runAsNonRoot")
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for vname, vol in volumes.items():
+        if "persistentVolumeClaim" in vol:
+            claim = vol["persistentVolumeClaim"]["claimName"]
+            rep.check(claim in ctx["pvcs"], f"{kind}/{name}: volume {vname} claims existing PVC {claim}")
+        if "secret" in vol:
+            secret = vol["secret"]["secretName"]
+            rep.check(secret in ctx["secrets"], f"{kind}/{name}: volume {vname} uses Secret {secret} (secret.example.yaml)")
+    for c in spec.get("containers", []):
+        cname = f"{kind}/{name}/{c['name']}"
+        ports = {p["containerPort"] for p in c.get("ports", [])}
+        for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+            if probe == "startupProbe" and probe not in c:
+                continue
+            grpc = (c.get(probe) or {}).get("grpc")
+            rep.check(
+                grpc is not None and grpc.get("port") in ports,
+                f"{cname}: {probe} is a native grpc probe on a container port {sorted(ports)}",
+            )
+        res = c.get("resources", {})
+        for part in ("requests", "limits"):
+            rep.check(
+                {"cpu", "memory"} <= set(res.get(part, {})),
+                f"{cname}: resources.{part} has cpu and memory",
+            )
+        csc = c.get("securityContext", {})
+        rep.check(csc.get("allowPrivilegeEscalation") is False, f"{cname}: allowPrivilegeEscalation false")
+        for m in c.get("volumeMounts", []):
+            rep.check(m["name"] in volumes, f"{cname}: mount {m['name']} has a volume")
+        for src in c.get("envFrom", []):
+            ref = src.get("configMapRef", {}).get("name")
+            if ref:
+                rep.check(ref in ctx["configmaps"], f"{cname}: envFrom ConfigMap {ref} exists")
+        env_names = container_env_names(c, ctx["configmaps"])
+        for word in c.get("command", []) + c.get("args", []):
+            for var in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", word):
+                rep.check(var in env_names, f"{cname}: $({var}) in args is defined in env")
+        # A variable referenced by another env entry must come earlier in the list.
+        seen: set[str] = set(env_names - {e["name"] for e in c.get("env", [])})
+        for e in c.get("env", []):
+            for var in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", str(e.get("value", ""))):
+                rep.check(var in seen, f"{cname}: env {e['name']} uses $({var}) defined before it")
+            seen.add(e["name"])
+
+
+def check_k8s(root: Path, rep: Report, typed: bool) -> None:
+    docs, kust = load_k8s(root)
+    for res in kust.get("resources", []):
+        rep.check((root / "deploy/k8s" / res).is_file(), f"kustomization: resource {res} exists")
+    for src, doc in docs:
+        rep.check(
+            all(k in doc for k in ("apiVersion", "kind", "metadata")) and "name" in doc["metadata"],
+            f"{src}: {doc.get('kind')}/{doc.get('metadata', {}).get('name')} has apiVersion, kind, metadata.name",
+        )
+    by_kind: dict[str, dict[str, dict]] = {}
+    for _, doc in docs:
+        by_kind.setdefault(doc["kind"], {})[doc["metadata"]["name"]] = doc
+    for kind in ("Namespace", "ConfigMap", "PersistentVolumeClaim", "Service", "Deployment", "StatefulSet", "Secret"):
+        rep.check(kind in by_kind, f"k8s: has a {kind}")
+    ctx = {
+        "pvcs": by_kind.get("PersistentVolumeClaim", {}),
+        "secrets": by_kind.get("Secret", {}),
+        "configmaps": by_kind.get("ConfigMap", {}),
+    }
+    for cm in ctx["configmaps"].values():
+        for key in cm.get("data", {}):
+            rep.check(key in CONTRACT_ENV or key == "RUST_LOG", f"ConfigMap/{cm['metadata']['name']}: {key} is a Keel variable")
+    services = by_kind.get("Service", {})
+
+    def selected_by(svc: dict, workload: dict) -> bool:
+        labels = workload["spec"]["template"]["metadata"].get("labels", {})
+        sel = svc["spec"].get("selector", {})
+        return bool(sel) and all(labels.get(k) == v for k, v in sel.items())
+
+    for kind in ("Deployment", "StatefulSet"):
+        for name, wl in by_kind.get(kind, {}).items():
+            labels = wl["spec"]["template"]["metadata"].get("labels", {})
+            match = wl["spec"]["selector"].get("matchLabels", {})
+            rep.check(
+                all(labels.get(k) == v for k, v in match.items()),
+                f"{kind}/{name}: selector matches the pod template's labels",
+            )
+            rep.check(
+                any(selected_by(s, wl) for s in services.values()),
+                f"{kind}/{name}: a Service selects its pods",
+            )
+            check_pod(kind, name, wl["spec"]["template"], ctx, rep)
+
+    for name, dep in by_kind.get("Deployment", {}).items():
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        rep.check(c.get("command", [None])[0] == "keel-coordinator", f"Deployment/{name} runs keel-coordinator")
+    for name, sts in by_kind.get("StatefulSet", {}).items():
+        svc_name = sts["spec"].get("serviceName")
+        svc = services.get(svc_name, {})
+        rep.check(svc.get("spec", {}).get("clusterIP") == "None", f"StatefulSet/{name}: serviceName {svc_name} is a headless Service")
+        rep.check(bool(svc) and selected_by(svc, sts), f"StatefulSet/{name}: headless Service {svc_name} selects its pods")
+        c = sts["spec"]["template"]["spec"]["containers"][0]
+        words = c.get("command", []) + c.get("args", [])
+        rep.check(words[:1] == ["keel-worker"], f"StatefulSet/{name} runs keel-worker")
+        advertise = flag_value(words, "--advertise-addr") or ""
+        want = f"$(POD_NAME).{svc_name}.$(POD_NAMESPACE).svc.cluster.local:7071"
+        rep.check(advertise == want, f"StatefulSet/{name}: --advertise-addr {advertise}", f"want {want}")
+        env = {e["name"]: e for e in c.get("env", [])}
+        rep.check(
+            env.get("POD_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name"
+            and env.get("POD_NAMESPACE", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            == "metadata.namespace",
+            f"StatefulSet/{name}: POD_NAME and POD_NAMESPACE come from the downward API",
+        )
+        threads = flag_value(words, "--threads") or ""
+        m = re.fullmatch(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", threads)
+        ref = env.get(m.group(1), {}).get("valueFrom", {}).get("resourceFieldRef", {}) if m else {}
+        rep.check(
+            ref.get("resource") == "limits.cpu" and ref.get("containerName") == c["name"],
+            f"StatefulSet/{name}: --threads {threads} is the container's CPU limit",
+        )
+    if typed:
+        import kubernetes.client as kc  # the pinned client: pydantic models, extra fields forbidden
+
+        for src, doc in docs:
+            model = getattr(kc, "V1" + doc["kind"], None)
+            if model is None or doc["apiVersion"] not in ("v1", "apps/v1"):
+                rep.error(f"{src}: no typed model for {doc['apiVersion']} {doc['kind']}")
+                continue
+            try:
+                model.model_validate(doc)
+                rep.ok(f"{src}: {doc['kind']}/{doc['metadata']['name']} matches the Kubernetes API schema")
+            except Exception as e:  # pydantic.ValidationError: every field error listed
+                rep.error(f"{src}: {doc['kind']}/{doc['metadata']['name']} does not match the API schema:\n{e}")
+
+
+# ------------------------------------------------------------------------------------------
+# Slurm
+
+SBATCH_OPTIONS = {
+    "--job-name", "--nodes", "--ntasks-per-node", "--exclusive", "--time", "--output",
+    "--error", "--cpus-per-task", "--partition", "--account", "--mem", "--constraint",
+}  # fmt: skip
+
+
+def check_slurm(root: Path, rep: Report) -> None:
+    path = root / "deploy/slurm/keel.sbatch"
+    text = path.read_text()
+    lines = text.splitlines()
+    rep.check(lines[0].startswith("#!"), "keel.sbatch starts with a #! line")
+    opts = {}
+    for lineno, line in enumerate(lines, 1):
+        if line.startswith("#SBATCH"):
+            m = re.fullmatch(r"#SBATCH\s+(--[a-z-]+)(?:=(\S+))?\s*", line)
+            if not rep.check(m is not None and m.group(1) in SBATCH_OPTIONS, f"keel.sbatch:{lineno}: {line.strip()}"):
+                continue
+            opts[m.group(1)] = m.group(2)
+        elif line.strip() and not line.startswith("#"):
+            break  # sbatch stops reading directives at the first command
+    rep.check(opts.get("--ntasks-per-node") == "1", "keel.sbatch: one task (worker) per node")
+    rep.check(int(opts.get("--nodes") or 0) >= 2, f"keel.sbatch: several nodes (--nodes={opts.get('--nodes')})")
+    rep.check("scontrol show hostnames" in text, "keel.sbatch: expands the node list with scontrol")
+    rep.check(re.search(r"^srun .*--ntasks-per-node=1", text, re.M) is not None, "keel.sbatch: workers start with srun, one per node")
+    rep.check(text.count('"$COORDINATOR_BIN" --listen') == 1, "keel.sbatch: one coordinator")
+    for step in ("submit", "watch", "pull"):
+        rep.check(f'"$KEEL" {step}' in text, f"keel.sbatch: runs keel {step}")
+
+
+# ------------------------------------------------------------------------------------------
+# Flags and environment variables
+
+
+def logical_lines(text: str) -> list[str]:
+    out, cur = [], ""
+    for raw in text.splitlines():
+        if raw.lstrip().startswith("#"):
+            continue
+        if raw.rstrip().endswith("\\"):
+            cur += raw.rstrip()[:-1] + " "
+        else:
+            out.append(cur + raw)
+            cur = ""
+    return out
+
+
+SHELL_PROGRAMS = [
+    (re.compile(r"(keel-coordinator|COORDINATOR_BIN)\"?\s"), "keel-coordinator"),
+    (re.compile(r"(keel-worker|KEEL_WORKER_BIN)\"?\s"), "keel-worker"),
+    (re.compile(r"(\"\$KEEL\"|/keel\"|keel_user\s+\S+)\s+(submit|jobs|status|watch|cancel|pull|local)\b"), None),
+]
+
+
+def used_invocations(root: Path) -> list[tuple[str, str, set[str]]]:
+    """(file, program, flags) for every Keel program invocation in the deployment files."""
+    found: list[tuple[str, str, set[str]]] = []
+
+    def add(src: str, words: list[str]) -> None:
+        prog = os.path.basename(words[0])
+        if prog == "keel" and len(words) > 1:
+            prog = f"keel {words[1]}"
+        flags = {w.split("=", 1)[0] for w in words[1:] if w.startswith("--")}
+        found.append((src, prog, flags))
+
+    for unit in sorted((root / "deploy/systemd").glob("*.service")):
+        svc = parse_unit(unit).get("Service", {})
+        for line in svc.get("ExecStart", []):
+            add(str(unit.relative_to(root)), shlex.split(line))
+    compose = yaml.safe_load((root / "deploy/docker/compose.yaml").read_text())
+    for svc in compose.get("services", {}).values():
+        cmd = svc.get("command")
+        if isinstance(cmd, list) and cmd and cmd[0].startswith("keel"):
+            add("deploy/docker/compose.yaml", cmd)
+    docs, _ = load_k8s(root)
+    for src, doc in docs:
+        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for c in spec.get("containers", []):
+            add(f"deploy/k8s/{src}", c.get("command", []) + c.get("args", []))
+    for rel in ("deploy/slurm/keel.sbatch", "scripts/multihost-test.sh"):
+        for line in logical_lines((root / rel).read_text()):
+            for pattern, prog in SHELL_PROGRAMS:
+                m = pattern.search(line)
+                if not m:
+                    continue
+                name = prog or f"keel {m.group(2)}"
+                rest = line[m.end() :]
+                flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest))
+                if flags or prog is None:  # a server's name without flags is not a start of it
+                    found.append((rel, name, flags))
+                break
+    return found
+
+
+def used_env(root: Path) -> dict[str, set[str]]:
+    """KEEL_* names per file."""
+    files = [p for p in (root / "deploy").rglob("*") if p.is_file() and p.suffix != ".py" and p.name != "README.md"]
+    files += [root / "scripts/multihost-test.sh"]
+    out: dict[str, set[str]] = {}
+    for p in files:
+        names = set(re.findall(r"\bKEEL_[A-Z0-9_]*[A-Z0-9]\b", p.read_text(errors="replace")))
+        if names:
+            out[str(p.relative_to(root))] = names
+    return out
+
+
+def help_text(binary: Path, *sub: str) -> str | None:
+    try:
+        r = subprocess.run([str(binary), *sub, "--help"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout + r.stderr if r.returncode == 0 else None
+
+
+def check_flags(root: Path, bin_dir: Path | None, rep: Report) -> None:
+    invocations = used_invocations(root)
+    rep.check(len(invocations) >= 10, f"found {len(invocations)} Keel invocations in the files")
+    for src, prog, flags in invocations:
+        allowed = CONTRACT_FLAGS.get(prog)
+        if allowed is None:
+            rep.error(f"{src}: {prog} is not a documented Keel command")
+            continue
+        extra = flags - allowed
+        rep.check(not extra, f"{src}: {prog} {' '.join(sorted(flags))} is in the documented command line", f"unknown: {sorted(extra)}")
+    for src, names in used_env(root).items():
+        for n in sorted(names):
+            rep.check(
+                n in CONTRACT_ENV or n in DEPLOY_OWN_ENV or n.startswith(DEPLOY_OWN_ENV_PREFIXES),
+                f"{src}: {n} is a documented Keel variable or the file's own",
+            )
+    if bin_dir is None:
+        print("  skip: no binary directory given: flags checked against the documented command lines only")
+        return
+    helps: dict[str, str | None] = {}
+    for prog in sorted({p for _, p, _ in invocations}):
+        words = prog.split()
+        helps[prog] = help_text(bin_dir / words[0], *words[1:])
+    env_seen: set[str] = set()
+    for prog, text in helps.items():
+        if text:
+            env_seen |= set(re.findall(r"\[env:\s*([A-Z_][A-Z0-9_]*)", text))
+    for prog, text in sorted(helps.items()):
+        contract = CONTRACT_FLAGS[prog]
+        if text is None:
+            print(f"  skip: {bin_dir / prog.split()[0]} {' '.join(prog.split()[1:])} --help did not run: not built yet")
+            continue
+        accepted = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", text))
+        if contract and not (contract & accepted):
+            print(f"  skip: `{prog} --help` shows none of its documented flags: binary not built yet")
+            continue
+        used = set().union(*(f for _, p, f in invocations if p == prog))
+        missing = used - accepted
+        rep.check(not missing, f"{prog} --help accepts {' '.join(sorted(used)) or '(no flags)'}", f"not accepted: {sorted(missing)}")
+    if env_seen:
+        for n in sorted(CONTRACT_ENV):
+            rep.check(n in env_seen, f"the binaries read {n} (clap [env: ...] in --help)")
+
+
+def check_runtime_libs(bin_dir: Path, runtime_pkgs: set[str], rep: Report) -> None:
+    allowed = set(runtime_pkgs) | SLIM_BASE_PACKAGES
+    for pkg in runtime_pkgs:
+        allowed |= IMPLIED_PACKAGES.get(pkg, set())
+    for prog in ("keel", "keel-coordinator", "keel-worker"):
+        binary = bin_dir / prog
+        if not binary.is_file():
+            print(f"  skip: {binary} not built: its shared libraries are not checked")
+            continue
+        out = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, timeout=30).stdout
+        for lib, path in re.findall(r"^\s*(\S+) => (\S+)", out, re.M):
+            if path == "not":
+                rep.error(f"{prog}: {lib} not found")
+                continue
+            real = os.path.realpath(path)
+            owner = ""
+            for candidate in (path, real):
+                r = subprocess.run(["dpkg", "-S", candidate], capture_output=True, text=True)
+                if r.returncode == 0:
+                    owner = r.stdout.split(":")[0]
+                    break
+            rep.check(owner in allowed, f"{prog}: {lib} comes from {owner or '?'}, installed in the runtime image")
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=["systemd", "docker", "compose", "k8s", "slurm", "flags", "libs"])
+    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2], help="repository root")
+    ap.add_argument("--bin-dir", type=Path, help="folder with built keel, keel-coordinator, keel-worker")
+    ap.add_argument("--typed", action="store_true", help="k8s: also validate against the kubernetes client's models")
+    args = ap.parse_args()
+    rep = Report(args.what)
+    try:
+        if args.what == "systemd":
+            check_systemd(args.root, rep)
+        elif args.what == "docker":
+            check_dockerfile(args.root, rep)
+        elif args.what == "compose":
+            check_compose(args.root, rep)
+        elif args.what == "k8s":
+            check_k8s(args.root, rep, args.typed)
+        elif args.what == "slurm":
+            check_slurm(args.root, rep)
+        elif args.what == "flags":
+            check_flags(args.root, args.bin_dir, rep)
+        elif args.what == "libs":
+            if args.bin_dir is None:
+                ap.error("libs needs --bin-dir")
+            pkgs = check_dockerfile(args.root, QuietReport("docker"))
+            check_runtime_libs(args.bin_dir, pkgs, rep)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, yaml.YAMLError) as e:
+        rep.error(f"{args.what}: could not check: {type(e).__name__}: {e}")
+    return 1 if rep.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

