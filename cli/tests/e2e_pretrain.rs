@@ -50,10 +50,11 @@ fn shapes(path: &Path) -> BTreeMap<String, Vec<usize>> {
         .collect()
 }
 
-fn pretrain(corpus_name: &str, lowercase: bool, fill_mask_text: &str) {
+fn pretrain(corpus_name: &str, lowercase: bool, vocab_size: usize, fill_mask_text: &str) {
     let dir = tempfile::tempdir().unwrap();
     let mut job = JobFile::new(corpus(corpus_name));
     job.lowercase = lowercase;
+    job.vocab_size = vocab_size;
     let job_path = job.write(dir.path());
     let out = dir.path().join("checkpoint");
     let work = dir.path().join("work");
@@ -199,11 +200,12 @@ fn two_workers_pretrain_tiny_bert_on_the_king_james_bible() {
     pretrain(
         "en-kjv",
         true,
+        1000,
         "and god said , let there be [MASK] : and there was light .",
     );
 }
 
 #[test]
 fn two_workers_pretrain_tiny_bert_on_chinese_poetry() {
-    pretrain("zh-poetry", false, "床前明月光，疑是地上[MASK]。");
+    pretrain("zh-poetry", false, 2000, "床前明月光，疑是地上[MASK]。");
 }
