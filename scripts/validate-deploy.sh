@@ -227,8 +227,8 @@ echo "  - docker build / run: no Docker engine, and no registry for rust:1-bookw
 echo "  - Kubernetes admission and scheduling: no API server (the manifests were checked against the"
 echo "    kubernetes client's API models only); grpc probes need Kubernetes >= 1.24"
 echo "  - systemd units started for real: this machine is not booted with systemd"
-echo "  - sbatch on a Slurm cluster: no slurmctld (here keel.sbatch is parsed and shellchecked;"
-echo "    scripts/multihost-test.sh --slurm runs it across namespaced hosts with stand-in srun/scontrol)"
+echo "  - sbatch on a Slurm cluster: here keel.sbatch is only parsed and shellchecked"
+echo "    (scripts/multihost-test.sh --slurm runs it on a private Slurm in network namespaces)"
 for s in "${SKIPPED[@]}"; do echo "  - skipped: $s"; done
 echo
 echo "validate-deploy: ${#PASSED[@]} passed, ${#FAILED[@]} failed, ${#SKIPPED[@]} skipped"
