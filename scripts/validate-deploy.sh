@@ -55,8 +55,10 @@ run() {
   if "$@" >"$LOG/out" 2>&1; then
     PASSED+=("$name")
     grep -v '^  ok:' "$LOG/out" | sed 's/^/  /' | head -n 40
-    local n; n="$(grep -c '^  ok:' "$LOG/out")"
+    local n line; n="$(grep -c '^  ok:' "$LOG/out")"
     [ "$n" = 0 ] || echo "  ($n checks ok)"
+    # Parts a check could not do (e.g. binaries not built yet) count as skipped.
+    while IFS= read -r line; do SKIPPED+=("${line#  skip: }"); done < <(grep '^  skip:' "$LOG/out")
   else
     FAILED+=("$name")
     sed 's/^/  /' "$LOG/out" | grep -v '^    ok:' | head -n 80
