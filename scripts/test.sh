@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
-# The whole test suite: formatting, clippy (warnings are errors), all tests.
+# The whole test suite: formatting, clippy (warnings are errors), all unit and integration tests
+# (real coordinator and worker processes on 127.0.0.1), the deploy/ file checks, and, as root,
+# the multi-host test across network namespaces. Installs what it needs first (scripts/setup.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+extra=()
+if [ "$(id -u)" = 0 ]; then extra+=(iproute2); fi
+scripts/setup.sh "${extra[@]}"
+if ! command -v cargo >/dev/null; then export PATH="$HOME/.cargo/bin:$PATH"; fi
+
+step() { printf '\n== %s\n' "$*"; }
+step "cargo fmt --check"
 cargo fmt --all --check
+step "cargo clippy (warnings are errors)"
 cargo clippy --release --workspace --all-targets -- -D warnings
+step "cargo test"
 cargo test --release --workspace

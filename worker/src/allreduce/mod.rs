@@ -1,2 +1,67 @@
-//! Ring all-reduce between workers over gRPC (to be written).
+//! Ring all-reduce between workers over gRPC: reduce-scatter then all-gather, directly between
+//! neighbours, pipelined frame by frame (Patarasuk and Yuan, JPDC 2009; as in Horovod/NCCL).
+//!
+//! # Layout
+//! - `plan`: [`chunk_plan`] and [`frame_plan`], pure functions every rank evaluates alike.
+//! - `mailbox`: [`Mailbox`], the receive side: buffers frames from the left neighbour and routes
+//!   them to the running all-reduce, bounded in bytes.
+//! - `service`: [`RingService`] / [`ring_service`], the gRPC `keel.ring.v1.Ring` service.
+//! - `ring`: [`Ring`] and [`RingConfig`], the send side and the algorithm.
+//! - `link`: one long-lived `Ring/Stream` call to the right neighbour, acked frame by frame.
+//! - `error`: [`AllReduceError`] (callers), [`FrameRejected`] (wire).
+//! - `bench`: `keel-worker bench-allreduce`.
+//!
+//! # Protocol
+//! 1. Each worker creates one [`Mailbox`] and serves [`ring_service`] on its tonic server (built
+//!    with [`tune_server`]) at its advertised address.
+//! 2. For each membership generation the coordinator gives every worker the same (job,
+//!    generation, peers); each calls [`Ring::connect`], which makes the mailbox serve that
+//!    (job, generation) and connects `streams_per_link` HTTP/2 connections to the right
+//!    neighbour `(rank + 1) % n`.
+//! 3. Every rank calls [`Ring::all_reduce_sum`] with the same (step, bucket, length). The buffer
+//!    is cut into `n` chunks; rank r starts by pushing chunk r, frame by frame, to its right.
+//! 4. Reduce-scatter, ring steps `0..n-1`: a frame received at step t is added to the local
+//!    slice and pushed on at step t + 1. At step `n - 2` the sum is final: rank r then holds the
+//!    sum of chunk `(r + 1) % n`.
+//! 5. All-gather, ring steps `n-1..2(n-1)`: finished frames travel once more around the ring;
+//!    each rank copies them and passes them on unchanged.
+//! 6. Frames travel on `streams_per_link` long-lived `Ring/Stream` calls (one per connection).
+//!    Every frame carries (job, generation, step, bucket, ring_step, offset, total length) and
+//!    is acked, in order, once the receiver accepted it; refusals carry a status code: `INVALID_ARGUMENT` (malformed, length
+//!    mismatch), `NOT_FOUND` (other job), `FAILED_PRECONDITION` (older generation, finished
+//!    all-reduce), `UNAVAILABLE` (receiver has not joined the generation yet: retried).
+//! 7. A rank that hears nothing from its left, or whose right accepts nothing, for `timeout`
+//!    fails the all-reduce naming that peer; the coordinator then re-forms the ring with a new
+//!    generation.
+
 pub mod bench;
+mod error;
+mod link;
+mod mailbox;
+mod plan;
+mod ring;
+mod service;
+
+pub use error::{AllReduceError, FrameRejected};
+pub use mailbox::{DEFAULT_CAPACITY_BYTES, MAX_FRAME_BYTES, Mailbox};
+pub use plan::{chunk_plan, frame_count, frame_plan, recv_chunk, send_chunk};
+pub use ring::{Ring, RingConfig};
+pub use service::{AckStream, MAX_MESSAGE_BYTES, RingService, ring_service};
+
+/// HTTP/2 stream flow-control window, bytes (STACK.md: 16 MiB windows gain 20-40%).
+pub const STREAM_WINDOW_BYTES: u32 = 16 << 20;
+/// HTTP/2 connection flow-control window, bytes.
+pub const CONNECTION_WINDOW_BYTES: u32 = 32 << 20;
+/// HTTP/2 maximum frame size, bytes (the protocol's ceiling is 16 MiB - 1).
+pub const H2_MAX_FRAME_BYTES: u32 = 1 << 20;
+
+/// Applies the HTTP/2 settings the ring needs for throughput (windows, frame size, no Nagle) to
+/// a tonic server builder. The worker's one server (control + ring services) should be built as
+/// `tune_server(Server::builder())`.
+pub fn tune_server<L>(server: tonic::transport::Server<L>) -> tonic::transport::Server<L> {
+    server
+        .initial_stream_window_size(STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+        .max_frame_size(H2_MAX_FRAME_BYTES)
+        .tcp_nodelay(true)
+}

@@ -1,1 +1,135 @@
-//! (to be written)
+//! BERT forward and backward on the CPU, exactly as Hugging Face computes them.
+//!
+//! Matches HF `BertForMaskedLM` and `BertForPreTraining` (post-LayerNorm encoder, Devlin et al.
+//! 2019; Vaswani et al. 2017 for the attention), in f32 for training and f64 for the checks.
+//!
+//! Shape legend used in every file: `b` batch (sequences), `t` sequence length (tokens, padded),
+//! `n = b * t` token rows, `c` hidden size, `f` intermediate size, `h` heads, `d` head size
+//! (`c / h`), `m` masked positions, `v` vocabulary size.
+//!
+//! # Layout
+//! - `element`: the scalar trait ([`Element`], implemented for f32 and f64).
+//! - `gemm`: the one matrix-multiply entry point (OpenBLAS through ndarray), timed for the bench.
+//! - One file per layer, each a forward/backward pair side by side: `linear`, `layernorm`,
+//!   `activation` (GELU, tanh-GELU, ReLU), `dropout`, `attention`, `embeddings`,
+//!   `encoder_layer`, `mlm_head`, `nsp_head`, `loss` (cross-entropy).
+//! - `bert`: the whole model ([`Bert`]) over one flat parameter buffer.
+//! - `init`: HF's `_init_weights` ([`init_params`]).
+
+mod activation;
+mod attention;
+mod bert;
+mod dropout;
+mod element;
+mod embeddings;
+mod encoder_layer;
+pub mod gemm;
+#[cfg(test)]
+mod gradcheck;
+mod init;
+mod layernorm;
+mod linear;
+mod loss;
+mod mlm_head;
+mod nsp_head;
+mod parallel;
+mod vmath;
+
+pub use bert::{Bert, ForwardOutputs};
+pub use dropout::DropoutKey;
+pub use element::Element;
+pub use init::init_params;
+
+/// Errors of running the model on a batch.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The model config is invalid.
+    #[error(transparent)]
+    Config(#[from] keel_proto::config::ConfigError),
+    /// A flat buffer (parameters or gradients) does not have the layout's length.
+    #[error("{buffer} buffer has {got} elements, the parameter layout {expected}")]
+    BufferLength {
+        /// `params` or `grads`.
+        buffer: &'static str,
+        /// `ParamLayout::total_len()`.
+        expected: usize,
+        /// Length passed.
+        got: usize,
+    },
+    /// A batch field has the wrong shape.
+    #[error("batch field `{field}` has shape {got:?}, expected {expected:?}")]
+    ShapeMismatch {
+        /// The `Batch` field.
+        field: &'static str,
+        /// The shape wanted.
+        expected: Vec<usize>,
+        /// The shape found.
+        got: Vec<usize>,
+    },
+    /// The padded sequence is longer than `max_position_embeddings`.
+    #[error("sequence length {seq_len} exceeds max_position_embeddings {max}")]
+    SequenceTooLong {
+        /// `t` (tokens).
+        seq_len: usize,
+        /// The config's `max_position_embeddings`.
+        max: usize,
+    },
+    /// An id is outside its table (vocabulary, token types, NSP classes, flat positions).
+    #[error("batch field `{field}`[{index}] = {value} is out of range (must be < {limit})")]
+    OutOfRange {
+        /// The `Batch` field.
+        field: &'static str,
+        /// Flat index within the field.
+        index: usize,
+        /// The offending value.
+        value: usize,
+        /// The exclusive upper bound.
+        limit: usize,
+    },
+    /// A batch array is not in standard (row-major, contiguous) layout.
+    #[error("batch field `{field}` is not a contiguous row-major array")]
+    NotContiguous {
+        /// The `Batch` field.
+        field: &'static str,
+    },
+    /// A PreTraining model was given a batch without next-sentence labels.
+    #[error("BertForPreTraining needs next_sentence_labels in the batch")]
+    MissingNextSentenceLabels,
+}
+
+/// How one training step runs.
+#[derive(Debug, Clone, Copy)]
+pub struct StepOptions<A> {
+    /// Factor on the summed MLM loss whose gradient is taken (e.g. 1 / global masked count).
+    pub mlm_scale: A,
+    /// Factor on the summed NSP loss whose gradient is taken (e.g. 1 / global batch size).
+    pub nsp_scale: A,
+    /// `Some` = training mode with reproducible dropout; `None` = eval mode (no dropout).
+    pub dropout: Option<DropoutKey>,
+    /// Call `on_grad_ready` as ranges of the gradient buffer become final.
+    pub report_ready: bool,
+}
+
+/// Summed losses and counts of a batch (sums, so that data-parallel workers can all-reduce
+/// them and divide by global counts).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct LossSums<A> {
+    /// Sum over masked tokens of the MLM cross-entropy (nats).
+    pub mlm_loss_sum: A,
+    /// Number of masked tokens `m`.
+    pub mlm_count: usize,
+    /// Masked tokens whose argmax prediction is the label.
+    pub mlm_correct: usize,
+    /// Sum over sequences of the NSP cross-entropy (nats); 0 without the NSP head.
+    pub nsp_loss_sum: A,
+    /// Number of sequences with an NSP label (0 without the NSP head).
+    pub nsp_count: usize,
+    /// Sequences whose argmax NSP prediction is the label.
+    pub nsp_correct: usize,
+}
+
+/// Sets the number of threads the model uses: OpenBLAS's (all GEMMs of this process) and
+/// the model's own for elementwise work and attention.
+pub fn set_blas_threads(n: usize) {
+    parallel::set_threads(n);
+}

@@ -1,0 +1,614 @@
+//! The prepare pipeline (`keel prepare`): corpus -> vocabulary -> tokenised documents ->
+//! instances -> shuffled, balanced shards + heldout shard + `manifest.json`.
+//!
+//! Steps:
+//! 1. Resolve the inputs to files.
+//! 2. Train a WordPiece vocabulary on them (one pass) or load the given one.
+//! 3. Tokenise the corpus in parallel into a spill file of documents (drops lines that
+//!    tokenise to nothing; errors on invalid UTF-8 or bad JSON lines).
+//! 4. Build instances (MLM packing or BERT's NSP builder) in corpus order into a second spill.
+//! 5. Shuffle the instances with the seed; the first `round(S * heldout_fraction)` of the
+//!    shuffled order form `heldout.keel`, the rest are the training sequences `0..N` in that
+//!    order, cut into `--shards` contiguous ranges of about equal token count.
+//! 6. Save the tokenizer files and `manifest.json` (last, so a folder with a manifest is
+//!    complete).
+//!
+//! Memory: the spills hold the corpus on disk; in memory stay an 8-byte offset per document
+//! and per instance, the permutation (8 bytes per instance), one shard writer's index (40 bytes
+//! per sequence), and what the vocabulary trainer keeps (its word counts). Every random choice
+//! comes from ChaCha8 streams derived from the seed, so the same corpus, settings and seed give
+//! byte-identical shards whatever `--threads` is.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use keel_proto::shard::{Sequence, ShardError, ShardWriter};
+use keel_proto::tokenizer::{KeelTokenizer, TokenizerError, TrainOptions};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use rand_chacha::ChaCha8Rng;
+
+use super::corpus::{CorpusError, DocumentReader, resolve_inputs};
+use super::instance::Instance;
+use super::instances_mlm::MlmPacker;
+use super::instances_nsp::{NspSettings, create_nsp_instances};
+use super::manifest::{
+    CorpusStats, MANIFEST_VERSION, Objective, PrepareTimings, PreparedManifest, ShardEntry,
+};
+use super::spill::{Spill, SpillError, SpillWriter, words_to_doc};
+use super::tokenize::{TokenizeError, tokenize_corpus};
+
+/// Where the vocabulary comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VocabSource {
+    /// Train a WordPiece vocabulary of `vocab_size` tokens on the corpus.
+    Train {
+        /// Target vocabulary size (special tokens included).
+        vocab_size: usize,
+        /// Lowercase + strip accents (uncased) or not.
+        lowercase: bool,
+    },
+    /// Load `vocab.txt` (with `lowercase`) or a `tokenizer.json` (its own normaliser decides).
+    File {
+        /// The file; a name ending in `.json` is read as `tokenizer.json`.
+        path: PathBuf,
+        /// Lowercase for a `vocab.txt` (ignored for `tokenizer.json`).
+        lowercase: bool,
+    },
+}
+
+/// Settings of [`prepare`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrepareOptions {
+    /// Corpus files, directories or globs.
+    pub corpus: Vec<PathBuf>,
+    /// Vocabulary to train or load.
+    pub vocab: VocabSource,
+    /// `mlm` (packing) or `mlm+nsp` (BERT pairs).
+    pub objective: Objective,
+    /// Sequence length in tokens, `[CLS]`/`[SEP]` included (at least 8).
+    pub max_seq_length: usize,
+    /// Number of training shards (at least 1).
+    pub shards: usize,
+    /// Seed of every random choice.
+    pub seed: u64,
+    /// Output folder (created if missing).
+    pub out_dir: PathBuf,
+    /// Fraction of sequences held out for evaluation, in `[0, 0.5]`.
+    pub heldout_fraction: f64,
+    /// Tokeniser threads (at least 1; the reader and writer run beside them).
+    pub threads: usize,
+    /// Skip lines of invalid UTF-8 (counted) instead of failing.
+    pub skip_invalid_lines: bool,
+    /// Probability of a short NSP target length (BERT: 0.1).
+    pub short_seq_prob: f64,
+    /// The model's `vocab_size`, if known: a larger vocabulary is refused before training.
+    pub model_vocab_size: Option<usize>,
+    /// Show a progress bar on stderr (only drawn when stderr is a terminal).
+    pub show_progress: bool,
+}
+
+impl PrepareOptions {
+    /// Options with BERT's defaults: 128 tokens, 1 shard, seed 12345, 1% heldout, 1 thread,
+    /// short_seq_prob 0.1, no progress bar.
+    pub fn new(
+        corpus: Vec<PathBuf>,
+        vocab: VocabSource,
+        objective: Objective,
+        out_dir: PathBuf,
+    ) -> Self {
+        Self {
+            corpus,
+            vocab,
+            objective,
+            max_seq_length: 128,
+            shards: 1,
+            seed: 12345,
+            out_dir,
+            heldout_fraction: 0.01,
+            threads: 1,
+            skip_invalid_lines: false,
+            short_seq_prob: 0.1,
+            model_vocab_size: None,
+            show_progress: false,
+        }
+    }
+}
+
+/// Errors of the prepare pipeline and of opening a prepared folder.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    /// Bad corpus input (file, line, offset named).
+    #[error(transparent)]
+    Corpus(#[from] CorpusError),
+    /// Vocabulary training/loading/saving failed.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    /// Writing or reading a shard failed.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    /// A spill file failed.
+    #[error(transparent)]
+    Spill(#[from] SpillError),
+    /// A file of the prepared folder could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// An option is out of range.
+    #[error("invalid option {field}: {reason}")]
+    InvalidOption {
+        /// The option.
+        field: &'static str,
+        /// What was expected.
+        reason: String,
+    },
+    /// The corpus holds no text, or none of it tokenises to anything.
+    #[error("empty corpus: {reason}")]
+    EmptyCorpus {
+        /// Which case.
+        reason: String,
+    },
+    /// Too few sequences for the requested shards/heldout split.
+    #[error("corpus too small: {reason}")]
+    TooSmall {
+        /// What did not fit.
+        reason: String,
+    },
+    /// `manifest.json` is missing or malformed.
+    #[error("{path}: bad manifest: {reason}")]
+    BadManifest {
+        /// The manifest file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A shard does not belong with this manifest (vocabulary or checksum differ).
+    #[error("{path}: {reason}")]
+    ShardMismatch {
+        /// The shard file.
+        path: PathBuf,
+        /// What differs.
+        reason: String,
+    },
+    /// A pipeline thread panicked.
+    #[error("a prepare thread panicked")]
+    ThreadPanicked,
+}
+
+impl From<TokenizeError> for PrepareError {
+    fn from(e: TokenizeError) -> Self {
+        match e {
+            TokenizeError::Corpus(c) => PrepareError::Corpus(c),
+            TokenizeError::Spill(s) => PrepareError::Spill(s),
+            TokenizeError::ThreadPanicked => PrepareError::ThreadPanicked,
+        }
+    }
+}
+
+/// File name of training shard `i`.
+pub fn shard_file_name(i: usize) -> String {
+    format!("shard-{i:05}.keel")
+}
+
+/// File name of the heldout shard.
+pub const HELDOUT_FILE: &str = "heldout.keel";
+/// File name of the manifest.
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+fn validate(o: &PrepareOptions) -> Result<(), PrepareError> {
+    let bad = |field, reason: String| Err(PrepareError::InvalidOption { field, reason });
+    if o.corpus.is_empty() {
+        return bad("corpus", "give at least one file, directory or glob".into());
+    }
+    if o.max_seq_length < 8 || o.max_seq_length > 65_536 {
+        return bad(
+            "max_seq_length",
+            format!("{} is not in 8..=65536", o.max_seq_length),
+        );
+    }
+    if o.shards == 0 {
+        return bad("shards", "must be at least 1".into());
+    }
+    if !(0.0..=0.5).contains(&o.heldout_fraction) {
+        return bad(
+            "heldout_fraction",
+            format!("{} is not in [0, 0.5]", o.heldout_fraction),
+        );
+    }
+    if !(0.0..=1.0).contains(&o.short_seq_prob) {
+        return bad(
+            "short_seq_prob",
+            format!("{} is not in [0, 1]", o.short_seq_prob),
+        );
+    }
+    if o.threads == 0 {
+        return bad("threads", "must be at least 1".into());
+    }
+    if let VocabSource::Train { vocab_size, .. } = o.vocab
+        && let Some(model) = o.model_vocab_size
+    {
+        keel_proto::tokenizer::check_fits(vocab_size, model)?;
+    }
+    Ok(())
+}
+
+fn progress_bar(show: bool, len: u64, message: &'static str) -> ProgressBar {
+    if !show || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    if let Ok(style) = ProgressStyle::with_template(
+        "{msg:>12} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}",
+    ) {
+        bar.set_style(style);
+    }
+    bar.set_message(message);
+    bar
+}
+
+fn train_vocab(
+    files: &[PathBuf],
+    options: &PrepareOptions,
+    vocab_size: usize,
+    lowercase: bool,
+    total_bytes: u64,
+) -> Result<KeelTokenizer, PrepareError> {
+    let bar = progress_bar(options.show_progress, total_bytes, "vocabulary");
+    let failure: Arc<Mutex<Option<CorpusError>>> = Arc::new(Mutex::new(None));
+    let sink = Arc::clone(&failure);
+    let bar_in = bar.clone();
+    let lines = DocumentReader::new(files.to_vec(), options.skip_invalid_lines)
+        .map_while(move |doc| match doc {
+            Ok(doc) => {
+                bar_in.inc(doc.bytes);
+                Some(doc.sentences)
+            }
+            Err(e) => {
+                if let Ok(mut slot) = sink.lock() {
+                    *slot = Some(e);
+                }
+                None
+            }
+        })
+        .flatten();
+    let tokenizer = KeelTokenizer::train(
+        &TrainOptions {
+            vocab_size,
+            lowercase,
+            ..TrainOptions::new(vocab_size)
+        },
+        lines,
+    );
+    bar.finish_and_clear();
+    if let Ok(mut slot) = failure.lock()
+        && let Some(e) = slot.take()
+    {
+        return Err(e.into());
+    }
+    Ok(tokenizer?)
+}
+
+fn load_or_train(
+    files: &[PathBuf],
+    options: &PrepareOptions,
+    total_bytes: u64,
+) -> Result<KeelTokenizer, PrepareError> {
+    let tokenizer = match &options.vocab {
+        VocabSource::Train {
+            vocab_size,
+            lowercase,
+        } => train_vocab(files, options, *vocab_size, *lowercase, total_bytes)?,
+        VocabSource::File { path, lowercase } => {
+            if path.extension().is_some_and(|e| e == "json") {
+                KeelTokenizer::from_tokenizer_json(path)?
+            } else {
+                KeelTokenizer::from_vocab_file(path, *lowercase)?
+            }
+        }
+    };
+    if let Some(model) = options.model_vocab_size {
+        tokenizer.check_fits(model)?;
+    }
+    Ok(tokenizer)
+}
+
+/// Derives an independent ChaCha8 stream for one purpose from the seed.
+fn rng_for(seed: u64, stream: u64) -> ChaCha8Rng {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(stream);
+    rng
+}
+
+const STREAM_NSP: u64 = 1;
+const STREAM_SHUFFLE: u64 = 2;
+
+fn build_instances(
+    docs: &Spill,
+    options: &PrepareOptions,
+    tokenizer: &KeelTokenizer,
+) -> Result<(Spill, Vec<u32>), PrepareError> {
+    let special = tokenizer.special();
+    let mut out = SpillWriter::new(&options.out_dir)?;
+    let mut lengths: Vec<u32> = Vec::new();
+    let mut emit = |inst: Instance, out: &mut SpillWriter| -> Result<(), PrepareError> {
+        lengths.push(inst.ids.len() as u32);
+        out.push(&inst.to_words())?;
+        Ok(())
+    };
+    match options.objective {
+        Objective::Mlm => {
+            let mut packer = MlmPacker::new(options.max_seq_length, special.cls, special.sep);
+            for d in 0..docs.len() {
+                let doc = words_to_doc(&docs.read(d)?);
+                for inst in packer.push_document(&doc) {
+                    emit(inst, &mut out)?;
+                }
+            }
+            for inst in packer.finish() {
+                emit(inst, &mut out)?;
+            }
+        }
+        Objective::MlmNsp => {
+            if docs.len() < 2 {
+                return Err(PrepareError::TooSmall {
+                    reason: format!(
+                        "the mlm+nsp objective needs at least 2 documents (random next \
+                         segments come from another document), the corpus has {}; use \
+                         --objective mlm or add documents",
+                        docs.len()
+                    ),
+                });
+            }
+            let settings = NspSettings {
+                max_seq_length: options.max_seq_length,
+                short_seq_prob: options.short_seq_prob,
+                cls: special.cls,
+                sep: special.sep,
+            };
+            let mut rng = rng_for(options.seed, STREAM_NSP);
+            for d in 0..docs.len() {
+                let doc = words_to_doc(&docs.read(d)?);
+                let instances =
+                    create_nsp_instances(d, &doc, docs.len(), &settings, &mut rng, |o| {
+                        docs.read(o).map(|w| words_to_doc(&w))
+                    })?;
+                for inst in instances {
+                    emit(inst, &mut out)?;
+                }
+            }
+        }
+    }
+    Ok((out.finish()?, lengths))
+}
+
+/// Start index of each shard over `lengths` (token counts in training order), so that each
+/// shard holds about `total / shards` tokens and at least one sequence.
+fn shard_starts(lengths: &[u64], shards: usize) -> Vec<usize> {
+    let n = lengths.len();
+    let total: u64 = lengths.iter().sum();
+    let mut starts = vec![0usize];
+    let mut cum = 0u64;
+    let mut s = 1usize;
+    for (g, len) in lengths.iter().enumerate() {
+        while s < shards && cum >= (total as u128 * s as u128 / shards as u128) as u64 {
+            let lo = starts[s - 1] + 1;
+            let hi = n - (shards - s);
+            starts.push(g.clamp(lo, hi));
+            s += 1;
+        }
+        cum += len;
+    }
+    while s < shards {
+        let lo = starts[s - 1] + 1;
+        starts.push(lo.min(n - (shards - s)));
+        s += 1;
+    }
+    starts
+}
+
+fn write_shard(
+    path: &Path,
+    tokenizer: &KeelTokenizer,
+    instances: &Spill,
+    order: &[u64],
+    first_global: u64,
+) -> Result<ShardEntry, PrepareError> {
+    let mut writer = ShardWriter::create(path, tokenizer.vocab_hash(), tokenizer.vocab_size())?;
+    for (k, &source) in order.iter().enumerate() {
+        let inst = Instance::from_words(&instances.read(source as usize)?);
+        let seq = Sequence {
+            global_index: first_global + k as u64,
+            token_type_ids: inst.token_type_ids(),
+            ids: inst.ids,
+            nsp_label: inst.nsp_label,
+        };
+        writer.push(&seq, source)?;
+    }
+    let sequences = writer.len();
+    let tokens = writer.num_tokens();
+    let checksum = writer.finish()?;
+    Ok(ShardEntry {
+        file: path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default(),
+        sequences,
+        tokens,
+        first_global_index: first_global,
+        checksum,
+    })
+}
+
+fn remove_stale_shards(dir: &Path, keep: usize) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        if let Some(num) = name
+            .strip_prefix("shard-")
+            .and_then(|r| r.strip_suffix(".keel"))
+            .and_then(|n| n.parse::<usize>().ok())
+            && num >= keep
+        {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// Runs the whole pipeline (see the module docs) and returns the manifest it wrote.
+///
+/// Errors: `InvalidOption`, `Corpus` (missing file, invalid UTF-8 with file and byte offset,
+/// bad JSON line with line number), `EmptyCorpus` (no text, or nothing tokenises), `TooSmall`
+/// (fewer sequences than shards, or NSP with one document), `Tokenizer` (vocabulary larger
+/// than `model_vocab_size`, training/loading failures), `Shard`, `Spill`, `Io`.
+pub fn prepare(options: &PrepareOptions) -> Result<PreparedManifest, PrepareError> {
+    let started = Instant::now();
+    validate(options)?;
+    let files = resolve_inputs(&options.corpus)?;
+    let total_bytes: u64 = files
+        .iter()
+        .filter_map(|f| std::fs::metadata(f).ok())
+        .map(|m| m.len())
+        .sum();
+    std::fs::create_dir_all(&options.out_dir).map_err(|source| PrepareError::Io {
+        path: options.out_dir.clone(),
+        source,
+    })?;
+
+    let t0 = Instant::now();
+    let tokenizer = load_or_train(&files, options, total_bytes)?;
+    let train_vocab_s = match options.vocab {
+        VocabSource::Train { .. } => t0.elapsed().as_secs_f64(),
+        VocabSource::File { .. } => 0.0,
+    };
+    tracing::info!(vocab_size = tokenizer.vocab_size(), "vocabulary ready");
+
+    let t1 = Instant::now();
+    let bar = progress_bar(options.show_progress, total_bytes, "tokenizing");
+    let (docs, stats) = tokenize_corpus(
+        files.clone(),
+        options.skip_invalid_lines,
+        &tokenizer,
+        options.threads,
+        &options.out_dir,
+        &bar,
+    )?;
+    bar.finish_and_clear();
+    let tokenize_s = t1.elapsed().as_secs_f64();
+    if stats.lines == 0 {
+        return Err(PrepareError::EmptyCorpus {
+            reason: format!(
+                "no text lines in {}",
+                files
+                    .iter()
+                    .map(|f| f.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        });
+    }
+    if stats.tokens == 0 {
+        return Err(PrepareError::EmptyCorpus {
+            reason: format!(
+                "all {} lines tokenise to nothing (whitespace, control or zero-width characters)",
+                stats.lines
+            ),
+        });
+    }
+
+    let t2 = Instant::now();
+    let (instances, lengths) = build_instances(&docs, options, &tokenizer)?;
+    drop(docs);
+    let s = instances.len() as u64;
+    let mut order: Vec<u64> = (0..s).collect();
+    order.shuffle(&mut rng_for(options.seed, STREAM_SHUFFLE));
+    let mut heldout = (s as f64 * options.heldout_fraction).round() as u64;
+    if options.heldout_fraction > 0.0 {
+        heldout = heldout.max(1);
+    }
+    let n = s.saturating_sub(heldout);
+    if n < options.shards as u64 {
+        return Err(PrepareError::TooSmall {
+            reason: format!(
+                "{s} sequences of at most {} tokens ({heldout} held out) cannot fill {} shards; \
+                 use fewer shards, a smaller heldout fraction or more text",
+                options.max_seq_length, options.shards
+            ),
+        });
+    }
+    let (held, train) = order.split_at(heldout as usize);
+    let train_lengths: Vec<u64> = train
+        .iter()
+        .map(|&i| u64::from(lengths[i as usize]))
+        .collect();
+    let starts = shard_starts(&train_lengths, options.shards);
+    let mut shards = Vec::with_capacity(options.shards);
+    for (k, &start) in starts.iter().enumerate() {
+        let end = starts.get(k + 1).copied().unwrap_or(train.len());
+        let path = options.out_dir.join(shard_file_name(k));
+        shards.push(write_shard(
+            &path,
+            &tokenizer,
+            &instances,
+            &train[start..end],
+            start as u64,
+        )?);
+    }
+    let heldout_entry = write_shard(
+        &options.out_dir.join(HELDOUT_FILE),
+        &tokenizer,
+        &instances,
+        held,
+        0,
+    )?;
+    drop(instances);
+    remove_stale_shards(&options.out_dir, options.shards);
+    tokenizer.save(&options.out_dir)?;
+    let write_s = t2.elapsed().as_secs_f64();
+
+    let manifest = PreparedManifest {
+        version: MANIFEST_VERSION,
+        objective: options.objective,
+        max_seq_length: options.max_seq_length,
+        seed: options.seed,
+        short_seq_prob: options.short_seq_prob,
+        heldout_fraction: options.heldout_fraction,
+        lowercase: tokenizer.lowercase(),
+        vocab_size: tokenizer.vocab_size(),
+        vocab_hash: tokenizer.vocab_hash_hex(),
+        special: tokenizer.special(),
+        corpus: CorpusStats {
+            files: files.iter().map(|f| f.display().to_string()).collect(),
+            bytes: stats.read.bytes,
+            documents: stats.documents,
+            sentences: stats.sentences,
+            tokens: stats.tokens,
+            dropped_lines: stats.dropped_lines,
+            skipped_invalid_lines: stats.read.skipped_invalid_lines,
+        },
+        total_sequences: n,
+        total_tokens: shards.iter().map(|e| e.tokens).sum(),
+        shards,
+        heldout: heldout_entry,
+        timings: PrepareTimings {
+            train_vocab_s,
+            tokenize_s,
+            write_s,
+            total_s: started.elapsed().as_secs_f64(),
+        },
+    };
+    let json = serde_json::to_string_pretty(&manifest).map_err(|e| PrepareError::BadManifest {
+        path: options.out_dir.join(MANIFEST_FILE),
+        reason: e.to_string(),
+    })?;
+    keel_proto::tokenizer::write_atomic(&options.out_dir.join(MANIFEST_FILE), json.as_bytes())?;
+    Ok(manifest)
+}

@@ -1,0 +1,604 @@
+//! The sending side and the algorithm: ring reduce-scatter then all-gather, pipelined frame by
+//! frame (Patarasuk and Yuan, JPDC 2009, section 3; the schedule Horovod and NCCL use).
+//!
+//! Shapes: the buffer is `[len]` f32, cut by [`chunk_plan`] into `n = world_size` chunks and each
+//! chunk into frames of at most `frame_bytes / 4` elements ([`frame_plan`]).
+//!
+//! A frame is forwarded as soon as it is reduced, so ring step `t + 1` of frame `k` overlaps
+//! ring step `t` of frame `k + 1`: sending, receiving and adding run at the same time. Each
+//! element's sum is always formed in the same order (starting at the chunk's owner and going
+//! around the ring), so results are bit-identical on every run, and the all-gather copies the
+//! finished chunks, so every rank ends with the same bytes.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use keel_proto::ring_rpc::RingFrame;
+use keel_proto::ring_rpc::ring_client::RingClient;
+
+use super::link::LinkStream;
+use tokio::time::{Instant, sleep, sleep_until, timeout_at};
+use tonic::Code;
+use tonic::transport::Endpoint;
+
+use super::error::AllReduceError;
+use super::mailbox::{InboundFrame, MAX_FRAME_BYTES, Mailbox};
+use super::plan::{chunk_plan, frame_count, frame_plan, recv_chunk, send_chunk};
+use super::service::MAX_MESSAGE_BYTES;
+use super::{CONNECTION_WINDOW_BYTES, H2_MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
+
+/// Frames in flight per stream of the link to the right neighbour.
+const IN_FLIGHT_PER_STREAM: usize = 8;
+
+/// How one worker takes part in a ring. Every rank of a generation gets the same `job_id`,
+/// `generation`, `world_size` and `peers`; `frame_bytes` must match too (frames are checked
+/// against the receiver's plan).
+#[derive(Clone, Debug)]
+pub struct RingConfig {
+    /// The job; frames of other jobs are refused.
+    pub job_id: String,
+    /// Membership generation; frames of older generations are refused.
+    pub generation: u64,
+    /// This worker's rank, `0..world_size`.
+    pub rank: u32,
+    /// Number of ranks in the ring (>= 1).
+    pub world_size: u32,
+    /// Advertised `host:port` of every rank, index = rank, in ring order; rank r sends to
+    /// `peers[(r + 1) % world_size]`.
+    pub peers: Vec<String>,
+    /// HTTP/2 connections to the right neighbour (>= 1); frames are spread over them.
+    pub streams_per_link: usize,
+    /// Largest frame payload, bytes (a multiple of 4, at most 4 MiB); 256 KiB - 1 MiB works well.
+    pub frame_bytes: usize,
+    /// How long to wait for a peer without progress before failing (connecting, a frame from the
+    /// left, the right accepting a frame).
+    pub timeout: Duration,
+}
+
+impl RingConfig {
+    /// Checks the fields against each other.
+    ///
+    /// Errors: [`AllReduceError::InvalidConfig`] naming the field.
+    pub fn validate(&self) -> Result<(), AllReduceError> {
+        let bad = |reason: String| Err(AllReduceError::InvalidConfig { reason });
+        if self.world_size == 0 {
+            return bad("world_size must be at least 1".into());
+        }
+        if self.rank >= self.world_size {
+            return bad(format!(
+                "rank {} is not below world_size {}",
+                self.rank, self.world_size
+            ));
+        }
+        if self.peers.len() != self.world_size as usize {
+            return bad(format!(
+                "peers has {} addresses, expected world_size = {}",
+                self.peers.len(),
+                self.world_size
+            ));
+        }
+        if self.streams_per_link == 0 {
+            return bad("streams_per_link must be at least 1".into());
+        }
+        if self.frame_bytes < 4
+            || !self.frame_bytes.is_multiple_of(4)
+            || self.frame_bytes > MAX_FRAME_BYTES
+        {
+            return bad(format!(
+                "frame_bytes {} must be a positive multiple of 4 up to {MAX_FRAME_BYTES}",
+                self.frame_bytes
+            ));
+        }
+        if self.timeout.is_zero() {
+            return bad("timeout must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// One worker's membership in a ring: connections to its right neighbour, plus the mailbox where
+/// its left neighbour's frames arrive.
+pub struct Ring {
+    /// As given to [`Ring::connect`].
+    cfg: RingConfig,
+    /// Shared with the worker's ring service.
+    mailbox: Arc<Mailbox>,
+    /// `streams_per_link` streams, each on its own connection to the right neighbour (empty for
+    /// world size 1).
+    right: Vec<LinkStream>,
+    /// Round-robin cursor over `right`.
+    next_stream: AtomicUsize,
+}
+
+/// What is still to be sent for one frame.
+enum Payload {
+    /// Copy `data[range]` when sending (the rank's own chunk, or its finished chunk).
+    Local(Range<usize>),
+    /// Already encoded (a partial sum, or an all-gather frame passed on as received).
+    Ready(Bytes),
+}
+
+/// A frame waiting to be sent to the right neighbour.
+struct Outgoing {
+    /// Ring step the right neighbour receives it at.
+    ring_step: u32,
+    /// First element, index into the buffer.
+    offset: usize,
+    /// The elements.
+    payload: Payload,
+}
+
+impl Ring {
+    /// Joins the worker's mailbox to (job, generation) and opens `streams_per_link` connections to
+    /// the right neighbour, retrying until `timeout` while it starts up.
+    ///
+    /// Errors: [`AllReduceError::InvalidConfig`], [`AllReduceError::StaleGeneration`] (the mailbox
+    /// already serves a newer generation of this job), [`AllReduceError::PeerUnreachable`].
+    pub async fn connect(cfg: RingConfig, mailbox: Arc<Mailbox>) -> Result<Ring, AllReduceError> {
+        cfg.validate()?;
+        mailbox.join(&cfg.job_id, cfg.generation)?;
+        let mut right = Vec::new();
+        if cfg.world_size > 1 {
+            let (rank, addr) = right_neighbour(&cfg);
+            let unreachable = |reason: String| AllReduceError::PeerUnreachable {
+                rank,
+                addr: addr.to_string(),
+                step: 0,
+                bucket: 0,
+                reason,
+            };
+            let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+                .map_err(|e| unreachable(format!("bad address: {e}")))?
+                .connect_timeout(cfg.timeout)
+                .tcp_nodelay(true)
+                .initial_stream_window_size(STREAM_WINDOW_BYTES)
+                .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+                .max_frame_size(H2_MAX_FRAME_BYTES);
+            let deadline = Instant::now() + cfg.timeout;
+            for _ in 0..cfg.streams_per_link {
+                let mut backoff = Duration::from_millis(5);
+                let channel = loop {
+                    match timeout_at(deadline, endpoint.connect()).await {
+                        Ok(Ok(channel)) => break channel,
+                        Ok(Err(e)) if Instant::now() + backoff < deadline => {
+                            tracing::debug!(rank, addr, error = %e, "ring peer not up yet, retrying");
+                            sleep(backoff).await;
+                            backoff = (backoff * 2).min(Duration::from_millis(200));
+                        }
+                        Ok(Err(e)) => return Err(unreachable(format!("{e}: {e:?}"))),
+                        Err(_) => {
+                            return Err(unreachable(format!(
+                                "no connection within {:?}",
+                                cfg.timeout
+                            )));
+                        }
+                    }
+                };
+                right.push(LinkStream::spawn(
+                    RingClient::new(channel)
+                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                        .max_encoding_message_size(MAX_MESSAGE_BYTES),
+                ));
+            }
+        }
+        Ok(Ring {
+            cfg,
+            mailbox,
+            right,
+            next_stream: AtomicUsize::new(0),
+        })
+    }
+
+    /// The configuration this ring was connected with.
+    pub fn config(&self) -> &RingConfig {
+        &self.cfg
+    }
+
+    /// In-place sum of `data` (`[len]` f32) across all ranks. Every rank calls it with the same
+    /// (step, bucket) and the same `len`; on success every rank holds bit-identical sums.
+    /// World size 1 returns at once. Runs `2 (n - 1)` ring steps; each rank sends and receives
+    /// `2 (n - 1) / n * len * 4` bytes.
+    ///
+    /// Errors: [`AllReduceError::Timeout`] (the left neighbour sent nothing, or the right one
+    /// accepted nothing, for `timeout`), [`AllReduceError::PeerUnreachable`],
+    /// [`AllReduceError::LengthMismatch`], [`AllReduceError::BadFrame`],
+    /// [`AllReduceError::Transport`], [`AllReduceError::StaleGeneration`] (the worker joined a
+    /// newer generation meanwhile), [`AllReduceError::Duplicate`]. On error `data` holds partial
+    /// sums and must be restored by the caller (roll back the step).
+    pub async fn all_reduce_sum(
+        &self,
+        step: u64,
+        bucket: u32,
+        data: &mut [f32],
+    ) -> Result<(), AllReduceError> {
+        let n = self.cfg.world_size as usize;
+        if n == 1 {
+            return Ok(());
+        }
+        let rank = self.cfg.rank as usize;
+        let len = data.len();
+        let chunks = chunk_plan(len, n);
+        let frame_elems = self.cfg.frame_bytes / 4;
+        let ring_steps = 2 * (n - 1);
+        // One flag per expected incoming frame, ring step by ring step.
+        let mut first_frame = Vec::with_capacity(ring_steps);
+        let mut expected = 0usize;
+        for t in 0..ring_steps {
+            first_frame.push(expected);
+            expected += frame_count(&chunks[recv_chunk(rank, n, t)], frame_elems);
+        }
+        let mut seen = vec![false; expected];
+        let mut received = 0usize;
+
+        let mut inbox =
+            self.mailbox
+                .open(&self.cfg.job_id, self.cfg.generation, step, bucket, len)?;
+        let mut outbox: VecDeque<Outgoing> =
+            frame_plan(chunks[send_chunk(rank, n, 0)].clone(), frame_elems)
+                .map(|range| Outgoing {
+                    ring_step: 0,
+                    offset: range.start,
+                    payload: Payload::Local(range),
+                })
+                .collect();
+        let max_in_flight = self.right.len() * IN_FLIGHT_PER_STREAM;
+        let mut sends = FuturesUnordered::new();
+        let mut last_arrival = Instant::now();
+
+        while received < expected || !outbox.is_empty() || !sends.is_empty() {
+            while sends.len() < max_in_flight {
+                let Some(out) = outbox.pop_front() else { break };
+                let payload = match out.payload {
+                    Payload::Local(range) => f32s_to_bytes(&data[range]),
+                    Payload::Ready(bytes) => bytes,
+                };
+                sends.push(self.send(step, bucket, out.ring_step, len, out.offset, payload));
+            }
+            tokio::select! {
+                biased;
+                Some(sent) = sends.next(), if !sends.is_empty() => sent?,
+                frame = inbox.recv(), if received < expected => {
+                    let frame = frame.ok_or_else(|| AllReduceError::StaleGeneration {
+                        job_id: self.cfg.job_id.clone(),
+                        ours: self.cfg.generation,
+                        detail: "this worker joined another generation during the all-reduce".into(),
+                        step,
+                        bucket,
+                    })?;
+                    let slot = self.check_frame(step, bucket, &chunks, &first_frame, &frame)?;
+                    if std::mem::replace(&mut seen[slot.index], true) {
+                        return Err(self.bad_frame(step, bucket, &frame, "duplicate frame".into()));
+                    }
+                    received += 1;
+                    last_arrival = Instant::now();
+                    if let Some(out) = absorb(n, data, frame, slot.range) {
+                        outbox.push_back(out);
+                    }
+                }
+                () = sleep_until(last_arrival + self.cfg.timeout), if received < expected => {
+                    let (rank, addr) = left_neighbour(&self.cfg);
+                    return Err(AllReduceError::Timeout {
+                        rank,
+                        addr: addr.to_string(),
+                        step,
+                        bucket,
+                        waited: self.cfg.timeout,
+                        what: "a frame from the left neighbour",
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Finds where an incoming frame belongs in the plan.
+    fn check_frame(
+        &self,
+        step: u64,
+        bucket: u32,
+        chunks: &[Range<usize>],
+        first_frame: &[usize],
+        frame: &InboundFrame,
+    ) -> Result<FrameSlot, AllReduceError> {
+        let len = chunks.last().map_or(0, |c| c.end);
+        if frame.total_len != len as u64 {
+            let (rank, addr) = left_neighbour(&self.cfg);
+            return Err(AllReduceError::LengthMismatch {
+                rank,
+                addr: addr.to_string(),
+                step,
+                bucket,
+                expected: len,
+                got: frame.total_len,
+            });
+        }
+        let n = chunks.len();
+        let t = frame.ring_step as usize;
+        if t >= first_frame.len() {
+            return Err(self.bad_frame(step, bucket, frame, format!("ring step {t} out of range")));
+        }
+        let chunk = &chunks[recv_chunk(self.cfg.rank as usize, n, t)];
+        let frame_elems = self.cfg.frame_bytes / 4;
+        // `deliver` checked offset + elements <= total_len, so offset fits in usize here.
+        let offset = usize::try_from(frame.offset).unwrap_or(usize::MAX);
+        let elems = frame.data.len() / 4;
+        let aligned = offset >= chunk.start
+            && offset < chunk.end
+            && (offset - chunk.start).is_multiple_of(frame_elems);
+        let planned_end = offset.saturating_add(frame_elems).min(chunk.end);
+        if !aligned || offset + elems != planned_end {
+            return Err(self.bad_frame(
+                step,
+                bucket,
+                frame,
+                format!(
+                    "elements {offset}..{} at ring step {t} do not match a planned frame of chunk {chunk:?} ({frame_elems} f32 frames)",
+                    offset + elems
+                ),
+            ));
+        }
+        Ok(FrameSlot {
+            index: first_frame[t] + (offset - chunk.start) / frame_elems,
+            range: offset..planned_end,
+        })
+    }
+
+    fn bad_frame(
+        &self,
+        step: u64,
+        bucket: u32,
+        frame: &InboundFrame,
+        reason: String,
+    ) -> AllReduceError {
+        let (rank, addr) = left_neighbour(&self.cfg);
+        AllReduceError::BadFrame {
+            rank,
+            addr: addr.to_string(),
+            step,
+            bucket,
+            reason: format!("{reason} (frame says sender rank {})", frame.sender_rank),
+        }
+    }
+
+    /// Pushes one frame to the right neighbour, retrying while it is not reachable or has not
+    /// joined this generation yet, for at most `timeout`.
+    async fn send(
+        &self,
+        step: u64,
+        bucket: u32,
+        ring_step: u32,
+        total_len: usize,
+        offset: usize,
+        data: Bytes,
+    ) -> Result<(), AllReduceError> {
+        let stream = self.next_stream.fetch_add(1, Ordering::Relaxed) % self.right.len();
+        let link = &self.right[stream];
+        let frame = RingFrame {
+            job_id: self.cfg.job_id.clone(),
+            generation: self.cfg.generation,
+            step,
+            bucket,
+            sender_rank: self.cfg.rank,
+            ring_step,
+            total_len: total_len as u64,
+            offset: offset as u64,
+            data,
+        };
+        let (rank, addr) = right_neighbour(&self.cfg);
+        let deadline = Instant::now() + self.cfg.timeout;
+        let mut backoff = Duration::from_millis(1);
+        loop {
+            let status = match timeout_at(deadline, link.push(frame.clone())).await {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(status)) => status,
+                Err(_) => {
+                    return Err(AllReduceError::Timeout {
+                        rank,
+                        addr: addr.to_string(),
+                        step,
+                        bucket,
+                        waited: self.cfg.timeout,
+                        what: "the right neighbour to accept a frame",
+                    });
+                }
+            };
+            match status.code() {
+                // Not joined yet, or the connection is down: both may heal within the timeout.
+                Code::Unavailable | Code::Unknown | Code::Internal | Code::Cancelled => {
+                    if Instant::now() + backoff >= deadline {
+                        return Err(AllReduceError::PeerUnreachable {
+                            rank,
+                            addr: addr.to_string(),
+                            step,
+                            bucket,
+                            reason: format!("{:?}: {}", status.code(), status.message()),
+                        });
+                    }
+                    sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(100));
+                }
+                Code::FailedPrecondition => {
+                    return Err(AllReduceError::StaleGeneration {
+                        job_id: self.cfg.job_id.clone(),
+                        ours: self.cfg.generation,
+                        detail: format!(
+                            "ring peer rank {rank} at {addr} refused: {}",
+                            status.message()
+                        ),
+                        step,
+                        bucket,
+                    });
+                }
+                code => {
+                    return Err(AllReduceError::Transport {
+                        rank,
+                        addr: addr.to_string(),
+                        step,
+                        bucket,
+                        code,
+                        message: status.message().to_string(),
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Where a checked incoming frame goes.
+struct FrameSlot {
+    /// Index into the per-frame "seen" flags.
+    index: usize,
+    /// Its elements in the buffer.
+    range: Range<usize>,
+}
+
+/// Applies one incoming frame to `data` and returns what to pass on to the right neighbour.
+///
+/// Reduce-scatter step `t < n - 2`: send `local + incoming` on (the local slice is not needed
+/// again before the all-gather overwrites it). Step `n - 2`: the sum is final; keep it and send
+/// it as all-gather step 0. All-gather: copy, and pass the received bytes on unchanged unless
+/// this was the last step.
+fn absorb(
+    n: usize,
+    data: &mut [f32],
+    frame: InboundFrame,
+    range: Range<usize>,
+) -> Option<Outgoing> {
+    let t = frame.ring_step as usize;
+    let next = frame.ring_step + 1;
+    let local = &mut data[range.clone()];
+    if t + 2 < n {
+        Some(Outgoing {
+            ring_step: next,
+            offset: range.start,
+            payload: Payload::Ready(sum_to_bytes(local, &frame.data)),
+        })
+    } else if t + 2 == n {
+        // Keep the final sum and encode it for the all-gather in one pass.
+        Some(Outgoing {
+            ring_step: next,
+            offset: range.start,
+            payload: Payload::Ready(sum_store_to_bytes(local, &frame.data)),
+        })
+    } else {
+        copy_le(local, &frame.data);
+        (t + 1 < 2 * (n - 1)).then(|| Outgoing {
+            ring_step: next,
+            offset: range.start,
+            payload: Payload::Ready(frame.data),
+        })
+    }
+}
+
+/// Elements decoded per block by [`for_each_block`] (a 2 KiB stack buffer).
+const BLOCK: usize = 512;
+
+/// Calls `f(start, block)` for consecutive blocks of `incoming` (little-endian f32 bytes)
+/// decoded into an aligned stack buffer, so the arithmetic runs on plain `f32` slices (the
+/// frame's bytes sit at any alignment inside tonic's receive buffer).
+fn for_each_block(incoming: &[u8], mut f: impl FnMut(usize, &[f32])) {
+    let mut buf = [0.0f32; BLOCK];
+    for (i, bytes) in incoming.chunks(BLOCK * 4).enumerate() {
+        let block = &mut buf[..bytes.len() / 4];
+        for (x, b) in block.iter_mut().zip(bytes.chunks_exact(4)) {
+            *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        f(i * BLOCK, block);
+    }
+}
+
+/// `local[i] + incoming[i]` as little-endian bytes (`incoming`: `local.len() * 4` bytes).
+fn sum_to_bytes(local: &[f32], incoming: &[u8]) -> Bytes {
+    let mut sums = Vec::with_capacity(local.len());
+    for_each_block(incoming, |start, block| {
+        let mine = &local[start..start + block.len()];
+        sums.extend(mine.iter().zip(block).map(|(a, b)| a + b));
+    });
+    f32_vec_to_bytes(sums)
+}
+
+/// `local[i] += incoming[i]`, returning the new `local` as little-endian bytes too.
+fn sum_store_to_bytes(local: &mut [f32], incoming: &[u8]) -> Bytes {
+    for_each_block(incoming, |start, block| {
+        for (a, b) in local[start..start + block.len()].iter_mut().zip(block) {
+            *a += b;
+        }
+    });
+    f32s_to_bytes(local)
+}
+
+/// A `Vec<f32>` viewed as its bytes (little-endian machines), without copying.
+#[cfg(target_endian = "little")]
+struct F32Bytes(Vec<f32>);
+
+#[cfg(target_endian = "little")]
+impl AsRef<[u8]> for F32Bytes {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: f32 has no padding and every bit pattern is valid u8s; u8 needs no alignment.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast::<u8>(), self.0.len() * 4) }
+    }
+}
+
+/// `values` as little-endian bytes, without a copy on little-endian machines.
+fn f32_vec_to_bytes(values: Vec<f32>) -> Bytes {
+    #[cfg(target_endian = "little")]
+    {
+        Bytes::from_owner(F32Bytes(values))
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        f32s_to_bytes(&values)
+    }
+}
+
+/// `local[i] = incoming[i]` (a memcpy on little-endian machines).
+fn copy_le(local: &mut [f32], incoming: &[u8]) {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: any bytes are a valid f32; the view covers exactly `local`'s memory.
+        let raw = unsafe {
+            std::slice::from_raw_parts_mut(local.as_mut_ptr().cast::<u8>(), local.len() * 4)
+        };
+        raw.copy_from_slice(incoming);
+    }
+    #[cfg(not(target_endian = "little"))]
+    for_each_block(incoming, |start, block| {
+        local[start..start + block.len()].copy_from_slice(block);
+    });
+}
+
+/// `values` as little-endian bytes (one memcpy).
+fn f32s_to_bytes(values: &[f32]) -> Bytes {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: every f32 is 4 initialised bytes and u8 has no alignment requirement; on a
+        // little-endian machine these are exactly the wire bytes.
+        let raw =
+            unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), values.len() * 4) };
+        Bytes::copy_from_slice(raw)
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        let mut out = Vec::with_capacity(values.len() * 4);
+        for v in values {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        Bytes::from(out)
+    }
+}
+
+fn right_neighbour(cfg: &RingConfig) -> (u32, &str) {
+    let rank = (cfg.rank + 1) % cfg.world_size;
+    (rank, cfg.peers[rank as usize].as_str())
+}
+
+fn left_neighbour(cfg: &RingConfig) -> (u32, &str) {
+    let rank = (cfg.rank + cfg.world_size - 1) % cfg.world_size;
+    (rank, cfg.peers[rank as usize].as_str())
+}

@@ -1,0 +1,337 @@
+//! Multi-head scaled dot-product self-attention (Vaswani et al. 2017, section 3.2.1-3.2.2;
+//! HF: `BertSelfAttention`), from already projected `q`, `k`, `v`.
+//!
+//! Shapes: `q`, `k`, `v`, `ctx` `[n, c]` with head `j` in columns `j*d..(j+1)*d`; `mask` `[b, t]`
+//! (1 = real token); `probs` `[b, h, t, t]`.
+//!
+//! Per sequence and head: `S = Q K^T / sqrt(d)`, keys at padding get HF's additive
+//! `finfo.min`, i.e. probability exactly 0; `P = softmax(S)`; `P' = dropout(P)`;
+//! `ctx = P' V`. Each (sequence, head) GEMM works on row-strided views of `q`, `k`, `v`,
+//! `ctx`: no reshapes, no copies.
+
+use super::Element;
+use super::dropout::{DropoutKey, Mask, Site};
+use super::element::grow;
+use super::gemm::{gemm, mat_mut};
+use super::parallel;
+use ndarray::{ArrayView2, ArrayViewMut2, s};
+
+/// Dimensions and dropout of one attention call.
+pub(crate) struct AttentionDims<'a> {
+    /// Sequences `b`.
+    pub b: usize,
+    /// Tokens per sequence `t`.
+    pub t: usize,
+    /// Heads `h`.
+    pub h: usize,
+    /// Head size `d`.
+    pub d: usize,
+    /// Padding mask `[b, t]`.
+    pub mask: &'a [u8],
+    /// Training-mode dropout: key, sample ids `[b]`, layer index, probability.
+    pub dropout: Option<(DropoutKey, &'a [u64], usize, f64)>,
+    /// Stride of the dropout element index (`max_position_embeddings`), so masks do not
+    /// depend on the padded length.
+    pub max_positions: usize,
+}
+
+impl<'a> AttentionDims<'a> {
+    /// The dimensions of sequences `r` alone.
+    fn part(&self, r: &std::ops::Range<usize>) -> AttentionDims<'a> {
+        AttentionDims {
+            b: r.len(),
+            t: self.t,
+            h: self.h,
+            d: self.d,
+            mask: &self.mask[r.start * self.t..r.end * self.t],
+            dropout: self
+                .dropout
+                .map(|(key, ids, layer, p)| (key, &ids[r.start..r.end], layer, p)),
+            max_positions: self.max_positions,
+        }
+    }
+
+    fn c(&self) -> usize {
+        self.h * self.d
+    }
+
+    fn mask_of(&self, bi: usize) -> Option<Mask> {
+        self.dropout
+            .map(|(key, ids, layer, p)| Mask::new(key, ids[bi], layer, Site::AttentionProbs, p))
+    }
+
+    /// Applies the attention-probs dropout of sequence `bi`, head `j` to a `[t, t]` block.
+    fn drop_block<A: Element>(&self, mask: &Mask, j: usize, block: &mut [A]) {
+        let (t, pmax) = (self.t as u64, self.max_positions as u64);
+        for (q, row) in block.chunks_exact_mut(self.t).enumerate() {
+            mask.apply(row, (j as u64 * pmax + q as u64) * pmax);
+            debug_assert!(t <= pmax);
+        }
+    }
+}
+
+fn head<'a, A>(x: &'a [A], dims: &AttentionDims<'_>, bi: usize, j: usize) -> ArrayView2<'a, A> {
+    let (t, c, d) = (dims.t, dims.c(), dims.d);
+    ArrayView2::from_shape((dims.b * t, c), &x[..dims.b * t * c])
+        .expect("[n, c] buffer")
+        .slice_move(s![bi * t..(bi + 1) * t, j * d..(j + 1) * d])
+}
+
+fn head_mut<'a, A>(
+    x: &'a mut [A],
+    dims: &AttentionDims<'_>,
+    bi: usize,
+    j: usize,
+) -> ArrayViewMut2<'a, A> {
+    let (t, c, d) = (dims.t, dims.c(), dims.d);
+    ArrayViewMut2::from_shape((dims.b * t, c), &mut x[..dims.b * t * c])
+        .expect("[n, c] buffer")
+        .slice_move(s![bi * t..(bi + 1) * t, j * d..(j + 1) * d])
+}
+
+/// Fills `probs` `[b, h, t, t]` (before dropout) and `ctx` `[n, c]`, the sequences split
+/// among the model's threads. `scratch` grows to `threads * t * t`.
+pub(crate) fn forward<A: Element>(
+    ctx: &mut [A],
+    probs: &mut [A],
+    scratch: &mut Vec<A>,
+    q: &[A],
+    k: &[A],
+    v: &[A],
+    dims: &AttentionDims<'_>,
+) {
+    let (t, c, h) = (dims.t, dims.c(), dims.h);
+    let parts = parallel::split(dims.b, parallel::threads());
+    let scratch = grow(scratch, parts.len() * t * t);
+    let mut work = Vec::with_capacity(parts.len());
+    let (mut ctx, mut probs, mut scratch) = (
+        &mut ctx[..dims.b * t * c],
+        &mut probs[..dims.b * h * t * t],
+        scratch,
+    );
+    for r in parts {
+        let (ctx_part, ctx_rest) = ctx.split_at_mut(r.len() * t * c);
+        let (probs_part, probs_rest) = probs.split_at_mut(r.len() * h * t * t);
+        let (scratch_part, scratch_rest) = scratch.split_at_mut(t * t);
+        (ctx, probs, scratch) = (ctx_rest, probs_rest, scratch_rest);
+        work.push((r, ctx_part, probs_part, scratch_part));
+    }
+    parallel::run_with_single_threaded_blas(work, |(r, ctx, probs, scratch)| {
+        let rows = r.start * t * c..r.end * t * c;
+        let local = dims.part(&r);
+        forward_seqs(
+            ctx,
+            probs,
+            scratch,
+            &q[rows.clone()],
+            &k[rows.clone()],
+            &v[rows],
+            &local,
+        );
+    });
+}
+
+fn forward_seqs<A: Element>(
+    ctx: &mut [A],
+    probs: &mut [A],
+    scratch: &mut [A],
+    q: &[A],
+    k: &[A],
+    v: &[A],
+    dims: &AttentionDims<'_>,
+) {
+    let (b, t, h, d) = (dims.b, dims.t, dims.h, dims.d);
+    let n = b * t;
+    let ctx = &mut ctx[..n * dims.c()];
+    let scale = A::one() / A::of(d as f64).sqrt();
+    for bi in 0..b {
+        let keys = &dims.mask[bi * t..(bi + 1) * t];
+        let mask = dims.mask_of(bi);
+        for j in 0..h {
+            let block = &mut probs[(bi * h + j) * t * t..(bi * h + j + 1) * t * t];
+            let qh = head(q, dims, bi, j);
+            let kh = head(k, dims, bi, j);
+            gemm(scale, &qh, &kh.t(), A::zero(), &mut mat_mut(block, t, t));
+            for row in block.chunks_exact_mut(t) {
+                masked_softmax(row, keys);
+            }
+            let vh = head(v, dims, bi, j);
+            let mut out = head_mut(ctx, dims, bi, j);
+            match &mask {
+                Some(m) => {
+                    let dropped = &mut scratch[..t * t];
+                    dropped.copy_from_slice(block);
+                    dims.drop_block(m, j, dropped);
+                    gemm(
+                        A::one(),
+                        &super::gemm::mat(dropped, t, t),
+                        &vh,
+                        A::zero(),
+                        &mut out,
+                    );
+                }
+                None => gemm(
+                    A::one(),
+                    &super::gemm::mat(block, t, t),
+                    &vh,
+                    A::zero(),
+                    &mut out,
+                ),
+            }
+        }
+    }
+}
+
+/// Softmax over the keys with `keys[k] != 0`; padded keys get exactly 0 (HF adds `finfo.min`,
+/// whose `exp` underflows to 0). A row with no real key falls back to all keys.
+fn masked_softmax<A: Element>(row: &mut [A], keys: &[u8]) {
+    let all_real = keys.iter().all(|&m| m != 0);
+    let any_real = keys.iter().any(|&m| m != 0);
+    if all_real || !any_real {
+        let max = A::max_of(row);
+        let inv = A::one() / A::exp_shifted_sum(row, max);
+        row.iter_mut().for_each(|s| *s *= inv);
+        return;
+    }
+    let mut max = A::neg_infinity();
+    for (&s, &m) in row.iter().zip(keys) {
+        if m != 0 && s > max {
+            max = s;
+        }
+    }
+    A::exp_shifted_sum(row, max);
+    let mut sum = A::zero();
+    for (s, &m) in row.iter_mut().zip(keys) {
+        if m == 0 {
+            *s = A::zero();
+        }
+        sum += *s;
+    }
+    let inv = A::one() / sum;
+    row.iter_mut().for_each(|s| *s *= inv);
+}
+
+/// Given `dctx` `[n, c]`: writes `dq`, `dk`, `dv` `[n, c]`, the sequences split among the
+/// model's threads. `scratch` grows to `threads * 2 * t * t`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward<A: Element>(
+    dq: &mut [A],
+    dk: &mut [A],
+    dv: &mut [A],
+    scratch: &mut Vec<A>,
+    dctx: &[A],
+    probs: &[A],
+    q: &[A],
+    k: &[A],
+    v: &[A],
+    dims: &AttentionDims<'_>,
+) {
+    let (t, c, h) = (dims.t, dims.c(), dims.h);
+    let parts = parallel::split(dims.b, parallel::threads());
+    let scratch = grow(scratch, parts.len() * 2 * t * t);
+    let mut work = Vec::with_capacity(parts.len());
+    let n = dims.b * t * c;
+    let (mut dq, mut dk, mut dv, mut scratch) = (&mut dq[..n], &mut dk[..n], &mut dv[..n], scratch);
+    for r in parts {
+        let len = r.len() * t * c;
+        let (dq_part, dq_rest) = dq.split_at_mut(len);
+        let (dk_part, dk_rest) = dk.split_at_mut(len);
+        let (dv_part, dv_rest) = dv.split_at_mut(len);
+        let (scratch_part, scratch_rest) = scratch.split_at_mut(2 * t * t);
+        (dq, dk, dv, scratch) = (dq_rest, dk_rest, dv_rest, scratch_rest);
+        work.push((r, dq_part, dk_part, dv_part, scratch_part));
+    }
+    parallel::run_with_single_threaded_blas(work, |(r, dq, dk, dv, scratch)| {
+        let rows = r.start * t * c..r.end * t * c;
+        let local = dims.part(&r);
+        let p = &probs[r.start * h * t * t..r.end * h * t * t];
+        backward_seqs(
+            dq,
+            dk,
+            dv,
+            scratch,
+            &dctx[rows.clone()],
+            p,
+            &q[rows.clone()],
+            &k[rows.clone()],
+            &v[rows],
+            &local,
+        );
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_seqs<A: Element>(
+    dq: &mut [A],
+    dk: &mut [A],
+    dv: &mut [A],
+    scratch: &mut [A],
+    dctx: &[A],
+    probs: &[A],
+    q: &[A],
+    k: &[A],
+    v: &[A],
+    dims: &AttentionDims<'_>,
+) {
+    let (b, t, h, d) = (dims.b, dims.t, dims.h, dims.d);
+    let scale = A::one() / A::of(d as f64).sqrt();
+    let (dropped, dp) = scratch[..2 * t * t].split_at_mut(t * t);
+    for bi in 0..b {
+        let mask = dims.mask_of(bi);
+        for j in 0..h {
+            let p = &probs[(bi * h + j) * t * t..(bi * h + j + 1) * t * t];
+            let dctx_h = head(dctx, dims, bi, j);
+            // dV = P'^T dctx
+            let p_used = match &mask {
+                Some(m) => {
+                    dropped.copy_from_slice(p);
+                    dims.drop_block(m, j, dropped);
+                    &*dropped
+                }
+                None => p,
+            };
+            gemm(
+                A::one(),
+                &super::gemm::mat(p_used, t, t).t(),
+                &dctx_h,
+                A::zero(),
+                &mut head_mut(dv, dims, bi, j),
+            );
+            // dP' = dctx V^T, then dP through the same dropout mask.
+            let vh = head(v, dims, bi, j);
+            gemm(
+                A::one(),
+                &dctx_h,
+                &vh.t(),
+                A::zero(),
+                &mut mat_mut(dp, t, t),
+            );
+            if let Some(m) = &mask {
+                dims.drop_block(m, j, dp);
+            }
+            // Softmax backward: dS = P * (dP - sum_k dP * P).
+            for (dp_row, p_row) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+                let dot: A = dp_row.iter().zip(p_row).map(|(&a, &b)| a * b).sum();
+                for (g, &pv) in dp_row.iter_mut().zip(p_row) {
+                    *g = pv * (*g - dot);
+                }
+            }
+            let ds = super::gemm::mat(dp, t, t);
+            // dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d)
+            gemm(
+                scale,
+                &ds,
+                &head(k, dims, bi, j),
+                A::zero(),
+                &mut head_mut(dq, dims, bi, j),
+            );
+            gemm(
+                scale,
+                &ds.t(),
+                &head(q, dims, bi, j),
+                A::zero(),
+                &mut head_mut(dk, dims, bi, j),
+            );
+        }
+    }
+}

@@ -1,0 +1,561 @@
+//! The whole model over one flat parameter buffer (HF: `BertForMaskedLM`,
+//! `BertForPreTraining`): embeddings, `L` encoder layers, the MLM head at the masked positions
+//! and, for PreTraining, the NSP head.
+//!
+//! Shapes: `b` sequences, `t` tokens per sequence, `n = b * t`, `c` hidden, `m` masked
+//! positions, `v` vocabulary.
+
+use std::ops::Range;
+
+use ndarray::Array2;
+
+use keel_proto::config::BertConfig;
+use keel_proto::params::{Heads, ParamLayout};
+
+use super::dropout::DropoutKey;
+use super::element::grow;
+use super::embeddings::{Embeddings, EmbeddingsCache, TokenInputs};
+use super::encoder_layer::{EncoderLayer, LayerCache, LayerInputs, LayerScratch};
+use super::loss::cross_entropy;
+use super::mlm_head::{MlmCache, MlmHead};
+use super::nsp_head::{NspCache, NspHead};
+use super::{Element, LossSums, ModelError, StepOptions};
+use crate::batch::Batch;
+
+/// BERT with its heads, generic over f32 (training) and f64 (exactness checks). Holds no
+/// parameters, only their layout and the activation buffers it reuses from step to step
+/// (they grow to the largest batch seen and never shrink).
+#[derive(Debug)]
+pub struct Bert<A: Element> {
+    config: BertConfig,
+    heads: Heads,
+    layout: ParamLayout,
+    embeddings: Embeddings,
+    layers: Vec<EncoderLayer>,
+    mlm: MlmHead,
+    nsp: Option<NspHead>,
+    /// Gradient ranges in the order backward finishes them (see `forward_backward`).
+    ready: ReadyRanges,
+    state: State<A>,
+}
+
+/// The flat-buffer ranges that become final together during the backward.
+#[derive(Debug, Clone)]
+struct ReadyRanges {
+    /// Pooler and `cls.*`: final once the heads' backward is done.
+    heads: Range<usize>,
+    /// Layer `l`'s parameters.
+    layers: Vec<Range<usize>>,
+    /// The embeddings (word embeddings too: their decoder share is added by the MLM head).
+    embeddings: Range<usize>,
+}
+
+/// Activations and scratch, reused across steps.
+#[derive(Debug, Default)]
+struct State<A> {
+    emb: EmbeddingsCache<A>,
+    /// Hidden states `[L + 1][n, c]`: embeddings output, then each layer's output.
+    hidden: Vec<Vec<A>>,
+    layers: Vec<LayerCache<A>>,
+    scratch: LayerScratch<A>,
+    /// `[n, c]` scratch.
+    tmp: Vec<A>,
+    /// `t * t` scratch.
+    attn: Vec<A>,
+    /// Gradient w.r.t. the hidden states, `[n, c]` x 2 (ping-pong through the layers).
+    dhidden: [Vec<A>; 2],
+    mlm: MlmCache<A>,
+    nsp: NspCache<A>,
+}
+
+/// Everything the eval forward computes, for comparing with HF (eval mode, no dropout).
+#[derive(Debug, Clone)]
+pub struct ForwardOutputs<A> {
+    /// HF's `hidden_states`: embeddings output then each layer's output, each `[n, c]`.
+    pub hidden_states: Vec<Array2<A>>,
+    /// MLM logits at every position `[n, v]`.
+    pub logits: Array2<A>,
+    /// NSP logits `[b, 2]` (PreTraining only).
+    pub seq_relationship_logits: Option<Array2<A>>,
+}
+
+/// Token inputs after checking, as flat slices.
+struct Tokens<'a> {
+    ids: &'a [u32],
+    types: &'a [u32],
+    mask: &'a [u8],
+    b: usize,
+    t: usize,
+}
+
+impl<A: Element> Bert<A> {
+    /// A model for `config` (validated) with the given heads.
+    ///
+    /// Errors: [`ModelError::Config`] if the config is invalid.
+    pub fn new(config: &BertConfig, heads: Heads) -> Result<Bert<A>, ModelError> {
+        config.validate()?;
+        let layout = ParamLayout::bert(config, heads);
+        let layers: Vec<EncoderLayer> = (0..config.num_hidden_layers)
+            .map(|l| EncoderLayer::new(config, &layout, l))
+            .collect();
+        let range_of = |first: &str, last: &str| -> Range<usize> {
+            let (a, b) = (
+                super::linear::find(&layout, first),
+                super::linear::find(&layout, last),
+            );
+            a.offset..b.offset + b.len
+        };
+        let heads_first = match heads {
+            Heads::MaskedLm => "cls.predictions.bias",
+            Heads::PreTraining => "bert.pooler.dense.weight",
+        };
+        let ready = ReadyRanges {
+            heads: super::linear::find(&layout, heads_first).offset..layout.total_len(),
+            layers: (0..config.num_hidden_layers)
+                .map(|l| {
+                    range_of(
+                        &format!("bert.encoder.layer.{l}.attention.self.query.weight"),
+                        &format!("bert.encoder.layer.{l}.output.LayerNorm.bias"),
+                    )
+                })
+                .collect(),
+            embeddings: range_of(
+                "bert.embeddings.word_embeddings.weight",
+                "bert.embeddings.LayerNorm.bias",
+            ),
+        };
+        let state = State {
+            hidden: (0..=config.num_hidden_layers).map(|_| Vec::new()).collect(),
+            layers: (0..config.num_hidden_layers)
+                .map(|_| LayerCache::default())
+                .collect(),
+            ..State::default()
+        };
+        Ok(Bert {
+            embeddings: Embeddings::new(config, &layout),
+            mlm: MlmHead::new(config, &layout),
+            nsp: (heads == Heads::PreTraining).then(|| NspHead::new(&layout)),
+            config: config.clone(),
+            heads,
+            layout,
+            layers,
+            ready,
+            state,
+        })
+    }
+
+    /// The parameter layout this model reads its flat buffers with.
+    pub fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    /// The config the model was built from.
+    pub fn config(&self) -> &BertConfig {
+        &self.config
+    }
+
+    /// The heads on the encoder.
+    pub fn heads(&self) -> Heads {
+        self.heads
+    }
+
+    fn check_buffer(&self, buffer: &'static str, len: usize) -> Result<(), ModelError> {
+        if len != self.layout.total_len() {
+            return Err(ModelError::BufferLength {
+                buffer,
+                expected: self.layout.total_len(),
+                got: len,
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks ids and shapes of token inputs.
+    fn check_tokens(
+        &self,
+        ids: &[u32],
+        types: &[u32],
+        mask: &[u8],
+        b: usize,
+        t: usize,
+    ) -> Result<(), ModelError> {
+        if t > self.config.max_position_embeddings {
+            return Err(ModelError::SequenceTooLong {
+                seq_len: t,
+                max: self.config.max_position_embeddings,
+            });
+        }
+        for (field, len) in [
+            ("token_type_ids", types.len()),
+            ("attention_mask", mask.len()),
+        ] {
+            if len != b * t {
+                return Err(ModelError::ShapeMismatch {
+                    field,
+                    expected: vec![b, t],
+                    got: vec![len],
+                });
+            }
+        }
+        check_ids("input_ids", ids, self.config.vocab_size)?;
+        check_ids("token_type_ids", types, self.config.type_vocab_size)?;
+        Ok(())
+    }
+
+    fn check_batch(&self, batch: &Batch, need_sample_ids: bool) -> Result<(), ModelError> {
+        let (b, t) = (batch.batch_size(), batch.seq_len());
+        for (field, dim) in [
+            ("token_type_ids", batch.token_type_ids.dim()),
+            ("attention_mask", batch.attention_mask.dim()),
+        ] {
+            if dim != (b, t) {
+                return Err(ModelError::ShapeMismatch {
+                    field,
+                    expected: vec![b, t],
+                    got: vec![dim.0, dim.1],
+                });
+            }
+        }
+        if batch.masked_labels.len() != batch.masked_positions.len() {
+            return Err(ModelError::ShapeMismatch {
+                field: "masked_labels",
+                expected: vec![batch.masked_positions.len()],
+                got: vec![batch.masked_labels.len()],
+            });
+        }
+        for (index, &p) in batch.masked_positions.iter().enumerate() {
+            if p >= b * t {
+                return Err(ModelError::OutOfRange {
+                    field: "masked_positions",
+                    index,
+                    value: p,
+                    limit: b * t,
+                });
+            }
+        }
+        check_ids(
+            "masked_labels",
+            &batch.masked_labels,
+            self.config.vocab_size,
+        )?;
+        if need_sample_ids && batch.sample_ids.len() != b {
+            return Err(ModelError::ShapeMismatch {
+                field: "sample_ids",
+                expected: vec![b],
+                got: vec![batch.sample_ids.len()],
+            });
+        }
+        if self.nsp.is_some() {
+            let labels = batch
+                .next_sentence_labels
+                .as_ref()
+                .ok_or(ModelError::MissingNextSentenceLabels)?;
+            if labels.len() != b {
+                return Err(ModelError::ShapeMismatch {
+                    field: "next_sentence_labels",
+                    expected: vec![b],
+                    got: vec![labels.len()],
+                });
+            }
+            check_ids("next_sentence_labels", labels, 2)?;
+        }
+        Ok(())
+    }
+
+    fn tokens<'a>(&self, batch: &'a Batch) -> Result<Tokens<'a>, ModelError> {
+        let (b, t) = (batch.batch_size(), batch.seq_len());
+        let tokens = Tokens {
+            ids: as_flat("input_ids", &batch.input_ids)?,
+            types: as_flat("token_type_ids", &batch.token_type_ids)?,
+            mask: as_flat("attention_mask", &batch.attention_mask)?,
+            b,
+            t,
+        };
+        self.check_tokens(tokens.ids, tokens.types, tokens.mask, b, t)?;
+        Ok(tokens)
+    }
+
+    /// Embeddings and encoder: fills `state.hidden[0..=L]`.
+    fn encode(&mut self, params: &[A], tok: &Tokens<'_>, dropout: Option<(DropoutKey, &[u64])>) {
+        let (n, c) = (tok.b * tok.t, self.config.hidden_size);
+        let st = &mut self.state;
+        let inputs = TokenInputs {
+            input_ids: tok.ids,
+            token_type_ids: tok.types,
+            b: tok.b,
+            t: tok.t,
+            dropout,
+        };
+        let sum = grow(&mut st.tmp, n * c);
+        let h0 = grow(&mut st.hidden[0], n * c);
+        self.embeddings
+            .forward(h0, &mut st.emb, sum, &inputs, params);
+        let layer_inputs = LayerInputs {
+            b: tok.b,
+            t: tok.t,
+            mask: tok.mask,
+            dropout,
+        };
+        for (l, layer) in self.layers.iter().enumerate() {
+            let (before, after) = st.hidden.split_at_mut(l + 1);
+            let y = grow(&mut after[0], n * c);
+            layer.forward(
+                y,
+                &mut st.layers[l],
+                &mut st.tmp,
+                &mut st.attn,
+                &before[l],
+                &layer_inputs,
+                params,
+            );
+        }
+    }
+
+    /// One training (or eval-gradient) step on `batch`: accumulates (`+=`) into `grads` the
+    /// gradient of `opts.mlm_scale * mlm_loss_sum + opts.nsp_scale * nsp_loss_sum`, and
+    /// returns the loss sums.
+    ///
+    /// With `opts.report_ready`, `on_grad_ready(range, &grads[range])` is called as soon as a
+    /// range of the flat gradient buffer is final, in backward order: the heads (pooler and
+    /// `cls.*`), then encoder layers `L-1` down to `0`, then the embeddings (last, because the
+    /// tied decoder adds into the word embeddings). The ranges cover `0..total_len` exactly
+    /// once.
+    ///
+    /// Errors: [`ModelError::BufferLength`] if `params` or `grads` does not match the layout;
+    /// [`ModelError::ShapeMismatch`], [`ModelError::OutOfRange`],
+    /// [`ModelError::SequenceTooLong`], [`ModelError::MissingNextSentenceLabels`] for a bad batch.
+    pub fn forward_backward(
+        &mut self,
+        params: &[A],
+        grads: &mut [A],
+        batch: &Batch,
+        opts: &StepOptions<A>,
+        on_grad_ready: &mut dyn FnMut(Range<usize>, &[A]),
+    ) -> Result<LossSums<A>, ModelError> {
+        self.check_buffer("params", params.len())?;
+        self.check_buffer("grads", grads.len())?;
+        self.check_batch(batch, opts.dropout.is_some())?;
+        let tok = self.tokens(batch)?;
+        let dropout = opts.dropout.map(|key| (key, batch.sample_ids.as_slice()));
+        self.encode(params, &tok, dropout);
+
+        let (b, t) = (tok.b, tok.t);
+        let (n, c, v) = (b * t, self.config.hidden_size, self.config.vocab_size);
+        let num_layers = self.layers.len();
+        let mut report = |range: Range<usize>, grads: &[A]| {
+            if opts.report_ready {
+                on_grad_ready(range.clone(), &grads[range]);
+            }
+        };
+        let st = &mut self.state;
+        let mut sums = LossSums::default();
+        let dh = grow(&mut st.dhidden[0], n * c);
+        dh.fill(A::zero());
+
+        // MLM head at the masked positions.
+        let positions = &batch.masked_positions;
+        let m = positions.len();
+        if m > 0 {
+            self.mlm
+                .forward(&mut st.mlm, &st.hidden[num_layers], positions, params);
+            let ce = cross_entropy(
+                &mut st.mlm.logits[..m * v],
+                &batch.masked_labels,
+                v,
+                Some(opts.mlm_scale),
+            );
+            sums.mlm_loss_sum = ce.loss_sum;
+            sums.mlm_count = m;
+            sums.mlm_correct = ce.correct;
+            self.mlm.backward(dh, &mut st.mlm, positions, params, grads);
+        }
+        // NSP head on [CLS].
+        if let (Some(nsp), Some(labels)) = (&self.nsp, &batch.next_sentence_labels) {
+            nsp.forward(&mut st.nsp, &st.hidden[num_layers], b, t, params);
+            let ce = cross_entropy(&mut st.nsp.logits[..b * 2], labels, 2, Some(opts.nsp_scale));
+            sums.nsp_loss_sum = ce.loss_sum;
+            sums.nsp_count = b;
+            sums.nsp_correct = ce.correct;
+            nsp.backward(dh, &mut st.nsp, b, t, params, grads);
+        }
+        report(self.ready.heads.clone(), grads);
+
+        let layer_inputs = LayerInputs {
+            b,
+            t,
+            mask: tok.mask,
+            dropout,
+        };
+        for l in (0..num_layers).rev() {
+            let [dy, dx] = &mut st.dhidden;
+            let dx = grow(dx, n * c);
+            self.layers[l].backward(
+                dx,
+                dy,
+                &st.layers[l],
+                &mut st.scratch,
+                &st.hidden[l],
+                &layer_inputs,
+                params,
+                grads,
+            );
+            st.dhidden.swap(0, 1);
+            report(self.ready.layers[l].clone(), grads);
+        }
+        let inputs = TokenInputs {
+            input_ids: tok.ids,
+            token_type_ids: tok.types,
+            b,
+            t,
+            dropout,
+        };
+        let dsum = grow(&mut st.tmp, n * c);
+        self.embeddings
+            .backward(&mut st.dhidden[0], dsum, &st.emb, &inputs, params, grads);
+        report(self.ready.embeddings.clone(), grads);
+        Ok(sums)
+    }
+
+    /// Eval-mode losses (no dropout, no gradients).
+    ///
+    /// Errors: as [`Bert::forward_backward`].
+    pub fn forward_loss(&mut self, params: &[A], batch: &Batch) -> Result<LossSums<A>, ModelError> {
+        self.check_buffer("params", params.len())?;
+        self.check_batch(batch, false)?;
+        let tok = self.tokens(batch)?;
+        self.encode(params, &tok, None);
+        let (b, t, v) = (tok.b, tok.t, self.config.vocab_size);
+        let last = self.layers.len();
+        let st = &mut self.state;
+        let mut sums = LossSums::default();
+        let m = batch.masked_positions.len();
+        if m > 0 {
+            self.mlm.forward(
+                &mut st.mlm,
+                &st.hidden[last],
+                &batch.masked_positions,
+                params,
+            );
+            let ce = cross_entropy(&mut st.mlm.logits[..m * v], &batch.masked_labels, v, None);
+            sums.mlm_loss_sum = ce.loss_sum;
+            sums.mlm_count = m;
+            sums.mlm_correct = ce.correct;
+        }
+        if let (Some(nsp), Some(labels)) = (&self.nsp, &batch.next_sentence_labels) {
+            nsp.forward(&mut st.nsp, &st.hidden[last], b, t, params);
+            let ce = cross_entropy(&mut st.nsp.logits[..b * 2], labels, 2, None);
+            sums.nsp_loss_sum = ce.loss_sum;
+            sums.nsp_count = b;
+            sums.nsp_correct = ce.correct;
+        }
+        Ok(sums)
+    }
+
+    /// MLM logits `[positions.len(), v]` of one unpadded sequence at the given token
+    /// positions (for `keel fill-mask`). `input_ids`, `token_type_ids`: `[t]`.
+    ///
+    /// Errors: [`ModelError::BufferLength`], [`ModelError::ShapeMismatch`],
+    /// [`ModelError::OutOfRange`], [`ModelError::SequenceTooLong`].
+    pub fn mlm_logits(
+        &mut self,
+        params: &[A],
+        input_ids: &[u32],
+        token_type_ids: &[u32],
+        positions: &[usize],
+    ) -> Result<Array2<A>, ModelError> {
+        self.check_buffer("params", params.len())?;
+        let t = input_ids.len();
+        let mask = vec![1u8; t];
+        self.check_tokens(input_ids, token_type_ids, &mask, 1, t)?;
+        for (index, &p) in positions.iter().enumerate() {
+            if p >= t {
+                return Err(ModelError::OutOfRange {
+                    field: "positions",
+                    index,
+                    value: p,
+                    limit: t,
+                });
+            }
+        }
+        let tok = Tokens {
+            ids: input_ids,
+            types: token_type_ids,
+            mask: &mask,
+            b: 1,
+            t,
+        };
+        self.encode(params, &tok, None);
+        Ok(self.head_logits(params, positions))
+    }
+
+    /// MLM logits `[m, v]` at `positions` of the last `encode`d batch (positions checked).
+    fn head_logits(&mut self, params: &[A], positions: &[usize]) -> Array2<A> {
+        let (m, v) = (positions.len(), self.config.vocab_size);
+        if m == 0 {
+            return Array2::zeros((0, v));
+        }
+        let st = &mut self.state;
+        self.mlm.forward(
+            &mut st.mlm,
+            &st.hidden[self.layers.len()],
+            positions,
+            params,
+        );
+        Array2::from_shape_vec((m, v), st.mlm.logits[..m * v].to_vec()).expect("m * v logits")
+    }
+
+    /// Eval forward keeping everything HF returns (hidden states of every layer, MLM logits at
+    /// every position, NSP logits), for parity tests.
+    ///
+    /// Errors: as [`Bert::forward_loss`].
+    pub fn forward_outputs(
+        &mut self,
+        params: &[A],
+        batch: &Batch,
+    ) -> Result<ForwardOutputs<A>, ModelError> {
+        self.check_buffer("params", params.len())?;
+        let tok = self.tokens(batch)?;
+        self.encode(params, &tok, None);
+        let (b, t, c) = (tok.b, tok.t, self.config.hidden_size);
+        let n = b * t;
+        let hidden_states = self.state.hidden[..=self.layers.len()]
+            .iter()
+            .map(|h| Array2::from_shape_vec((n, c), h[..n * c].to_vec()).expect("n * c hidden"))
+            .collect();
+        let all: Vec<usize> = (0..n).collect();
+        let last = self.layers.len();
+        let logits = self.head_logits(params, &all);
+        let seq_relationship_logits = match &self.nsp {
+            Some(nsp) => {
+                nsp.forward(&mut self.state.nsp, &self.state.hidden[last], b, t, params);
+                Some(
+                    Array2::from_shape_vec((b, 2), self.state.nsp.logits[..b * 2].to_vec())
+                        .expect("b * 2 logits"),
+                )
+            }
+            None => None,
+        };
+        Ok(ForwardOutputs {
+            hidden_states,
+            logits,
+            seq_relationship_logits,
+        })
+    }
+}
+
+fn check_ids(field: &'static str, ids: &[u32], limit: usize) -> Result<(), ModelError> {
+    match ids.iter().position(|&id| id as usize >= limit) {
+        Some(index) => Err(ModelError::OutOfRange {
+            field,
+            index,
+            value: ids[index] as usize,
+            limit,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The row-major elements of a batch field.
+fn as_flat<'a, T>(field: &'static str, a: &'a Array2<T>) -> Result<&'a [T], ModelError> {
+    a.as_slice().ok_or(ModelError::NotContiguous { field })
+}

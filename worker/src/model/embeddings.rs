@@ -1,0 +1,141 @@
+//! The input embeddings (Devlin et al. 2019, section 3.2, figure 2; HF: `BertEmbeddings`):
+//! `x = dropout(LN(word[id] + position[col] + token_type[tt]))`.
+//!
+//! Shapes: `input_ids`, `token_type_ids` `[b, t]`; `word` `[v, c]`, `position` `[max_pos, c]`,
+//! `token_type` `[types, c]`; output `[n, c]`.
+
+use keel_proto::config::BertConfig;
+use keel_proto::params::ParamLayout;
+
+use super::Element;
+use super::dropout::{DropoutKey, Mask, Site};
+use super::layernorm::LayerNorm;
+use super::linear::find;
+
+/// Offsets of the embedding tables and their LayerNorm.
+#[derive(Debug, Clone)]
+pub(crate) struct Embeddings {
+    word: usize,
+    position: usize,
+    token_type: usize,
+    ln: LayerNorm,
+    c: usize,
+    /// `hidden_dropout_prob`.
+    p: f64,
+}
+
+/// What the backward needs: the LayerNorm's normalised input and inverse std.
+#[derive(Debug, Default)]
+pub(crate) struct EmbeddingsCache<A> {
+    /// `[n, c]`.
+    pub xhat: Vec<A>,
+    /// `[n]`.
+    pub rstd: Vec<A>,
+}
+
+/// The token inputs of one batch.
+pub(crate) struct TokenInputs<'a> {
+    /// `[b, t]`.
+    pub input_ids: &'a [u32],
+    /// `[b, t]`.
+    pub token_type_ids: &'a [u32],
+    /// Sequences `b`.
+    pub b: usize,
+    /// Tokens per sequence `t`.
+    pub t: usize,
+    /// Training-mode dropout: key and sample ids `[b]`.
+    pub dropout: Option<(DropoutKey, &'a [u64])>,
+}
+
+impl Embeddings {
+    pub fn new(config: &BertConfig, layout: &ParamLayout) -> Embeddings {
+        Embeddings {
+            word: find(layout, "bert.embeddings.word_embeddings.weight").offset,
+            position: find(layout, "bert.embeddings.position_embeddings.weight").offset,
+            token_type: find(layout, "bert.embeddings.token_type_embeddings.weight").offset,
+            ln: LayerNorm::new(layout, "bert.embeddings.LayerNorm", config.layer_norm_eps),
+            c: config.hidden_size,
+            p: config.hidden_dropout_prob,
+        }
+    }
+
+    /// Writes `out` `[n, c]`; `sum` is `[n, c]` scratch.
+    pub fn forward<A: Element>(
+        &self,
+        out: &mut [A],
+        cache: &mut EmbeddingsCache<A>,
+        sum: &mut [A],
+        inputs: &TokenInputs<'_>,
+        params: &[A],
+    ) {
+        let (c, n) = (self.c, inputs.b * inputs.t);
+        for r in 0..n {
+            let col = r % inputs.t;
+            let w = self.word + inputs.input_ids[r] as usize * c;
+            let p = self.position + col * c;
+            let tt = self.token_type + inputs.token_type_ids[r] as usize * c;
+            let dst = &mut sum[r * c..(r + 1) * c];
+            for (i, o) in dst.iter_mut().enumerate() {
+                *o = params[w + i] + params[p + i] + params[tt + i];
+            }
+        }
+        let xhat = super::element::grow(&mut cache.xhat, n * c);
+        let rstd = super::element::grow(&mut cache.rstd, n);
+        self.ln.forward(
+            &mut out[..n * c],
+            xhat,
+            rstd,
+            &sum[..n * c],
+            None,
+            params,
+            n,
+        );
+        self.dropout(out, inputs);
+    }
+
+    fn dropout<A: Element>(&self, x: &mut [A], inputs: &TokenInputs<'_>) {
+        if let Some((key, ids)) = inputs.dropout {
+            let row = inputs.t * self.c;
+            for (bi, seq) in x[..inputs.b * row].chunks_exact_mut(row).enumerate() {
+                Mask::new(key, ids[bi], 0, Site::Embeddings, self.p).apply(seq, 0);
+            }
+        }
+    }
+
+    /// Given `dout` `[n, c]` (overwritten): accumulates the table and LayerNorm gradients.
+    /// `dsum` is `[n, c]` scratch.
+    pub fn backward<A: Element>(
+        &self,
+        dout: &mut [A],
+        dsum: &mut [A],
+        cache: &EmbeddingsCache<A>,
+        inputs: &TokenInputs<'_>,
+        params: &[A],
+        grads: &mut [A],
+    ) {
+        let (c, n) = (self.c, inputs.b * inputs.t);
+        self.dropout(dout, inputs);
+        self.ln.backward(
+            &mut dsum[..n * c],
+            &dout[..n * c],
+            &cache.xhat,
+            &cache.rstd,
+            params,
+            grads,
+            n,
+        );
+        for r in 0..n {
+            let col = r % inputs.t;
+            let d = &dsum[r * c..(r + 1) * c];
+            for table in [
+                self.word + inputs.input_ids[r] as usize * c,
+                self.position + col * c,
+                self.token_type + inputs.token_type_ids[r] as usize * c,
+            ] {
+                for (g, &v) in grads[table..table + c].iter_mut().zip(d) {
+                    *g += v;
+                }
+            }
+        }
+    }
+}

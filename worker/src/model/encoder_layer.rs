@@ -1,0 +1,275 @@
+//! One post-LN Transformer encoder layer (Vaswani et al. 2017, section 3.1; Devlin et al.
+//! 2019, section 3; HF: `BertLayer` = `BertAttention` + `BertIntermediate` + `BertOutput`):
+//!
+//! ```text
+//! q, k, v = x Wq^T + bq, x Wk^T + bk, x Wv^T + bv
+//! a  = attention(q, k, v)                      (attention.rs)
+//! h1 = LN1(dropout(a Wo^T + bo) + x)
+//! g  = act(h1 Wi^T + bi)
+//! y  = LN2(dropout(g Wf^T + bf) + h1)
+//! ```
+//!
+//! Shapes: `x`, `y`, `q`, `k`, `v`, `a`, `h1` `[n, c]`; `g` `[n, f]`; `probs` `[b, h, t, t]`.
+
+use keel_proto::config::{BertConfig, HiddenAct};
+use keel_proto::params::ParamLayout;
+
+use super::Element;
+use super::activation;
+use super::attention::{self, AttentionDims};
+use super::dropout::{DropoutKey, Mask, Site};
+use super::element::grow;
+use super::layernorm::LayerNorm;
+use super::linear::Linear;
+
+/// Offsets and sizes of one encoder layer.
+#[derive(Debug, Clone)]
+pub(crate) struct EncoderLayer {
+    /// Layer index `l` (keys the dropout masks).
+    index: usize,
+    query: Linear,
+    key: Linear,
+    value: Linear,
+    attn_out: Linear,
+    ln1: LayerNorm,
+    intermediate: Linear,
+    output: Linear,
+    ln2: LayerNorm,
+    heads: usize,
+    act: HiddenAct,
+    p_hidden: f64,
+    p_attn: f64,
+    max_positions: usize,
+}
+
+/// What the backward of one layer needs, saved by its forward. Buffers grow once and are reused.
+#[derive(Debug, Default)]
+pub(crate) struct LayerCache<A> {
+    /// `[n, c]` each.
+    pub q: Vec<A>,
+    pub k: Vec<A>,
+    pub v: Vec<A>,
+    /// Softmax output before dropout, `[b, h, t, t]`.
+    pub probs: Vec<A>,
+    /// Attention context (input of the output projection), `[n, c]`.
+    pub ctx: Vec<A>,
+    /// LN1 normalised input `[n, c]` and inverse std `[n]`.
+    pub xhat1: Vec<A>,
+    pub rstd1: Vec<A>,
+    /// LN1 output `[n, c]`.
+    pub h1: Vec<A>,
+    /// Intermediate pre-activation and activation, `[n, f]`.
+    pub pre: Vec<A>,
+    pub act: Vec<A>,
+    /// LN2 normalised input `[n, c]` and inverse std `[n]`.
+    pub xhat2: Vec<A>,
+    pub rstd2: Vec<A>,
+}
+
+/// Backward scratch shared by all layers.
+#[derive(Debug, Default)]
+pub(crate) struct LayerScratch<A> {
+    /// `[n, c]` each.
+    pub da: Vec<A>,
+    pub dh1: Vec<A>,
+    pub dq: Vec<A>,
+    pub dk: Vec<A>,
+    pub dv: Vec<A>,
+    /// `[n, f]`.
+    pub dg: Vec<A>,
+    /// `2 * t * t`.
+    pub attn: Vec<A>,
+}
+
+/// The batch-level inputs every layer sees.
+pub(crate) struct LayerInputs<'a> {
+    pub b: usize,
+    pub t: usize,
+    /// `[b, t]`, 1 = real token.
+    pub mask: &'a [u8],
+    /// Training-mode dropout: key and sample ids `[b]`.
+    pub dropout: Option<(DropoutKey, &'a [u64])>,
+}
+
+impl EncoderLayer {
+    pub fn new(config: &BertConfig, layout: &ParamLayout, index: usize) -> EncoderLayer {
+        let p = format!("bert.encoder.layer.{index}");
+        let eps = config.layer_norm_eps;
+        EncoderLayer {
+            index,
+            query: Linear::new(layout, &format!("{p}.attention.self.query")),
+            key: Linear::new(layout, &format!("{p}.attention.self.key")),
+            value: Linear::new(layout, &format!("{p}.attention.self.value")),
+            attn_out: Linear::new(layout, &format!("{p}.attention.output.dense")),
+            ln1: LayerNorm::new(layout, &format!("{p}.attention.output.LayerNorm"), eps),
+            intermediate: Linear::new(layout, &format!("{p}.intermediate.dense")),
+            output: Linear::new(layout, &format!("{p}.output.dense")),
+            ln2: LayerNorm::new(layout, &format!("{p}.output.LayerNorm"), eps),
+            heads: config.num_attention_heads,
+            act: config.hidden_act,
+            p_hidden: config.hidden_dropout_prob,
+            p_attn: config.attention_probs_dropout_prob,
+            max_positions: config.max_position_embeddings,
+        }
+    }
+
+    fn dims<'a>(&self, inputs: &LayerInputs<'a>) -> AttentionDims<'a> {
+        let c = self.query.out;
+        AttentionDims {
+            b: inputs.b,
+            t: inputs.t,
+            h: self.heads,
+            d: c / self.heads,
+            mask: inputs.mask,
+            dropout: inputs
+                .dropout
+                .map(|(key, ids)| (key, ids, self.index, self.p_attn)),
+            max_positions: self.max_positions,
+        }
+    }
+
+    /// Hidden-state dropout of every sequence at `site`, in place on `[n, c]`.
+    fn hidden_dropout<A: Element>(&self, x: &mut [A], inputs: &LayerInputs<'_>, site: Site) {
+        if let Some((key, ids)) = inputs.dropout {
+            let row = inputs.t * self.query.out;
+            for (bi, seq) in x[..inputs.b * row].chunks_exact_mut(row).enumerate() {
+                Mask::new(key, ids[bi], self.index, site, self.p_hidden).apply(seq, 0);
+            }
+        }
+    }
+
+    /// `y[n, c]` from `x[n, c]`; fills `cache`. `tmp` is `[n, c]` scratch, `attn_scratch` `t * t`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward<A: Element>(
+        &self,
+        y: &mut [A],
+        cache: &mut LayerCache<A>,
+        tmp: &mut Vec<A>,
+        attn_scratch: &mut Vec<A>,
+        x: &[A],
+        inputs: &LayerInputs<'_>,
+        params: &[A],
+    ) {
+        let (b, t) = (inputs.b, inputs.t);
+        let (n, c, f, h) = (b * t, self.query.out, self.intermediate.out, self.heads);
+        let x = &x[..n * c];
+        let q = grow(&mut cache.q, n * c);
+        self.query.forward(q, x, params, n);
+        let k = grow(&mut cache.k, n * c);
+        self.key.forward(k, x, params, n);
+        let v = grow(&mut cache.v, n * c);
+        self.value.forward(v, x, params, n);
+        let ctx = grow(&mut cache.ctx, n * c);
+        let probs = grow(&mut cache.probs, b * h * t * t);
+        attention::forward(
+            ctx,
+            probs,
+            attn_scratch,
+            &cache.q[..n * c],
+            &cache.k[..n * c],
+            &cache.v[..n * c],
+            &self.dims(inputs),
+        );
+
+        let a = grow(tmp, n * c);
+        self.attn_out.forward(a, &cache.ctx[..n * c], params, n);
+        self.hidden_dropout(a, inputs, Site::AttentionOutput);
+        let h1 = grow(&mut cache.h1, n * c);
+        let xhat1 = grow(&mut cache.xhat1, n * c);
+        let rstd1 = grow(&mut cache.rstd1, n);
+        self.ln1.forward(h1, xhat1, rstd1, a, Some(x), params, n);
+
+        let pre = grow(&mut cache.pre, n * f);
+        self.intermediate
+            .forward(pre, &cache.h1[..n * c], params, n);
+        let act = grow(&mut cache.act, n * f);
+        activation::forward(self.act, act, &cache.pre[..n * f]);
+
+        let o = grow(tmp, n * c);
+        self.output.forward(o, &cache.act[..n * f], params, n);
+        self.hidden_dropout(o, inputs, Site::FeedForwardOutput);
+        let xhat2 = grow(&mut cache.xhat2, n * c);
+        let rstd2 = grow(&mut cache.rstd2, n);
+        self.ln2.forward(
+            &mut y[..n * c],
+            xhat2,
+            rstd2,
+            o,
+            Some(&cache.h1[..n * c]),
+            params,
+            n,
+        );
+    }
+
+    /// Given `dy[n, c]` (used as scratch): writes `dx[n, c]` and accumulates this layer's
+    /// parameter gradients.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward<A: Element>(
+        &self,
+        dx: &mut [A],
+        dy: &[A],
+        cache: &LayerCache<A>,
+        s: &mut LayerScratch<A>,
+        x: &[A],
+        inputs: &LayerInputs<'_>,
+        params: &[A],
+        grads: &mut [A],
+    ) {
+        let (b, t) = (inputs.b, inputs.t);
+        let (n, c, f) = (b * t, self.query.out, self.intermediate.out);
+        let x = &x[..n * c];
+        let dx = &mut dx[..n * c];
+
+        // LN2: d(o_dropped + h1)
+        let da = grow(&mut s.da, n * c);
+        self.ln2.backward(
+            da,
+            &dy[..n * c],
+            &cache.xhat2,
+            &cache.rstd2,
+            params,
+            grads,
+            n,
+        );
+        let dh1 = grow(&mut s.dh1, n * c);
+        dh1.copy_from_slice(da);
+        self.hidden_dropout(da, inputs, Site::FeedForwardOutput);
+        // Output projection, activation, intermediate projection.
+        let dg = grow(&mut s.dg, n * f);
+        self.output
+            .backward(Some((&mut *dg, false)), da, &cache.act, params, grads, n);
+        activation::backward(self.act, dg, &cache.pre[..n * f]);
+        self.intermediate
+            .backward(Some((&mut *dh1, true)), dg, &cache.h1, params, grads, n);
+        // LN1: d(a_dropped + x)
+        self.ln1
+            .backward(da, dh1, &cache.xhat1, &cache.rstd1, params, grads, n);
+        dx.copy_from_slice(da);
+        self.hidden_dropout(da, inputs, Site::AttentionOutput);
+        // Attention output projection; reuse dh1 for d ctx.
+        let dctx = &mut *dh1;
+        self.attn_out
+            .backward(Some((&mut *dctx, false)), da, &cache.ctx, params, grads, n);
+        let dq = grow(&mut s.dq, n * c);
+        let dk = grow(&mut s.dk, n * c);
+        let dv = grow(&mut s.dv, n * c);
+        attention::backward(
+            dq,
+            dk,
+            dv,
+            &mut s.attn,
+            dctx,
+            &cache.probs,
+            &cache.q,
+            &cache.k,
+            &cache.v,
+            &self.dims(inputs),
+        );
+        self.query
+            .backward(Some((&mut *dx, true)), dq, x, params, grads, n);
+        self.key
+            .backward(Some((&mut *dx, true)), dk, x, params, grads, n);
+        self.value
+            .backward(Some((&mut *dx, true)), dv, x, params, grads, n);
+    }
+}

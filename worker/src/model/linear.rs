@@ -1,0 +1,97 @@
+//! Fully connected layer `y = x W^T + b` (HF: `nn.Linear` inside every BERT block).
+//!
+//! Shapes: `x` `[n, i]`, `W` `[o, i]` (PyTorch's layout), `b` `[o]`, `y` `[n, o]`.
+
+use keel_proto::params::ParamLayout;
+
+use super::Element;
+use super::gemm::{gemm, mat, mat_mut};
+
+/// Where a Linear's weight and bias live in the flat buffer.
+#[derive(Debug, Clone)]
+pub(crate) struct Linear {
+    /// Offset of `W` `[o, i]`.
+    w: usize,
+    /// Offset of `b` `[o]`.
+    b: usize,
+    /// Output features `o`.
+    pub out: usize,
+    /// Input features `i`.
+    pub inp: usize,
+}
+
+impl Linear {
+    /// The Linear named `{prefix}.weight` / `{prefix}.bias` in the layout.
+    pub fn new(layout: &ParamLayout, prefix: &str) -> Linear {
+        let w = find(layout, &format!("{prefix}.weight"));
+        let b = find(layout, &format!("{prefix}.bias"));
+        Linear {
+            w: w.offset,
+            b: b.offset,
+            out: w.shape[0],
+            inp: w.shape[1],
+        }
+    }
+
+    fn w_len(&self) -> usize {
+        self.out * self.inp
+    }
+
+    /// `y[n, o] = x[n, i] W^T + b`.
+    pub fn forward<A: Element>(&self, y: &mut [A], x: &[A], params: &[A], n: usize) {
+        let bias = &params[self.b..self.b + self.out];
+        for row in y[..n * self.out].chunks_exact_mut(self.out) {
+            row.copy_from_slice(bias);
+        }
+        let w = mat(&params[self.w..], self.out, self.inp);
+        gemm(
+            A::one(),
+            &mat(x, n, self.inp),
+            &w.t(),
+            A::one(),
+            &mut mat_mut(y, n, self.out),
+        );
+    }
+
+    /// Given `dy[n, o]`: `dW += dy^T x`, `db += sum_n dy`, and `dx[n, i] = dy W`
+    /// (`dx += dy W` when `accumulate_dx`). `dx: None` skips the input gradient.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward<A: Element>(
+        &self,
+        dx: Option<(&mut [A], bool)>,
+        dy: &[A],
+        x: &[A],
+        params: &[A],
+        grads: &mut [A],
+        n: usize,
+    ) {
+        let dy_m = mat(dy, n, self.out);
+        {
+            let mut dw = mat_mut(
+                &mut grads[self.w..self.w + self.w_len()],
+                self.out,
+                self.inp,
+            );
+            gemm(A::one(), &dy_m.t(), &mat(x, n, self.inp), A::one(), &mut dw);
+        }
+        let db = &mut grads[self.b..self.b + self.out];
+        for row in dy[..n * self.out].chunks_exact(self.out) {
+            for (g, &d) in db.iter_mut().zip(row) {
+                *g += d;
+            }
+        }
+        if let Some((dx, accumulate)) = dx {
+            let w = mat(&params[self.w..], self.out, self.inp);
+            let beta = if accumulate { A::one() } else { A::zero() };
+            gemm(A::one(), &dy_m, &w, beta, &mut mat_mut(dx, n, self.inp));
+        }
+    }
+}
+
+/// The layout entry with this name; the layout is built from the same config, so a miss is
+/// a bug in `ParamLayout::bert`, not bad input.
+pub(crate) fn find<'a>(layout: &'a ParamLayout, name: &str) -> &'a keel_proto::params::ParamView {
+    layout
+        .find(name)
+        .unwrap_or_else(|| panic!("ParamLayout::bert has no tensor `{name}`"))
+}

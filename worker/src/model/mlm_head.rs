@@ -1,0 +1,170 @@
+//! The masked-LM head (Devlin et al. 2019, section 3.1 "Task #1"; HF: `BertOnlyMLMHead` /
+//! `BertLMPredictionHead`), run only at the masked positions:
+//!
+//! ```text
+//! x  = hidden[positions]                         [m, c]
+//! z  = LN(act(x Wt^T + bt))                      [m, c]   (HF: BertPredictionHeadTransform)
+//! logits = z E^T + bias                          [m, v]   (decoder tied to the word embeddings E)
+//! ```
+
+use keel_proto::config::{BertConfig, HiddenAct};
+use keel_proto::params::ParamLayout;
+
+use super::Element;
+use super::activation;
+use super::element::grow;
+use super::gemm::{gemm, mat, mat_mut};
+use super::layernorm::LayerNorm;
+use super::linear::{Linear, find};
+
+/// Offsets of the head's parameters.
+#[derive(Debug, Clone)]
+pub(crate) struct MlmHead {
+    dense: Linear,
+    ln: LayerNorm,
+    act: HiddenAct,
+    /// `bert.embeddings.word_embeddings.weight` `[v, c]` (the tied decoder weight).
+    word: usize,
+    /// `cls.predictions.bias` `[v]`.
+    bias: usize,
+    /// `v`.
+    pub vocab: usize,
+    c: usize,
+}
+
+/// Activations of the head, saved for its backward.
+#[derive(Debug, Default)]
+pub(crate) struct MlmCache<A> {
+    /// Gathered hidden states `[m, c]`.
+    pub x: Vec<A>,
+    /// Dense output (pre-activation) `[m, c]`.
+    pub pre: Vec<A>,
+    /// Activation output `[m, c]`.
+    pub act: Vec<A>,
+    /// LN normalised input `[m, c]`, inverse std `[m]`, output `[m, c]`.
+    pub xhat: Vec<A>,
+    pub rstd: Vec<A>,
+    pub z: Vec<A>,
+    /// Logits `[m, v]`, turned into their gradient by the loss.
+    pub logits: Vec<A>,
+    /// Backward scratch `[m, c]` x 2.
+    pub d1: Vec<A>,
+    pub d2: Vec<A>,
+}
+
+impl MlmHead {
+    pub fn new(config: &BertConfig, layout: &ParamLayout) -> MlmHead {
+        MlmHead {
+            dense: Linear::new(layout, "cls.predictions.transform.dense"),
+            ln: LayerNorm::new(
+                layout,
+                "cls.predictions.transform.LayerNorm",
+                config.layer_norm_eps,
+            ),
+            act: config.hidden_act,
+            word: find(layout, "bert.embeddings.word_embeddings.weight").offset,
+            bias: find(layout, "cls.predictions.bias").offset,
+            vocab: config.vocab_size,
+            c: config.hidden_size,
+        }
+    }
+
+    /// Fills `cache.logits[..m * v]` from `hidden` `[n, c]` at flat `positions` `[m]`.
+    pub fn forward<A: Element>(
+        &self,
+        cache: &mut MlmCache<A>,
+        hidden: &[A],
+        positions: &[usize],
+        params: &[A],
+    ) {
+        let (m, c, v) = (positions.len(), self.c, self.vocab);
+        let x = grow(&mut cache.x, m * c);
+        for (row, &p) in x.chunks_exact_mut(c).zip(positions) {
+            row.copy_from_slice(&hidden[p * c..(p + 1) * c]);
+        }
+        let pre = grow(&mut cache.pre, m * c);
+        self.dense.forward(pre, &cache.x[..m * c], params, m);
+        let act = grow(&mut cache.act, m * c);
+        activation::forward(self.act, act, &cache.pre[..m * c]);
+        let z = grow(&mut cache.z, m * c);
+        let xhat = grow(&mut cache.xhat, m * c);
+        let rstd = grow(&mut cache.rstd, m);
+        self.ln
+            .forward(z, xhat, rstd, &cache.act[..m * c], None, params, m);
+        let logits = grow(&mut cache.logits, m * v);
+        let bias = &params[self.bias..self.bias + v];
+        for row in logits.chunks_exact_mut(v) {
+            row.copy_from_slice(bias);
+        }
+        let e = mat(&params[self.word..], v, c);
+        gemm(
+            A::one(),
+            &mat(&cache.z, m, c),
+            &e.t(),
+            A::one(),
+            &mut mat_mut(logits, m, v),
+        );
+    }
+
+    /// Given `cache.logits` holding `d loss / d logits`: accumulates the head's gradients (and
+    /// the decoder's share of the word-embedding gradient) and adds `d loss / d hidden` into
+    /// `dhidden` `[n, c]` at `positions`.
+    pub fn backward<A: Element>(
+        &self,
+        dhidden: &mut [A],
+        cache: &mut MlmCache<A>,
+        positions: &[usize],
+        params: &[A],
+        grads: &mut [A],
+    ) {
+        let (m, c, v) = (positions.len(), self.c, self.vocab);
+        let dlogits = &cache.logits[..m * v];
+        let dbias = &mut grads[self.bias..self.bias + v];
+        for row in dlogits.chunks_exact(v) {
+            for (g, &d) in dbias.iter_mut().zip(row) {
+                *g += d;
+            }
+        }
+        let dlogits = mat(dlogits, m, v);
+        gemm(
+            A::one(),
+            &dlogits.t(),
+            &mat(&cache.z, m, c),
+            A::one(),
+            &mut mat_mut(&mut grads[self.word..self.word + v * c], v, c),
+        );
+        let dz = grow(&mut cache.d1, m * c);
+        gemm(
+            A::one(),
+            &dlogits,
+            &mat(&params[self.word..], v, c),
+            A::zero(),
+            &mut mat_mut(dz, m, c),
+        );
+        let dact = grow(&mut cache.d2, m * c);
+        self.ln.backward(
+            dact,
+            &cache.d1[..m * c],
+            &cache.xhat,
+            &cache.rstd,
+            params,
+            grads,
+            m,
+        );
+        activation::backward(self.act, dact, &cache.pre[..m * c]);
+        let dx = grow(&mut cache.d1, m * c);
+        self.dense.backward(
+            Some((&mut *dx, false)),
+            &cache.d2[..m * c],
+            &cache.x,
+            params,
+            grads,
+            m,
+        );
+        for (row, &p) in cache.d1[..m * c].chunks_exact(c).zip(positions) {
+            for (g, &d) in dhidden[p * c..(p + 1) * c].iter_mut().zip(row) {
+                *g += d;
+            }
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! The next-sentence-prediction head (Devlin et al. 2019, section 3.1 "Task #2"; HF:
+//! `BertPooler` + `cls.seq_relationship`):
+//!
+//! ```text
+//! x      = hidden[:, 0]                  [b, c]  (the [CLS] token)
+//! pooled = tanh(x Wp^T + bp)             [b, c]
+//! logits = pooled Ws^T + bs              [b, 2]
+//! ```
+
+use keel_proto::params::ParamLayout;
+
+use super::Element;
+use super::activation::{tanh_backward, tanh_forward};
+use super::element::grow;
+use super::linear::Linear;
+
+/// Offsets of the pooler and classifier.
+#[derive(Debug, Clone)]
+pub(crate) struct NspHead {
+    pooler: Linear,
+    classifier: Linear,
+}
+
+/// Activations of the head, saved for its backward.
+#[derive(Debug, Default)]
+pub(crate) struct NspCache<A> {
+    /// `[CLS]` hidden states `[b, c]`.
+    pub x: Vec<A>,
+    /// Pooler dense output `[b, c]`, then reused as its gradient.
+    pub pre: Vec<A>,
+    /// `tanh` output `[b, c]`.
+    pub pooled: Vec<A>,
+    /// Logits `[b, 2]`, turned into their gradient by the loss.
+    pub logits: Vec<A>,
+    /// Backward scratch `[b, c]`.
+    pub d: Vec<A>,
+}
+
+impl NspHead {
+    pub fn new(layout: &ParamLayout) -> NspHead {
+        NspHead {
+            pooler: Linear::new(layout, "bert.pooler.dense"),
+            classifier: Linear::new(layout, "cls.seq_relationship"),
+        }
+    }
+
+    /// Fills `cache.logits[..b * 2]` from `hidden` `[b * t, c]`.
+    pub fn forward<A: Element>(
+        &self,
+        cache: &mut NspCache<A>,
+        hidden: &[A],
+        b: usize,
+        t: usize,
+        params: &[A],
+    ) {
+        let c = self.pooler.inp;
+        let x = grow(&mut cache.x, b * c);
+        for (bi, row) in x.chunks_exact_mut(c).enumerate() {
+            row.copy_from_slice(&hidden[bi * t * c..bi * t * c + c]);
+        }
+        let pre = grow(&mut cache.pre, b * c);
+        self.pooler.forward(pre, &cache.x[..b * c], params, b);
+        let pooled = grow(&mut cache.pooled, b * c);
+        tanh_forward(pooled, &cache.pre[..b * c]);
+        let logits = grow(&mut cache.logits, b * 2);
+        self.classifier
+            .forward(logits, &cache.pooled[..b * c], params, b);
+    }
+
+    /// Given `cache.logits` holding `d loss / d logits`: accumulates the head's gradients and
+    /// adds `d loss / d hidden` into the `[CLS]` rows of `dhidden` `[b * t, c]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward<A: Element>(
+        &self,
+        dhidden: &mut [A],
+        cache: &mut NspCache<A>,
+        b: usize,
+        t: usize,
+        params: &[A],
+        grads: &mut [A],
+    ) {
+        let c = self.pooler.inp;
+        let dpooled = grow(&mut cache.d, b * c);
+        self.classifier.backward(
+            Some((&mut *dpooled, false)),
+            &cache.logits[..b * 2],
+            &cache.pooled,
+            params,
+            grads,
+            b,
+        );
+        tanh_backward(dpooled, &cache.pooled[..b * c]);
+        let dx = grow(&mut cache.pre, b * c);
+        self.pooler.backward(
+            Some((&mut *dx, false)),
+            &cache.d[..b * c],
+            &cache.x,
+            params,
+            grads,
+            b,
+        );
+        for (bi, row) in cache.pre[..b * c].chunks_exact(c).enumerate() {
+            for (g, &d) in dhidden[bi * t * c..bi * t * c + c].iter_mut().zip(row) {
+                *g += d;
+            }
+        }
+    }
+}

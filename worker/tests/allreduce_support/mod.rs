@@ -1,0 +1,106 @@
+//! Shared by the allreduce_* tests: ring peers as real tonic servers on 127.0.0.1:0, each on its
+//! own tokio runtime so that shutting the runtime down kills the peer like a crashed process.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_worker::allreduce::{Mailbox, Ring, RingConfig, ring_service, tune_server};
+use tokio::net::TcpListener;
+use tokio::runtime::Runtime;
+use tokio_stream::wrappers::TcpListenerStream;
+
+/// One ring peer: its runtime (server + all-reduces), address and mailbox.
+pub struct Peer {
+    pub rt: Runtime,
+    pub addr: String,
+    pub mailbox: Arc<Mailbox>,
+}
+
+pub fn start_peer() -> Peer {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = rt.block_on(TcpListener::bind("127.0.0.1:0")).unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let mailbox = Mailbox::new();
+    let service = ring_service(Arc::clone(&mailbox));
+    rt.spawn(async move {
+        tune_server(tonic::transport::Server::builder())
+            .add_service(service)
+            .serve_with_incoming(TcpListenerStream::new(listener))
+            .await
+    });
+    Peer { rt, addr, mailbox }
+}
+
+pub fn start_peers(n: usize) -> Vec<Peer> {
+    (0..n).map(|_| start_peer()).collect()
+}
+
+pub fn config(peers: &[Peer], rank: usize, generation: u64) -> RingConfig {
+    RingConfig {
+        job_id: "job-test".to_string(),
+        generation,
+        rank: rank as u32,
+        world_size: peers.len() as u32,
+        peers: peers.iter().map(|p| p.addr.clone()).collect(),
+        streams_per_link: 2,
+        frame_bytes: 64 << 10,
+        timeout: Duration::from_secs(20),
+    }
+}
+
+/// Connects every peer's ring (concurrently, as a coordinator would), returning them by rank.
+pub fn connect_all(
+    peers: &[Peer],
+    generation: u64,
+    edit: impl Fn(&mut RingConfig),
+) -> Vec<Arc<Ring>> {
+    let handles: Vec<_> = peers
+        .iter()
+        .enumerate()
+        .map(|(rank, p)| {
+            let mut cfg = config(peers, rank, generation);
+            edit(&mut cfg);
+            let mailbox = Arc::clone(&p.mailbox);
+            p.rt.spawn(async move { Ring::connect(cfg, mailbox).await })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .zip(peers)
+        .map(|(h, p)| Arc::new(p.rt.block_on(h).unwrap().unwrap()))
+        .collect()
+}
+
+/// Runs one all-reduce on every rank concurrently; returns each rank's buffer or error.
+pub fn all_reduce(
+    peers: &[Peer],
+    rings: &[Arc<Ring>],
+    step: u64,
+    bucket: u32,
+    inputs: Vec<Vec<f32>>,
+) -> Vec<Result<Vec<f32>, keel_worker::allreduce::AllReduceError>> {
+    let handles: Vec<_> = peers
+        .iter()
+        .zip(rings)
+        .zip(inputs)
+        .map(|((p, ring), mut data)| {
+            let ring = Arc::clone(ring);
+            p.rt.spawn(async move {
+                ring.all_reduce_sum(step, bucket, &mut data)
+                    .await
+                    .map(|()| data)
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .zip(peers)
+        .map(|(h, p)| p.rt.block_on(h).unwrap())
+        .collect()
+}

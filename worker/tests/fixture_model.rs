@@ -1,0 +1,187 @@
+//! The model against PyTorch + transformers (the fixtures in ../shared/fixtures, made in
+//! float64 from float32 weights): hidden states, logits, losses and every gradient, for
+//! `BertForMaskedLM` and `BertForPreTraining`, in f64 (to ~1e-10) and in f32.
+
+mod common;
+
+use std::ops::Range;
+
+use common::{Fixture, fixture, rel_err, tensors};
+use keel_proto::params::Heads;
+use keel_proto::weights::{load_safetensors, load_safetensors_f64};
+use keel_worker::model::{Bert, Element, LossSums, StepOptions};
+use ndarray::Array2;
+
+fn check_forward<A: Element>(f: &Fixture, params: &[A], tol: f64) {
+    let mut model = Bert::<A>::new(&f.config, f.heads).unwrap();
+    let out = model.forward_outputs(params, &f.batch).unwrap();
+    let want = tensors(f, "forward.safetensors");
+    let as64 = |a: &Array2<A>| a.iter().map(|x| x.to64()).collect::<Vec<f64>>();
+    assert_eq!(out.hidden_states.len(), f.config.num_hidden_layers + 1);
+    for (l, h) in out.hidden_states.iter().enumerate() {
+        let e = rel_err(&as64(h), &want[&format!("hidden_states.{l}")].1);
+        assert!(e < tol, "{}: hidden_states.{l} rel err {e:e}", f.dir);
+    }
+    let e = rel_err(&as64(&out.logits), &want["logits"].1);
+    assert!(e < tol, "{}: logits rel err {e:e}", f.dir);
+    match (
+        &out.seq_relationship_logits,
+        want.get("seq_relationship_logits"),
+    ) {
+        (Some(got), Some(w)) => {
+            let e = rel_err(&as64(got), &w.1);
+            assert!(e < tol, "{}: seq_relationship_logits rel err {e:e}", f.dir);
+        }
+        (None, None) => {}
+        _ => panic!("NSP logits present on one side only"),
+    }
+    // mlm_logits on one unpadded row agrees with the batched logits at the same positions.
+    let row = 1;
+    let len = f
+        .batch
+        .attention_mask
+        .row(row)
+        .iter()
+        .filter(|&&m| m != 0)
+        .count();
+    let ids: Vec<u32> = f
+        .batch
+        .input_ids
+        .row(row)
+        .iter()
+        .take(len)
+        .copied()
+        .collect();
+    let types: Vec<u32> = f
+        .batch
+        .token_type_ids
+        .row(row)
+        .iter()
+        .take(len)
+        .copied()
+        .collect();
+    let got = model
+        .mlm_logits(params, &ids, &types, &[0, 3, len - 1])
+        .unwrap();
+    let t = f.batch.seq_len();
+    for (i, &p) in [0, 3, len - 1].iter().enumerate() {
+        let want_row = out
+            .logits
+            .row(row * t + p)
+            .iter()
+            .map(|x| x.to64())
+            .collect::<Vec<_>>();
+        let got_row = got.row(i).iter().map(|x| x.to64()).collect::<Vec<_>>();
+        let e = rel_err(&got_row, &want_row);
+        assert!(e < tol, "mlm_logits position {p}: rel err {e:e}");
+    }
+}
+
+/// Runs forward_backward with the HF loss scaling (mean over masked tokens, mean over
+/// sequences), checking the reported ranges cover the buffer exactly once.
+fn gradients<A: Element>(f: &Fixture, params: &[A]) -> (LossSums<A>, Vec<A>) {
+    let mut model = Bert::<A>::new(&f.config, f.heads).unwrap();
+    let mut grads = vec![A::zero(); f.layout.total_len()];
+    let opts = StepOptions {
+        mlm_scale: A::one() / A::of(f.batch.masked_positions.len() as f64),
+        nsp_scale: A::one() / A::of(f.batch.batch_size() as f64),
+        dropout: None,
+        report_ready: true,
+    };
+    let mut ranges: Vec<Range<usize>> = Vec::new();
+    let sums = model
+        .forward_backward(params, &mut grads, &f.batch, &opts, &mut |r, g| {
+            assert_eq!(r.len(), g.len());
+            ranges.push(r)
+        })
+        .unwrap();
+    ranges.sort_by_key(|r| r.start);
+    let mut next = 0;
+    for r in &ranges {
+        assert_eq!(r.start, next, "ranges {ranges:?}");
+        next = r.end;
+    }
+    assert_eq!(next, f.layout.total_len());
+    (sums, grads)
+}
+
+fn check_gradients<A: Element>(f: &Fixture, params: &[A], loss_tol: f64, grad_tol: f64) {
+    let (sums, grads) = gradients(f, params);
+    let n_masked = f.expected["n_masked"].as_u64().unwrap() as usize;
+    assert_eq!(sums.mlm_count, n_masked);
+    let mlm_sum = f.expected["mlm_loss_sum"].as_f64().unwrap();
+    let e = (sums.mlm_loss_sum.to64() - mlm_sum).abs() / mlm_sum;
+    assert!(
+        e < loss_tol,
+        "mlm_loss_sum {} vs {mlm_sum}: {e:e}",
+        sums.mlm_loss_sum
+    );
+    let mut loss = sums.mlm_loss_sum.to64() / n_masked as f64;
+    if f.heads == Heads::PreTraining {
+        assert_eq!(sums.nsp_count, f.batch.batch_size());
+        loss += sums.nsp_loss_sum.to64() / sums.nsp_count as f64;
+    }
+    let want_loss = f.expected["loss"].as_f64().unwrap();
+    let e = (loss - want_loss).abs() / want_loss;
+    assert!(e < loss_tol, "loss {loss} vs {want_loss}: {e:e}");
+
+    let want = tensors(f, "grads.safetensors");
+    for entry in f.layout.entries() {
+        let got: Vec<f64> = grads[entry.range()].iter().map(|x| x.to64()).collect();
+        let (shape, w) = &want[&entry.name];
+        assert_eq!(shape, &entry.shape, "{}", entry.name);
+        let e = rel_err(&got, w);
+        assert!(e < grad_tol, "{}: grad rel err {e:e}", entry.name);
+    }
+    // The tied names hold the same summed gradient.
+    assert_eq!(
+        want["cls.predictions.decoder.weight"].1,
+        want["bert.embeddings.word_embeddings.weight"].1
+    );
+    assert_eq!(
+        want["cls.predictions.decoder.bias"].1,
+        want["cls.predictions.bias"].1
+    );
+    let norm = grads
+        .iter()
+        .map(|g| g.to64() * g.to64())
+        .sum::<f64>()
+        .sqrt();
+    let want_norm = f.expected["grad_global_norm"].as_f64().unwrap();
+    let e = (norm - want_norm).abs() / want_norm;
+    assert!(e < grad_tol, "grad norm {norm} vs {want_norm}: {e:e}");
+}
+
+#[test]
+fn mlm_forward_and_gradients_f64() {
+    let f = fixture("bert-micro-mlm");
+    assert_eq!(f.heads, Heads::MaskedLm);
+    let params = load_safetensors_f64(format!("{}/model.safetensors", f.dir), &f.layout).unwrap();
+    check_forward(&f, &params, 1e-10);
+    check_gradients(&f, &params, 1e-11, 1e-9);
+}
+
+#[test]
+fn pretraining_forward_and_gradients_f64() {
+    let f = fixture("bert-micro-pretraining");
+    assert_eq!(f.heads, Heads::PreTraining);
+    let params = load_safetensors_f64(format!("{}/model.safetensors", f.dir), &f.layout).unwrap();
+    check_forward(&f, &params, 1e-10);
+    check_gradients(&f, &params, 1e-11, 1e-9);
+}
+
+#[test]
+fn mlm_forward_and_gradients_f32() {
+    let f = fixture("bert-micro-mlm");
+    let params = load_safetensors(format!("{}/model.safetensors", f.dir), &f.layout).unwrap();
+    check_forward(&f, &params, 1e-5);
+    check_gradients(&f, &params, 1e-5, 1e-4);
+}
+
+#[test]
+fn pretraining_forward_and_gradients_f32() {
+    let f = fixture("bert-micro-pretraining");
+    let params = load_safetensors(format!("{}/model.safetensors", f.dir), &f.layout).unwrap();
+    check_forward(&f, &params, 1e-5);
+    check_gradients(&f, &params, 1e-5, 1e-4);
+}
