@@ -373,18 +373,18 @@ EOF
 
 keel_user() { # keel CLI from the user's host, bounded
   local t="$1"; shift
-  in_ns user env KEEL_COORDINATOR="${ADDR[coord]}:7070" NO_COLOR=1 RUST_LOG="${RUST_LOG:-info}" \
+  in_ns user env KEEL_COORDINATOR="${ADDR[coord]}:7070" NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" \
     timeout "$t" "$BIN_DIR/keel" "$@"
 }
 
 start_cluster() { # start_cluster TAG: coordinator + three workers, each on its own host
   local tag="$1" w
   declare -A wpid=()
-  start_in coord "$tag-coordinator" env NO_COLOR=1 RUST_LOG="${RUST_LOG:-info}" \
+  start_in coord "$tag-coordinator" env NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" \
     "$BIN_DIR/keel-coordinator" --listen 0.0.0.0:7070 --data-dir "$WORK/$tag/coord-data"
   wait_listening user "${ADDR[coord]}" 7070 "$LAST_PID" "keel-coordinator"
   for w in w1 w2 w3; do
-    start_in "$w" "$tag-worker-$w" env NO_COLOR=1 RUST_LOG="${RUST_LOG:-info}" \
+    start_in "$w" "$tag-worker-$w" env NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" \
       "$BIN_DIR/keel-worker" --coordinator "${ADDR[coord]}:7070" --listen 0.0.0.0:7071 \
       --advertise-addr "${ADDR[$w]}:7071" --threads "$THREADS" --cache-dir "$WORK/$tag/cache-$w"
     wpid[$w]=$LAST_PID
@@ -557,7 +557,7 @@ run_sbatch_standins() { # run_sbatch_standins DIR: keel.sbatch with stand-ins, o
   PATH="$sb/bin:$PATH" KEEL_MH_PREFIX="$PREFIX" KEEL_MH_NODES="$sb/nodes" KEEL_MH_SCRATCH="$sb/scratch" \
     SLURM_JOB_ID=4242 SLURM_JOB_NODELIST=w1,w2,w3 SLURM_SUBMIT_DIR="$sb/submit" SLURM_CPUS_ON_NODE="$THREADS" \
     SLURM_CPUS_PER_TASK="$THREADS" TMPDIR="$sb/scratch" KEEL_BIN_DIR="$BIN_DIR" \
-    KEEL_SLURM_TIMEOUT="$JOB_TIMEOUT" NO_COLOR=1 RUST_LOG="${RUST_LOG:-info}" \
+    KEEL_SLURM_TIMEOUT="$JOB_TIMEOUT" NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" \
     timeout $((JOB_TIMEOUT + 300)) "$sb/bin/node-run" w1 bash "$REPO/deploy/slurm/keel.sbatch" \
     "$sb/submit/job.toml" "$sb/out" >"$WORK/logs/slurm-batch.log" 2>&1 \
     || die "[slurm] keel.sbatch failed (exit $?); see slurm-batch.log above"
@@ -648,7 +648,7 @@ sbatch_real() {
   # TMPDIR: the nodes' scratch (keel.sbatch removes it); one folder here, as the nodes share a disk.
   id="$(slurm_node_exec w1 env -C "$submit" KEEL_BIN_DIR="$BIN_DIR" KEEL_SLURM_TIMEOUT="$JOB_TIMEOUT" \
     TMPDIR="$WORK/slurm/scratch" \
-    NO_COLOR=1 RUST_LOG="${RUST_LOG:-info}" \
+    NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" \
     sbatch --parsable --nodes=3 --cpus-per-task="$THREADS" --time=$((JOB_TIMEOUT / 60 + 10)) \
     "$REPO/deploy/slurm/keel.sbatch" job.toml "$out")" || die "[slurm] sbatch refused keel.sbatch"
   log "[slurm] sbatch deploy/slurm/keel.sbatch: Slurm job $id"
