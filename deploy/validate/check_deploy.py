@@ -12,6 +12,7 @@ status is 1 when any check failed.
 - `check_systemd`, `check_compose`, `check_dockerfile`, `check_k8s`, `check_slurm`: one per kind.
 - `check_flags`: every flag and KEEL_* variable the files pass to a Keel program.
 - `check_runtime_libs`: the shared libraries of built binaries come from the runtime image's packages.
+- `check_health`: built servers answer the gRPC health service the Kubernetes probes call.
 
 Needs Python 3.9+ and PyYAML (Debian: python3-yaml). `k8s --typed` also needs the `kubernetes`
 Python client 37 (pydantic models that reject unknown fields).
@@ -695,12 +696,75 @@ def check_runtime_libs(bin_dir: Path, runtime_pkgs: set[str], rep: Report) -> No
             rep.check(owner in allowed, f"{prog}: {lib} comes from {owner or '?'}, installed in the runtime image")
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_health(bin_dir: Path, rep: Report) -> None:
+    """Kubernetes' grpc probes (deploy/k8s) call grpc.health.v1.Health/Check: both servers must
+    answer SERVING. Starts a coordinator and a worker on 127.0.0.1 and asks them."""
+    import tempfile
+    import time
+
+    import grpc  # grpcio + grpcio-health-checking, from the tools venv
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cport, wport = free_port(), free_port()
+        logs = {n: open(os.path.join(tmp, f"{n}.log"), "w") for n in ("coordinator", "worker")}
+        procs = {
+            "coordinator": subprocess.Popen(
+                [str(bin_dir / "keel-coordinator"), "--listen", f"127.0.0.1:{cport}", "--data-dir", f"{tmp}/data"],
+                stdout=logs["coordinator"], stderr=subprocess.STDOUT,
+            ),
+            "worker": subprocess.Popen(
+                [str(bin_dir / "keel-worker"), "--coordinator", f"127.0.0.1:{cport}", "--listen", f"127.0.0.1:{wport}",
+                 "--advertise-addr", f"127.0.0.1:{wport}", "--threads", "1", "--cache-dir", f"{tmp}/cache"],
+                stdout=logs["worker"], stderr=subprocess.STDOUT,
+            ),
+        }  # fmt: skip
+        try:
+            for name, port in (("coordinator", cport), ("worker", wport)):
+                status, deadline = "no answer", time.monotonic() + 30
+                while time.monotonic() < deadline and procs[name].poll() is None:
+                    try:
+                        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
+                        status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+                        break
+                    except grpc.RpcError as e:
+                        status = f"{e.code().name} {e.details() or ''}".strip()
+                        if e.code() != grpc.StatusCode.UNAVAILABLE:
+                            break  # the server answered: retrying will not change it
+                        time.sleep(0.3)
+                rep.check(
+                    status == "SERVING",
+                    f"keel-{name} answers grpc.health.v1.Health/Check with SERVING (Kubernetes' grpc probes)",
+                    f"got {status}",
+                )
+        finally:
+            for p in procs.values():
+                p.terminate()
+            for p in procs.values():
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=10)
+            for f in logs.values():
+                f.close()
+
+
 # ------------------------------------------------------------------------------------------
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["systemd", "docker", "compose", "k8s", "slurm", "flags", "libs"])
+    ap.add_argument("what", choices=["systemd", "docker", "compose", "k8s", "slurm", "flags", "libs", "health"])
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2], help="repository root")
     ap.add_argument("--bin-dir", type=Path, help="folder with built keel, keel-coordinator, keel-worker")
     ap.add_argument("--typed", action="store_true", help="k8s: also validate against the kubernetes client's models")
@@ -719,6 +783,10 @@ def main() -> int:
             check_slurm(args.root, rep)
         elif args.what == "flags":
             check_flags(args.root, args.bin_dir, rep)
+        elif args.what == "health":
+            if args.bin_dir is None:
+                ap.error("health needs --bin-dir")
+            check_health(args.bin_dir, rep)
         elif args.what == "libs":
             if args.bin_dir is None:
                 ap.error("libs needs --bin-dir")
