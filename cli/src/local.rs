@@ -122,6 +122,14 @@ fn spawn(
 /// Errors: a process that fails to start or dies, the job failing (its error), or the pull.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
+    // Take Ctrl-C from the start, so that it stops the cluster (dropping `Cluster` kills the
+    // processes) instead of ending this process with the workers left running.
+    let (interrupted_tx, mut interrupted) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            let _ = interrupted_tx.send(true);
+        }
+    });
     let mut spec = JobSpec::from_file(&args.job_file)?;
     spec.resolve_paths(&std::env::current_dir()?);
     spec.cluster.min_workers = args.workers;
@@ -167,6 +175,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         cluster.check_alive(&logs)?;
+        anyhow::ensure!(!*interrupted.borrow(), "interrupted");
         if client.ping(PingRequest {}).await.is_ok() {
             break;
         }
@@ -206,15 +215,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     let started = Instant::now();
-    let result = async {
+    let work = async {
         let job = submit(&mut client, &job_path).await?;
         if !args.quiet {
             eprintln!("keel local: submitted {job}");
         }
-        let status = tokio::select! {
-            s = watch::watch(&mut client, &job, !args.quiet) => s?,
-            _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted"),
-        };
+        let status = watch::watch(&mut client, &job, !args.quiet).await?;
         finished_ok(&status)?;
         let out = pull::pull(&mut client, &job, Some(spec.train.max_steps), &args.out).await?;
         let (throughput, steps) = mean_throughput(&out.join("metrics.jsonl"));
@@ -230,8 +236,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             out.display()
         );
         Ok(())
-    }
-    .await;
+    };
+    let result = tokio::select! {
+        r = work => r,
+        _ = interrupted.wait_for(|i| *i) => Err(anyhow::anyhow!("interrupted")),
+    };
     drop(cluster);
     match (&result, tmp) {
         (Ok(()), Some(t)) => drop(t),
