@@ -79,8 +79,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     options.short_seq_prob = args.short_seq_prob;
     options.model_vocab_size = args.model_vocab_size;
     options.show_progress = true;
-    let manifest = prepare(&options)
-        .with_context(|| format!("preparing {}", args.out.display()))?;
+    let manifest =
+        prepare(&options).with_context(|| format!("preparing {}", args.out.display()))?;
     let t = manifest.timings;
     let mb = manifest.corpus.bytes as f64 / 1e6;
     let summary = serde_json::json!({

@@ -34,7 +34,9 @@ impl std::str::FromStr for Objective {
         match s {
             "mlm" => Ok(Objective::Mlm),
             "mlm+nsp" => Ok(Objective::MlmNsp),
-            other => Err(format!("unknown objective {other:?}: expected mlm or mlm+nsp")),
+            other => Err(format!(
+                "unknown objective {other:?}: expected mlm or mlm+nsp"
+            )),
         }
     }
 }

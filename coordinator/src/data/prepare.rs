@@ -94,7 +94,12 @@ pub struct PrepareOptions {
 impl PrepareOptions {
     /// Options with BERT's defaults: 128 tokens, 1 shard, seed 12345, 1% heldout, 1 thread,
     /// short_seq_prob 0.1, no progress bar.
-    pub fn new(corpus: Vec<PathBuf>, vocab: VocabSource, objective: Objective, out_dir: PathBuf) -> Self {
+    pub fn new(
+        corpus: Vec<PathBuf>,
+        vocab: VocabSource,
+        objective: Objective,
+        out_dir: PathBuf,
+    ) -> Self {
         Self {
             corpus,
             vocab,
@@ -203,16 +208,25 @@ fn validate(o: &PrepareOptions) -> Result<(), PrepareError> {
         return bad("corpus", "give at least one file, directory or glob".into());
     }
     if o.max_seq_length < 8 || o.max_seq_length > 65_536 {
-        return bad("max_seq_length", format!("{} is not in 8..=65536", o.max_seq_length));
+        return bad(
+            "max_seq_length",
+            format!("{} is not in 8..=65536", o.max_seq_length),
+        );
     }
     if o.shards == 0 {
         return bad("shards", "must be at least 1".into());
     }
     if !(0.0..=0.5).contains(&o.heldout_fraction) {
-        return bad("heldout_fraction", format!("{} is not in [0, 0.5]", o.heldout_fraction));
+        return bad(
+            "heldout_fraction",
+            format!("{} is not in [0, 0.5]", o.heldout_fraction),
+        );
     }
     if !(0.0..=1.0).contains(&o.short_seq_prob) {
-        return bad("short_seq_prob", format!("{} is not in [0, 1]", o.short_seq_prob));
+        return bad(
+            "short_seq_prob",
+            format!("{} is not in [0, 1]", o.short_seq_prob),
+        );
     }
     if o.threads == 0 {
         return bad("threads", "must be at least 1".into());
@@ -493,7 +507,11 @@ pub fn prepare(options: &PrepareOptions) -> Result<PreparedManifest, PrepareErro
         return Err(PrepareError::EmptyCorpus {
             reason: format!(
                 "no text lines in {}",
-                files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")
+                files
+                    .iter()
+                    .map(|f| f.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         });
     }
@@ -527,7 +545,10 @@ pub fn prepare(options: &PrepareOptions) -> Result<PreparedManifest, PrepareErro
         });
     }
     let (held, train) = order.split_at(heldout as usize);
-    let train_lengths: Vec<u64> = train.iter().map(|&i| u64::from(lengths[i as usize])).collect();
+    let train_lengths: Vec<u64> = train
+        .iter()
+        .map(|&i| u64::from(lengths[i as usize]))
+        .collect();
     let starts = shard_starts(&train_lengths, options.shards);
     let mut shards = Vec::with_capacity(options.shards);
     for (k, &start) in starts.iter().enumerate() {

@@ -185,10 +185,14 @@ pub fn mask_sequence(
                 vocab.special.mask
             } else if rng.random::<f64>() < 0.5 {
                 original
-            } else if vocab.replacement_ids.is_empty() {
-                original
             } else {
-                vocab.replacement_ids[rng.random_range(0..vocab.replacement_ids.len())]
+                // An empty replacement list (a vocabulary of only special tokens) keeps the token.
+                let n = vocab.replacement_ids.len();
+                if n == 0 {
+                    original
+                } else {
+                    vocab.replacement_ids[rng.random_range(0..n)]
+                }
             };
             input_ids[pos] = replacement;
             chosen.push((pos, original));

@@ -8,11 +8,30 @@
 use keel_proto::config::HiddenAct;
 
 use super::Element;
+use super::parallel;
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 
-/// `y = act(x)`.
+/// Elements per thread below which splitting is not worth a thread.
+const MIN_PER_THREAD: usize = 1 << 15;
+
+/// `y = act(x)`, split among the model's threads.
 pub(crate) fn forward<A: Element>(act: HiddenAct, y: &mut [A], x: &[A]) {
+    let n = y.len().min(x.len());
+    parallel::zip_units(y, 1, x, 1, n, MIN_PER_THREAD, |y, x| {
+        forward_serial(act, y, x)
+    });
+}
+
+/// `d *= act'(x)`: turns the gradient w.r.t. the output into the gradient w.r.t. the input.
+pub(crate) fn backward<A: Element>(act: HiddenAct, d: &mut [A], x: &[A]) {
+    let n = d.len().min(x.len());
+    parallel::zip_units(d, 1, x, 1, n, MIN_PER_THREAD, |d, x| {
+        backward_serial(act, d, x)
+    });
+}
+
+fn forward_serial<A: Element>(act: HiddenAct, y: &mut [A], x: &[A]) {
     let half = A::of(0.5);
     match act {
         HiddenAct::Gelu => A::gelu_forward(y, x),
@@ -30,8 +49,7 @@ pub(crate) fn forward<A: Element>(act: HiddenAct, y: &mut [A], x: &[A]) {
     }
 }
 
-/// `d *= act'(x)`: turns the gradient w.r.t. the output into the gradient w.r.t. the input.
-pub(crate) fn backward<A: Element>(act: HiddenAct, d: &mut [A], x: &[A]) {
+fn backward_serial<A: Element>(act: HiddenAct, d: &mut [A], x: &[A]) {
     let half = A::of(0.5);
     match act {
         HiddenAct::Gelu => A::gelu_backward(d, x),

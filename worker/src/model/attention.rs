@@ -11,7 +11,9 @@
 
 use super::Element;
 use super::dropout::{DropoutKey, Mask, Site};
+use super::element::grow;
 use super::gemm::{gemm, mat_mut};
+use super::parallel;
 use ndarray::{ArrayView2, ArrayViewMut2, s};
 
 /// Dimensions and dropout of one attention call.
@@ -33,7 +35,22 @@ pub(crate) struct AttentionDims<'a> {
     pub max_positions: usize,
 }
 
-impl AttentionDims<'_> {
+impl<'a> AttentionDims<'a> {
+    /// The dimensions of sequences `r` alone.
+    fn part(&self, r: &std::ops::Range<usize>) -> AttentionDims<'a> {
+        AttentionDims {
+            b: r.len(),
+            t: self.t,
+            h: self.h,
+            d: self.d,
+            mask: &self.mask[r.start * self.t..r.end * self.t],
+            dropout: self
+                .dropout
+                .map(|(key, ids, layer, p)| (key, &ids[r.start..r.end], layer, p)),
+            max_positions: self.max_positions,
+        }
+    }
+
     fn c(&self) -> usize {
         self.h * self.d
     }
@@ -72,8 +89,49 @@ fn head_mut<'a, A>(
         .slice_move(s![bi * t..(bi + 1) * t, j * d..(j + 1) * d])
 }
 
-/// Fills `probs` `[b, h, t, t]` (before dropout) and `ctx` `[n, c]`. `scratch` holds `t * t`.
+/// Fills `probs` `[b, h, t, t]` (before dropout) and `ctx` `[n, c]`, the sequences split
+/// among the model's threads. `scratch` grows to `threads * t * t`.
 pub(crate) fn forward<A: Element>(
+    ctx: &mut [A],
+    probs: &mut [A],
+    scratch: &mut Vec<A>,
+    q: &[A],
+    k: &[A],
+    v: &[A],
+    dims: &AttentionDims<'_>,
+) {
+    let (t, c, h) = (dims.t, dims.c(), dims.h);
+    let parts = parallel::split(dims.b, parallel::threads());
+    let scratch = grow(scratch, parts.len() * t * t);
+    let mut work = Vec::with_capacity(parts.len());
+    let (mut ctx, mut probs, mut scratch) = (
+        &mut ctx[..dims.b * t * c],
+        &mut probs[..dims.b * h * t * t],
+        scratch,
+    );
+    for r in parts {
+        let (ctx_part, ctx_rest) = ctx.split_at_mut(r.len() * t * c);
+        let (probs_part, probs_rest) = probs.split_at_mut(r.len() * h * t * t);
+        let (scratch_part, scratch_rest) = scratch.split_at_mut(t * t);
+        (ctx, probs, scratch) = (ctx_rest, probs_rest, scratch_rest);
+        work.push((r, ctx_part, probs_part, scratch_part));
+    }
+    parallel::run_with_single_threaded_blas(work, |(r, ctx, probs, scratch)| {
+        let rows = r.start * t * c..r.end * t * c;
+        let local = dims.part(&r);
+        forward_seqs(
+            ctx,
+            probs,
+            scratch,
+            &q[rows.clone()],
+            &k[rows.clone()],
+            &v[rows],
+            &local,
+        );
+    });
+}
+
+fn forward_seqs<A: Element>(
     ctx: &mut [A],
     probs: &mut [A],
     scratch: &mut [A],
@@ -153,9 +211,57 @@ fn masked_softmax<A: Element>(row: &mut [A], keys: &[u8]) {
     row.iter_mut().for_each(|s| *s *= inv);
 }
 
-/// Given `dctx` `[n, c]`: writes `dq`, `dk`, `dv` `[n, c]`. `scratch` holds `2 * t * t`.
+/// Given `dctx` `[n, c]`: writes `dq`, `dk`, `dv` `[n, c]`, the sequences split among the
+/// model's threads. `scratch` grows to `threads * 2 * t * t`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<A: Element>(
+    dq: &mut [A],
+    dk: &mut [A],
+    dv: &mut [A],
+    scratch: &mut Vec<A>,
+    dctx: &[A],
+    probs: &[A],
+    q: &[A],
+    k: &[A],
+    v: &[A],
+    dims: &AttentionDims<'_>,
+) {
+    let (t, c, h) = (dims.t, dims.c(), dims.h);
+    let parts = parallel::split(dims.b, parallel::threads());
+    let scratch = grow(scratch, parts.len() * 2 * t * t);
+    let mut work = Vec::with_capacity(parts.len());
+    let n = dims.b * t * c;
+    let (mut dq, mut dk, mut dv, mut scratch) = (&mut dq[..n], &mut dk[..n], &mut dv[..n], scratch);
+    for r in parts {
+        let len = r.len() * t * c;
+        let (dq_part, dq_rest) = dq.split_at_mut(len);
+        let (dk_part, dk_rest) = dk.split_at_mut(len);
+        let (dv_part, dv_rest) = dv.split_at_mut(len);
+        let (scratch_part, scratch_rest) = scratch.split_at_mut(2 * t * t);
+        (dq, dk, dv, scratch) = (dq_rest, dk_rest, dv_rest, scratch_rest);
+        work.push((r, dq_part, dk_part, dv_part, scratch_part));
+    }
+    parallel::run_with_single_threaded_blas(work, |(r, dq, dk, dv, scratch)| {
+        let rows = r.start * t * c..r.end * t * c;
+        let local = dims.part(&r);
+        let p = &probs[r.start * h * t * t..r.end * h * t * t];
+        backward_seqs(
+            dq,
+            dk,
+            dv,
+            scratch,
+            &dctx[rows.clone()],
+            p,
+            &q[rows.clone()],
+            &k[rows.clone()],
+            &v[rows],
+            &local,
+        );
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_seqs<A: Element>(
     dq: &mut [A],
     dk: &mut [A],
     dv: &mut [A],

@@ -5,7 +5,9 @@
 //! `(seed, step, sample_id, layer, site)` and of the element's position in the sequence (not
 //! of the padded length or of the row in the micro-batch), so a sample gets the same dropout
 //! whatever the world size or micro-batch split. Masks are never stored: the backward
-//! regenerates them from the same key (a counter-based hash, splitmix64's finaliser).
+//! regenerates them from the same key. The per-sequence key is mixed with splitmix64's
+//! finaliser; each element's 32 random bits are two rounds of murmur3's `fmix32` over its
+//! index, which vectorises (AVX2, picked at run time).
 
 use super::Element;
 
@@ -41,12 +43,23 @@ fn mix(mut z: u64) -> u64 {
 
 const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
+/// murmur3's 32-bit finaliser (Appleby 2011): a bijective mixer.
+#[inline(always)]
+fn fmix32(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
+
 /// The mask stream of one sequence at one site.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Mask {
-    stream: u64,
+    /// Two 32-bit keys from the mixed `(seed, step, sample_id, layer, site)`.
+    keys: (u32, u32),
     /// Values `< threshold` (of 32 random bits) are dropped: `round(p * 2^32)`.
-    threshold: u64,
+    threshold: u32,
     /// `1 / (1 - p)`.
     scale: f64,
 }
@@ -58,26 +71,40 @@ impl Mask {
         s = mix(s ^ key.step.wrapping_mul(GOLDEN));
         s = mix(s ^ sample_id.wrapping_mul(GOLDEN));
         s = mix(s ^ ((layer as u64) << 8 | site as u64));
+        let threshold = (p * 4_294_967_296.0).round().min(u32::MAX as f64) as u32;
         Mask {
-            stream: s,
-            threshold: (p * 4_294_967_296.0).round() as u64,
+            keys: (s as u32, (s >> 32) as u32),
+            threshold,
             scale: 1.0 / (1.0 - p),
         }
     }
 
     /// `x[j] = keep(first + j) ? x[j] / (1 - p) : 0`: the forward, and also the backward (the
-    /// gradient passes through the same mask and scale).
+    /// gradient passes through the same mask and scale). Element indices must stay below 2^32.
     pub fn apply<A: Element>(&self, x: &mut [A], first: u64) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { self.apply_avx2(x, first) };
+        }
+        self.apply_body(x, first)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn apply_avx2<A: Element>(&self, x: &mut [A], first: u64) {
+        self.apply_body(x, first)
+    }
+
+    #[inline(always)]
+    fn apply_body<A: Element>(&self, x: &mut [A], first: u64) {
         let scale = A::of(self.scale);
+        let (k0, k1, threshold) = (self.keys.0, self.keys.1, self.threshold);
+        let first = first as u32;
         for (j, v) in x.iter_mut().enumerate() {
-            let i = first + j as u64;
-            let bits = mix(self.stream.wrapping_add((i >> 1).wrapping_mul(GOLDEN)));
-            let r = if i & 1 == 0 {
-                bits & 0xffff_ffff
-            } else {
-                bits >> 32
-            };
-            *v = if r >= self.threshold {
+            let i = first.wrapping_add(j as u32);
+            let r = fmix32(fmix32(i.wrapping_mul(0x9e37_79b9) ^ k0) ^ k1);
+            *v = if r >= threshold {
                 *v * scale
             } else {
                 A::zero()

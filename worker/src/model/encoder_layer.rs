@@ -161,11 +161,10 @@ impl EncoderLayer {
         self.value.forward(v, x, params, n);
         let ctx = grow(&mut cache.ctx, n * c);
         let probs = grow(&mut cache.probs, b * h * t * t);
-        let scratch = grow(attn_scratch, t * t);
         attention::forward(
             ctx,
             probs,
-            scratch,
+            attn_scratch,
             &cache.q[..n * c],
             &cache.k[..n * c],
             &cache.v[..n * c],
@@ -254,12 +253,11 @@ impl EncoderLayer {
         let dq = grow(&mut s.dq, n * c);
         let dk = grow(&mut s.dk, n * c);
         let dv = grow(&mut s.dv, n * c);
-        let t2 = grow(&mut s.attn, 2 * t * t);
         attention::backward(
             dq,
             dk,
             dv,
-            t2,
+            &mut s.attn,
             dctx,
             &cache.probs,
             &cache.q,

@@ -4,6 +4,7 @@
 //! Shapes: `logits` `[r, k]` (k classes), `labels` `[r]`.
 
 use super::Element;
+use super::parallel;
 
 /// Loss summed over rows and the count of rows whose argmax equals the label.
 pub(crate) struct CrossEntropy<A> {
@@ -17,6 +18,29 @@ pub(crate) struct CrossEntropy<A> {
 /// `grad_scale: Some(s)` by `d(s * loss_sum) / d logits = s * (softmax - onehot)`, otherwise
 /// by unnormalised probabilities.
 pub(crate) fn cross_entropy<A: Element>(
+    logits: &mut [A],
+    labels: &[u32],
+    k: usize,
+    grad_scale: Option<A>,
+) -> CrossEntropy<A> {
+    // Split the rows among the model's threads (at least ~64k logits each); the loss is
+    // summed in row order within a part, then over parts.
+    let rows = labels.len();
+    let parts = parallel::zip_units(logits, k, labels, 1, rows, (1 << 16) / k.max(1), |z, l| {
+        cross_entropy_serial(z, l, k, grad_scale)
+    });
+    let mut total = CrossEntropy {
+        loss_sum: A::zero(),
+        correct: 0,
+    };
+    for p in parts {
+        total.loss_sum += p.loss_sum;
+        total.correct += p.correct;
+    }
+    total
+}
+
+fn cross_entropy_serial<A: Element>(
     logits: &mut [A],
     labels: &[u32],
     k: usize,

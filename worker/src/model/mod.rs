@@ -32,6 +32,7 @@ mod linear;
 mod loss;
 mod mlm_head;
 mod nsp_head;
+mod parallel;
 mod vmath;
 
 pub use bert::{Bert, ForwardOutputs};
@@ -127,12 +128,8 @@ pub struct LossSums<A> {
     pub nsp_correct: usize,
 }
 
-/// Sets the number of OpenBLAS threads (all GEMMs of this process).
+/// Sets the number of threads the model uses: OpenBLAS's (all GEMMs of this process) and
+/// the model's own for elementwise work and attention.
 pub fn set_blas_threads(n: usize) {
-    unsafe extern "C" {
-        fn openblas_set_num_threads(num_threads: std::ffi::c_int);
-    }
-    let n = n.clamp(1, i32::MAX as usize) as std::ffi::c_int;
-    // SAFETY: OpenBLAS's documented setter; it takes any positive count.
-    unsafe { openblas_set_num_threads(n) };
+    parallel::set_threads(n);
 }

@@ -1,0 +1,96 @@
+//! The model gives the same gradients with 1 and with several threads (its own threads split
+//! sequences, rows and elements; OpenBLAS splits GEMMs). A separate test binary, because the
+//! thread count is process-wide.
+
+use keel_proto::config::BertConfig;
+use keel_proto::params::{Heads, ParamLayout};
+use keel_worker::batch::Batch;
+use keel_worker::model::{Bert, DropoutKey, Element, StepOptions, init_params, set_blas_threads};
+use ndarray::Array2;
+
+fn batch(b: usize, t: usize, vocab: u32) -> Batch {
+    let lens: Vec<usize> = (0..b).map(|i| t - (i * 7) % (t / 2)).collect();
+    Batch {
+        input_ids: Array2::from_shape_fn((b, t), |(i, j)| {
+            if j < lens[i] {
+                5 + ((i * 31 + j * 17) as u32 % (vocab - 5))
+            } else {
+                0
+            }
+        }),
+        token_type_ids: Array2::from_shape_fn((b, t), |(i, j)| {
+            u32::from(j >= lens[i] / 2 && j < lens[i])
+        }),
+        attention_mask: Array2::from_shape_fn((b, t), |(i, j)| u8::from(j < lens[i])),
+        masked_positions: (0..b * t)
+            .filter(|p| p % 7 == 3 && p % t < lens[p / t])
+            .collect(),
+        masked_labels: (0..b * t)
+            .filter(|p| p % 7 == 3 && p % t < lens[p / t])
+            .map(|p| 5 + (p as u32 * 13) % (vocab - 5))
+            .collect(),
+        next_sentence_labels: Some((0..b as u32).map(|i| i % 2).collect()),
+        sample_ids: (100..100 + b as u64).collect(),
+    }
+}
+
+fn run<A: Element>(
+    threads: usize,
+    config: &BertConfig,
+    params: &[A],
+    batch: &Batch,
+) -> (f64, Vec<A>) {
+    set_blas_threads(threads);
+    let mut model = Bert::<A>::new(config, Heads::PreTraining).unwrap();
+    let mut grads = vec![A::zero(); params.len()];
+    let opts = StepOptions {
+        mlm_scale: A::one(),
+        nsp_scale: A::one(),
+        dropout: Some(DropoutKey { seed: 1, step: 1 }),
+        report_ready: false,
+    };
+    let s = model
+        .forward_backward(params, &mut grads, batch, &opts, &mut |_, _| {})
+        .unwrap();
+    set_blas_threads(1);
+    (s.mlm_loss_sum.to64() + s.nsp_loss_sum.to64(), grads)
+}
+
+fn max_rel_diff<A: Element>(a: &[A], b: &[A]) -> f64 {
+    let scale = b.iter().fold(1e-30f64, |m, x| m.max(x.to64().abs()));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x.to64() - y.to64()).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
+#[test]
+fn same_gradients_with_one_two_and_three_threads() {
+    let config = BertConfig {
+        max_position_embeddings: 64,
+        ..BertConfig::preset("tiny", 600).unwrap()
+    };
+    let layout = ParamLayout::bert(&config, Heads::PreTraining);
+    let p32 = init_params(&config, &layout, 7);
+    let p64: Vec<f64> = p32.iter().map(|&x| x as f64).collect();
+    let batch = batch(5, 40, 600);
+    let (l1, g1) = run(1, &config, &p64, &batch);
+    for threads in [2, 3] {
+        let (l, g) = run(threads, &config, &p64, &batch);
+        assert!(
+            (l - l1).abs() < 1e-12 * l1,
+            "f64 loss {l} vs {l1} with {threads} threads"
+        );
+        let d = max_rel_diff(&g, &g1);
+        assert!(
+            d < 1e-12,
+            "f64 grads differ by {d:e} with {threads} threads"
+        );
+    }
+    let (l1, g1) = run(1, &config, &p32, &batch);
+    let (l2, g2) = run(2, &config, &p32, &batch);
+    assert!((l2 - l1).abs() < 1e-5 * l1, "f32 loss {l2} vs {l1}");
+    let d = max_rel_diff(&g2, &g1);
+    assert!(d < 1e-5, "f32 grads differ by {d:e}");
+}
