@@ -18,9 +18,11 @@
 # link gets `netem delay 1ms rate 1gbit` and the job runs a second time under it; both step
 # times are printed (a kernel without sch_netem gets `tbf rate 1gbit`: the bandwidth limit
 # without the delay; the script says so). --plumbing-only stops after the network checks and
-# needs no binaries. With --slurm, deploy/slurm/keel.sbatch then runs the same job on an
-# "allocation" of the three worker hosts: srun, scontrol and squeue are stand-ins that run one
-# task per host in that host's namespace, each host with its own private scratch directory.
+# needs no binaries. With --slurm, deploy/slurm/keel.sbatch then runs the same job on the three
+# worker hosts: on a real Slurm cluster when slurmctld, slurmd, munged and sbatch are installed
+# (Debian: slurmctld slurmd slurm-client munge; this script starts private daemons in the
+# namespaces: slurmctld on the coordinator's host, one slurmd per worker host), otherwise with
+# stand-ins for srun, scontrol and squeue that run one task per host in its namespace.
 #
 # Usage (as root):
 #   scripts/multihost-test.sh [--netem] [--slurm] [--plumbing-only] [--keep] [--steps N]
@@ -30,7 +32,8 @@
 #   CORPUS   corpus file or folder (default: ../shared/corpus/en-kjv beside the repository)
 # Environment: KEEL_MH_JOB_TIMEOUT (seconds for one job, default 900),
 #              KEEL_MH_START_TIMEOUT (seconds for a server to listen, default 60),
-#              KEEL_MH_THREADS (--threads per worker, default 1).
+#              KEEL_MH_THREADS (--threads per worker, default 1),
+#              KEEL_MH_SLURM (--slurm on: real, standins, or auto (default: real when installed)).
 #
 # Everything it creates (namespaces, veths, bridge, processes, temp dir) is removed on exit,
 # whatever the exit. Every wait is bounded. Exits non-zero on any failure.
@@ -110,22 +113,32 @@ mkdir -p "$WORK/logs"
 
 ns_of() { echo "$PREFIX-$1"; }
 
-stop_pid() { # stop_pid PID: TERM, up to 5 s grace, then KILL
-  local pid="$1" i
-  kill -TERM "$pid" 2>/dev/null || return 0
-  for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
-  kill -KILL "$pid" 2>/dev/null || true
+stop_pids() { # stop_pids PID...: TERM to all, up to 10 s grace in all, then KILL
+  local pid alive _
+  [ $# -gt 0 ] || return 0
+  kill -TERM "$@" 2>/dev/null || true
+  for _ in $(seq 100); do
+    alive=0
+    for pid in "$@"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 1 ] || return 0
+    sleep 0.1
+  done
+  kill -KILL "$@" 2>/dev/null || true
 }
 
 cleanup() {
   local rc=$? pid ns
   set +e
-  trap - EXIT INT TERM
-  for pid in "${PIDS[@]}"; do stop_pid "$pid"; done
+  # A second Ctrl-C or SIGTERM must not cut the cleanup short.
+  trap - EXIT
+  trap "" INT TERM
+  stop_pids "${PIDS[@]}"
   # Anything still inside our namespaces was started by this script (directly or as a child).
+  local left=()
   for ns in "${CREATED_NS[@]}"; do
-    for pid in $(ip netns pids "$ns" 2>/dev/null); do stop_pid "$pid"; done
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do left+=("$pid"); done
   done
+  stop_pids "${left[@]}"
   for ns in "${CREATED_NS[@]}"; do ip netns del "$ns" 2>/dev/null; done
   if [ "$rc" != 0 ]; then
     for f in "$WORK"/logs/*.log; do
@@ -237,7 +250,7 @@ sys.exit(1 if bad else 0)' "${urls[@]}")" || die "host $node (${ADDR[$node]}) ca
   # (No check that the host's own namespace cannot reach 10.77.0.0/24: on some sandboxes the
   # host's default gateway accepts every TCP connection. Our namespaces have no default route.)
   log "plumbing: $pairs/20 host pairs reached each other over TCP through the bridge"
-  for pid in "${pids[@]}"; do stop_pid "$pid"; done
+  stop_pids "${pids[@]}"
 }
 
 # Link shaping. The wanted figure is netem's 1 ms delay + 1 Gbit/s; kernels built without
@@ -360,18 +373,18 @@ EOF
 
 keel_user() { # keel CLI from the user's host, bounded
   local t="$1"; shift
-  in_ns user env KEEL_COORDINATOR="${ADDR[coord]}:7070" NO_COLOR=1 RUST_LOG="${RUST_LOG:-info}" \
+  in_ns user env KEEL_COORDINATOR="${ADDR[coord]}:7070" NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" \
     timeout "$t" "$BIN_DIR/keel" "$@"
 }
 
 start_cluster() { # start_cluster TAG: coordinator + three workers, each on its own host
   local tag="$1" w
   declare -A wpid=()
-  start_in coord "$tag-coordinator" env NO_COLOR=1 RUST_LOG="${RUST_LOG:-info}" \
+  start_in coord "$tag-coordinator" env NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" \
     "$BIN_DIR/keel-coordinator" --listen 0.0.0.0:7070 --data-dir "$WORK/$tag/coord-data"
   wait_listening user "${ADDR[coord]}" 7070 "$LAST_PID" "keel-coordinator"
   for w in w1 w2 w3; do
-    start_in "$w" "$tag-worker-$w" env NO_COLOR=1 RUST_LOG="${RUST_LOG:-info}" \
+    start_in "$w" "$tag-worker-$w" env NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" \
       "$BIN_DIR/keel-worker" --coordinator "${ADDR[coord]}:7070" --listen 0.0.0.0:7071 \
       --advertise-addr "${ADDR[$w]}:7071" --threads "$THREADS" --cache-dir "$WORK/$tag/cache-$w"
     wpid[$w]=$LAST_PID
@@ -385,8 +398,7 @@ start_cluster() { # start_cluster TAG: coordinator + three workers, each on its 
 }
 
 stop_cluster() {
-  local pid
-  for pid in "${PIDS[@]}"; do stop_pid "$pid"; done
+  stop_pids "${PIDS[@]}"
   PIDS=()
 }
 
@@ -539,22 +551,138 @@ SH
   chmod 0755 "$bin"/*
 }
 
-run_slurm() {
-  local sb="$WORK/slurm" w
-  mkdir -p "$sb/submit"
+run_sbatch_standins() { # run_sbatch_standins DIR: keel.sbatch with stand-ins, on the batch host w1
+  local sb="$1"
   write_slurm_standins "$sb"
-  write_job "$sb/submit/job.toml"
-  for w in w1 w2 w3; do TX_BEFORE+=("$(link_tx_bytes "$w")"); done
-  log "[slurm] sbatch deploy/slurm/keel.sbatch on nodes w1,w2,w3 (batch host w1)"
-  local t0=$EPOCHREALTIME
   PATH="$sb/bin:$PATH" KEEL_MH_PREFIX="$PREFIX" KEEL_MH_NODES="$sb/nodes" KEEL_MH_SCRATCH="$sb/scratch" \
     SLURM_JOB_ID=4242 SLURM_JOB_NODELIST=w1,w2,w3 SLURM_SUBMIT_DIR="$sb/submit" SLURM_CPUS_ON_NODE="$THREADS" \
     SLURM_CPUS_PER_TASK="$THREADS" TMPDIR="$sb/scratch" KEEL_BIN_DIR="$BIN_DIR" \
-    KEEL_SLURM_TIMEOUT="$JOB_TIMEOUT" NO_COLOR=1 RUST_LOG="${RUST_LOG:-info}" \
+    KEEL_SLURM_TIMEOUT="$JOB_TIMEOUT" NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" \
     timeout $((JOB_TIMEOUT + 300)) "$sb/bin/node-run" w1 bash "$REPO/deploy/slurm/keel.sbatch" \
     "$sb/submit/job.toml" "$sb/out" >"$WORK/logs/slurm-batch.log" 2>&1 \
     || die "[slurm] keel.sbatch failed (exit $?); see slurm-batch.log above"
-  local t1=$EPOCHREALTIME
+}
+
+# A real Slurm cluster on the hosts: slurmctld on the coordinator's host (named ctl), one slurmd
+# per worker host (w1 w2 w3), a private munged. Each daemon runs in its host's network namespace
+# with that host's name (UTS namespace) and a hosts file naming every host.
+slurm_node_exec() { # slurm_node_exec NODE CMD...: CMD on NODE, as NODE
+  local node="$1" ns; shift
+  if [ "$node" = ctl ]; then ns="$(ns_of coord)"; else ns="$(ns_of "$node")"; fi
+  # shellcheck disable=SC2016 # expanded by the inner bash
+  nsenter --net="/run/netns/$ns" unshare --mount --uts bash -c \
+    'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"' _ "$WORK/slurm/hosts" "$node" "$@"
+}
+
+# start_in_host NAME CMD...: CMD in the machine's own namespaces (munged: a unix socket only).
+start_in_host() {
+  local name="$1"; shift
+  "$@" >"$WORK/logs/$name.log" 2>&1 &
+  PIDS+=("$!")
+}
+
+start_real_slurm() {
+  local sb="$WORK/slurm" n
+  mkdir -p "$sb/state/ctld" "$sb/munge"
+  {
+    echo "127.0.0.1 localhost"
+    echo "${ADDR[coord]} ctl"
+    for n in w1 w2 w3; do echo "${ADDR[$n]} $n"; done
+  } >"$sb/hosts"
+  chmod 0700 "$sb/munge"
+  head -c 1024 /dev/urandom >"$sb/munge/munge.key"
+  chmod 0400 "$sb/munge/munge.key"
+  start_in_host munged munged --foreground --force --key-file="$sb/munge/munge.key" \
+    --socket="$sb/munge/munge.socket" --pid-file="$sb/munge/munged.pid" \
+    --seed-file="$sb/munge/munged.seed" --log-file="$sb/munge/munged.log"
+  cat >"$sb/slurm.conf" <<SLURMCONF
+# Written by scripts/multihost-test.sh: a private Slurm cluster on network namespaces.
+ClusterName=keelmultihost
+SlurmctldHost=ctl(${ADDR[coord]})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$sb/munge/munge.socket
+StateSaveLocation=$sb/state/ctld
+SlurmdSpoolDir=$sb/state/spool-%n
+SlurmctldPidFile=$sb/state/slurmctld.pid
+SlurmdPidFile=$sb/state/slurmd-%n.pid
+SlurmctldLogFile=$WORK/logs/slurmctld.log
+SlurmdLogFile=$WORK/logs/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+NodeName=w[1-3] NodeAddr=${ADDR[w1]},${ADDR[w2]},${ADDR[w3]} CPUs=$(nproc) State=UNKNOWN
+PartitionName=main Nodes=w[1-3] Default=YES MaxTime=INFINITE State=UP
+SLURMCONF
+  export SLURM_CONF="$sb/slurm.conf"
+  local deadline=$((SECONDS + 60))
+  until [ -S "$sb/munge/munge.socket" ]; do
+    [ $SECONDS -lt $deadline ] || die "munged did not create its socket in 60 s"
+    sleep 0.2
+  done
+  slurm_node_exec ctl slurmctld -D >"$WORK/logs/slurmctld.out" 2>&1 &
+  PIDS+=("$!")
+  for n in w1 w2 w3; do
+    slurm_node_exec "$n" slurmd -D -N "$n" >"$WORK/logs/slurmd-$n.out" 2>&1 &
+    PIDS+=("$!")
+  done
+  deadline=$((SECONDS + START_TIMEOUT))
+  until [ "$(slurm_node_exec w1 sinfo -h -N -o %T 2>/dev/null | grep -c '^idle')" = 3 ]; do
+    [ $SECONDS -lt $deadline ] || die "Slurm nodes not idle after ${START_TIMEOUT}s: $(slurm_node_exec w1 sinfo -h -N 2>&1 | tr '\n' ' ')"
+    sleep 1
+  done
+  log "[slurm] real Slurm $(sinfo --version | awk '{ print $2 }'): slurmctld on ctl=${ADDR[coord]}, slurmd on w1 w2 w3"
+}
+
+# sbatch_real SUBMIT_DIR OUT_DIR: keel.sbatch through sbatch, waits (bounded) until it left the queue.
+sbatch_real() {
+  local submit="$1" out="$2" id state deadline=$((SECONDS + JOB_TIMEOUT + 300))
+  mkdir -p "$WORK/slurm/scratch"
+  # TMPDIR: the nodes' scratch (keel.sbatch removes it); one folder here, as the nodes share a disk.
+  id="$(slurm_node_exec w1 env -C "$submit" KEEL_BIN_DIR="$BIN_DIR" KEEL_SLURM_TIMEOUT="$JOB_TIMEOUT" \
+    TMPDIR="$WORK/slurm/scratch" \
+    NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" \
+    sbatch --parsable --nodes=3 --cpus-per-task="$THREADS" --time=$((JOB_TIMEOUT / 60 + 10)) \
+    "$REPO/deploy/slurm/keel.sbatch" job.toml "$out")" || die "[slurm] sbatch refused keel.sbatch"
+  log "[slurm] sbatch deploy/slurm/keel.sbatch: Slurm job $id"
+  while state="$(slurm_node_exec w1 squeue -h -j "$id" -o %T 2>/dev/null)" && [ -n "$state" ]; do
+    [ $SECONDS -lt $deadline ] || die "[slurm] job $id still $state after $((JOB_TIMEOUT + 300)) s"
+    sleep 2
+  done
+  cp "$submit/keel-$id.out" "$WORK/logs/slurm-batch.log" 2>/dev/null || die "[slurm] job $id left no output file"
+  grep -q '^\[keel.sbatch [0-9:]*\] done (exit 0)$' "$WORK/logs/slurm-batch.log" \
+    || die "[slurm] keel.sbatch (job $id) did not end with exit 0; see slurm-batch.log above"
+}
+
+run_slurm() {
+  local sb="$WORK/slurm" w t0 t1
+  mkdir -p "$sb/submit"
+  write_job "$sb/submit/job.toml"
+  for w in w1 w2 w3; do TX_BEFORE+=("$(link_tx_bytes "$w")"); done
+  local kind="${KEEL_MH_SLURM:-auto}"
+  if [ "$kind" = auto ]; then
+    kind=standins
+    if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
+      && command -v sbatch >/dev/null; then kind=real; fi
+  fi
+  case "$kind" in real|standins) ;; *) die "KEEL_MH_SLURM must be real, standins or auto, got $kind" ;; esac
+  if [ "$kind" = real ]; then
+    start_real_slurm
+    t0=$EPOCHREALTIME
+    sbatch_real "$sb/submit" "$sb/out"
+  else
+    log "[slurm] stand-ins for srun, scontrol, squeue (nodes w1,w2,w3, batch host w1)"
+    t0=$EPOCHREALTIME
+    run_sbatch_standins "$sb"
+  fi
+  t1=$EPOCHREALTIME
   grep '^\[keel.sbatch' "$WORK/logs/slurm-batch.log" | sed 's/^/    /'
   check_checkpoint "$sb/out"
   local i=0 sent
@@ -565,11 +693,13 @@ run_slurm() {
     i=$((i + 1))
   done
   TX_BEFORE=()
-  [ ! -e "$sb/submit/.keel-4242.token" ] || die "[slurm] the generated token was not removed"
-  for w in w1 w2 w3; do
-    [ -z "$(ls -A "$sb/nodes/$w" 2>/dev/null)" ] || die "[slurm] scratch of node $w not cleaned: $(ls -A "$sb/nodes/$w")"
+  ! compgen -G "$sb/submit/.keel-*.token" >/dev/null || die "[slurm] the generated token was not removed"
+  for w in w1 w2 w3 scratch; do
+    local dir="$sb/nodes/$w"; [ "$w" = scratch ] && dir="$sb/scratch"
+    [ -z "$(ls -A "$dir" 2>/dev/null)" ] || die "[slurm] node scratch $dir not cleaned: $(ls -A "$dir")"
   done
   log "[slurm] $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "sbatch ran %.1f s", b - a }'); checkpoint in place, token and node scratch removed"
+  stop_cluster  # the Slurm daemons (real Slurm) or nothing (stand-ins)
 }
 
 # ---------------------------------------------------------------------------------------------

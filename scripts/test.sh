@@ -16,3 +16,11 @@ step "cargo clippy (warnings are errors)"
 cargo clippy --release --workspace --all-targets -- -D warnings
 step "cargo test"
 cargo test --release --workspace
+step "deploy/ file checks"
+scripts/validate-deploy.sh target/release
+if [ "$(id -u)" = 0 ] && ip netns list >/dev/null 2>&1; then
+  step "multi-host test (network namespaces)"
+  scripts/multihost-test.sh --netem target/release
+else
+  step "multi-host test skipped: it needs root and network namespaces (run scripts/multihost-test.sh as root)"
+fi

@@ -1,13 +1,218 @@
-//! Client commands talking to a coordinator (to be written).
+//! Client commands talking to a coordinator: submit, jobs, status, watch, cancel, pull; plus
+//! `keel local` (a whole cluster on this machine) and `keel fill-mask` (try a checkpoint).
+
+use crate::{fill_mask, local, pull, watch};
+use anyhow::Context;
+use keel_proto::jobspec::JobSpec;
+use keel_proto::rpc::coordinator_client::CoordinatorClient;
+use keel_proto::rpc::{
+    CancelJobRequest, GetJobRequest, JobState, JobStatus, ListJobsRequest, SubmitJobRequest,
+};
+use std::path::{Path, PathBuf};
+use tonic::transport::Channel;
+
+/// Where the coordinator is.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Conn {
+    /// The coordinator, host:port.
+    #[arg(long, env = "KEEL_COORDINATOR", default_value = "127.0.0.1:7070")]
+    pub coordinator: String,
+}
+
+/// A job id argument.
+#[derive(clap::Args, Debug, Clone)]
+pub struct JobArg {
+    /// The job id (`keel jobs` lists them).
+    pub job: String,
+    #[command(flatten)]
+    pub conn: Conn,
+}
 
 /// Subcommands that talk to a running coordinator.
 #[derive(clap::Subcommand, Debug)]
 pub enum Command {
+    /// Submit a job file (TOML); prints the job id. Relative paths in it are resolved against
+    /// the current directory and read on the coordinator's machine.
+    Submit {
+        /// The job file.
+        job_file: PathBuf,
+        #[command(flatten)]
+        conn: Conn,
+    },
     /// Print the jobs the coordinator knows.
-    Jobs,
+    Jobs {
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Print one job's status as JSON.
+    Status(JobArg),
+    /// Follow a job with a progress bar (step, loss, tokens/s, ETA) until it ends.
+    Watch(JobArg),
+    /// Cancel a job.
+    Cancel(JobArg),
+    /// Download a checkpoint (Hugging Face layout) plus metrics.jsonl and loss.png.
+    Pull(pull::Args),
+    /// Run a whole cluster on this machine (coordinator + N workers as real processes): run
+    /// the job, pull the final checkpoint, stop.
+    Local(local::Args),
+    /// Fill each [MASK] of a text with a checkpoint, like the `transformers` fill-mask pipeline.
+    FillMask(fill_mask::Args),
 }
 
 /// Runs a client command.
-pub fn run(_cmd: Command) -> anyhow::Result<()> {
-    anyhow::bail!("client commands are not built yet")
+pub fn run(cmd: Command) -> anyhow::Result<()> {
+    if let Command::FillMask(args) = cmd {
+        return fill_mask::run(args);
+    }
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        match cmd {
+            Command::Submit { job_file, conn } => {
+                let mut client = connect(&conn.coordinator)?;
+                let id = submit(&mut client, &job_file).await?;
+                println!("{id}");
+                Ok(())
+            }
+            Command::Jobs { conn } => {
+                let mut client = connect(&conn.coordinator)?;
+                let jobs = client
+                    .list_jobs(ListJobsRequest {})
+                    .await
+                    .context("listing jobs")?
+                    .into_inner()
+                    .jobs;
+                println!(
+                    "{:<10} {:<20} {:>12} {:>9}  workers",
+                    "job", "state", "step", "loss"
+                );
+                for j in jobs {
+                    println!(
+                        "{:<10} {:<20} {:>12} {:>9.4}  {}",
+                        j.job_id,
+                        state_name(j.state),
+                        format!("{}/{}", j.step, j.max_steps),
+                        j.loss,
+                        j.workers.join(", ")
+                    );
+                }
+                Ok(())
+            }
+            Command::Status(a) => {
+                let mut client = connect(&a.conn.coordinator)?;
+                let s = client
+                    .get_job(GetJobRequest {
+                        job_id: a.job.clone(),
+                    })
+                    .await
+                    .with_context(|| format!("job {}", a.job))?
+                    .into_inner();
+                println!("{}", serde_json::to_string_pretty(&status_json(&s))?);
+                Ok(())
+            }
+            Command::Watch(a) => {
+                let mut client = connect(&a.conn.coordinator)?;
+                let s = watch::watch(&mut client, &a.job, true).await?;
+                finished_ok(&s)
+            }
+            Command::Cancel(a) => {
+                let mut client = connect(&a.conn.coordinator)?;
+                let s = client
+                    .cancel_job(CancelJobRequest {
+                        job_id: a.job.clone(),
+                    })
+                    .await
+                    .with_context(|| format!("cancelling {}", a.job))?
+                    .into_inner();
+                println!("{} {}", s.job_id, state_name(s.state));
+                Ok(())
+            }
+            Command::Pull(args) => {
+                let mut client = connect(&args.conn.coordinator)?;
+                let dir = pull::pull(&mut client, &args.job, args.step, &args.out).await?;
+                println!("{}", dir.display());
+                Ok(())
+            }
+            Command::Local(args) => local::run(args).await,
+            Command::FillMask(_) => Ok(()),
+        }
+    })
+}
+
+/// A client for the coordinator at `addr`.
+///
+/// Errors: a malformed address.
+pub fn connect(addr: &str) -> anyhow::Result<CoordinatorClient<Channel>> {
+    Ok(keel_worker::client::coordinator_client(addr)?)
+}
+
+/// Reads and validates a job file, makes its paths absolute against the current directory,
+/// and submits it. Returns the job id.
+///
+/// Errors: the job file's own error (naming the key), or the coordinator's refusal.
+pub async fn submit(
+    client: &mut CoordinatorClient<Channel>,
+    job_file: &Path,
+) -> anyhow::Result<String> {
+    let mut spec = JobSpec::from_file(job_file)?;
+    let cwd = std::env::current_dir()?;
+    spec.resolve_paths(&cwd);
+    let text = spec.to_toml_string()?;
+    let reply = client
+        .submit_job(SubmitJobRequest {
+            spec_toml: text,
+            origin: job_file.display().to_string(),
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("submitting {}: {}", job_file.display(), s.message()))?;
+    Ok(reply.into_inner().job_id)
+}
+
+/// `running`, `completed`, ...
+pub fn state_name(state: i32) -> &'static str {
+    match JobState::try_from(state) {
+        Ok(JobState::Queued) => "queued",
+        Ok(JobState::Preparing) => "preparing",
+        Ok(JobState::WaitingForWorkers) => "waiting-for-workers",
+        Ok(JobState::Running) => "running",
+        Ok(JobState::Completed) => "completed",
+        Ok(JobState::Failed) => "failed",
+        Ok(JobState::Cancelled) => "cancelled",
+        _ => "unknown",
+    }
+}
+
+/// A job status as JSON (NaN as null).
+pub fn status_json(s: &JobStatus) -> serde_json::Value {
+    let num = |x: f64| {
+        if x.is_finite() {
+            serde_json::json!(x)
+        } else {
+            serde_json::Value::Null
+        }
+    };
+    serde_json::json!({
+        "job_id": s.job_id,
+        "state": state_name(s.state),
+        "generation": s.generation,
+        "step": s.step,
+        "max_steps": s.max_steps,
+        "loss": num(s.loss),
+        "learning_rate": num(s.learning_rate),
+        "tokens_per_second": num(s.tokens_per_second),
+        "step_seconds": num(s.step_seconds),
+        "eval_loss": num(s.eval_loss),
+        "eval_accuracy": num(s.eval_accuracy),
+        "workers": s.workers,
+        "checkpoints": s.checkpoints,
+        "error": s.error,
+        "elapsed_seconds": s.elapsed_seconds,
+    })
+}
+
+/// Ok for a completed job; the job's error otherwise.
+pub fn finished_ok(s: &JobStatus) -> anyhow::Result<()> {
+    match JobState::try_from(s.state) {
+        Ok(JobState::Completed) => Ok(()),
+        _ => anyhow::bail!("job {} {}: {}", s.job_id, state_name(s.state), s.error),
+    }
 }

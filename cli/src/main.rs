@@ -4,9 +4,13 @@
 use clap::{Parser, Subcommand};
 
 mod client;
+mod fill_mask;
 mod inspect;
+mod local;
 mod plot;
 mod prepare;
+mod pull;
+mod watch;
 
 #[derive(Parser, Debug)]
 #[command(

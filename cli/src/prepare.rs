@@ -25,7 +25,7 @@ pub struct Args {
     #[arg(long)]
     cased: bool,
     /// `mlm` (full-sentence packing) or `mlm+nsp` (BERT sentence pairs).
-    #[arg(long, default_value = "mlm")]
+    #[arg(long, default_value = "mlm", value_parser = parse_objective)]
     objective: Objective,
     /// Tokens per sequence, [CLS]/[SEP] included.
     #[arg(long, default_value_t = 128)]
@@ -56,6 +56,16 @@ pub struct Args {
     model_vocab_size: Option<usize>,
 }
 
+fn parse_objective(s: &str) -> Result<Objective, String> {
+    match s {
+        "mlm" => Ok(Objective::Mlm),
+        "mlm+nsp" => Ok(Objective::MlmNsp),
+        other => Err(format!(
+            "unknown objective {other:?}: expected mlm or mlm+nsp"
+        )),
+    }
+}
+
 /// Runs `keel prepare`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let vocab = match (args.vocab, args.vocab_size) {
@@ -79,8 +89,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     options.short_seq_prob = args.short_seq_prob;
     options.model_vocab_size = args.model_vocab_size;
     options.show_progress = true;
-    let manifest = prepare(&options)
-        .with_context(|| format!("preparing {}", args.out.display()))?;
+    let manifest =
+        prepare(&options).with_context(|| format!("preparing {}", args.out.display()))?;
     let t = manifest.timings;
     let mb = manifest.corpus.bytes as f64 / 1e6;
     let summary = serde_json::json!({

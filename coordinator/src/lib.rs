@@ -1,3 +1,30 @@
 //! Keel coordinator library: jobs, corpus preparation, membership, step orchestration, checkpoints.
+//!
+//! The coordinator is the control plane of a Keel cluster (protocol: `keel_proto::protocol`).
+//! It never carries gradients: workers all-reduce them among themselves.
+//!
+//! # Layout
+//! - `server`: [`run`] — binds the gRPC service and the scheduler to a listener until shutdown.
+//! - `service`: translates `keel.v1.Coordinator` RPCs to the state below and errors to `Status`.
+//! - `state`: the registry of workers (membership) and jobs, behind one mutex.
+//! - `job`: one job's record and its `JobStatus` snapshot.
+//! - `scheduler`: the background loop: heartbeat timeouts, preparing queued jobs, forming rings.
+//! - `prepare_job`: a job's data (via `data`), its model config and each rank's files.
+//! - `store`: the checkpoint store (upload, list, pull) in the job's folder.
+//! - `files`: streams a file as checksummed chunks.
+//! - `error`: [`CoordinatorError`].
+//! - `data`: corpus preparation and worker shards.
 
 pub mod data;
+pub mod error;
+pub mod files;
+pub mod job;
+pub mod prepare_job;
+pub mod scheduler;
+pub mod server;
+pub mod service;
+pub mod state;
+pub mod store;
+
+pub use error::CoordinatorError;
+pub use server::{Config, run};

@@ -1,3 +1,46 @@
+//! `keel-coordinator`: the control plane of a Keel cluster.
+
+use clap::Parser;
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "keel-coordinator",
+    version,
+    about = "Keel coordinator: takes jobs, prepares data, forms workers into a ring, stores checkpoints"
+)]
+struct Args {
+    /// Address to listen on for clients and workers.
+    #[arg(long, env = "KEEL_LISTEN", default_value = "0.0.0.0:7070")]
+    listen: String,
+    /// Folder for jobs: prepared data, metrics.jsonl, checkpoints.
+    #[arg(long, env = "KEEL_DATA_DIR", default_value = "keel-data")]
+    data_dir: PathBuf,
+    /// Log filter (tracing `EnvFilter` syntax).
+    #[arg(long, env = "KEEL_LOG", default_value = "info")]
+    log: String,
+}
+
 fn main() -> anyhow::Result<()> {
-    Ok(())
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(&args.log))
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&args.listen)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
+        tracing::info!(addr = %listener.local_addr()?, data_dir = %args.data_dir.display(), "coordinator listening");
+        let config = keel_coordinator::Config {
+            data_dir: args.data_dir,
+        };
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+            tracing::info!("shutting down");
+        };
+        keel_coordinator::run(config, listener, shutdown).await?;
+        Ok(())
+    })
 }

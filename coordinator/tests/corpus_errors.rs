@@ -38,9 +38,13 @@ fn invalid_utf8_names_file_and_byte_offset() {
     bytes.extend_from_slice(b"caf\xc3 x\n");
     bytes.extend_from_slice(b"\nSecond document here.\n");
     std::fs::write(&path, &bytes).unwrap();
-    let err = prepare(&opts(vec![path.clone()], &dir.path().join("o"), Objective::Mlm))
-        .unwrap_err()
-        .to_string();
+    let err = prepare(&opts(
+        vec![path.clone()],
+        &dir.path().join("o"),
+        Objective::Mlm,
+    ))
+    .unwrap_err()
+    .to_string();
     let offset = good.len() + 3;
     assert!(err.contains("bad.txt"), "{err}");
     assert!(err.contains(&format!("byte offset {offset}")), "{err}");
@@ -79,10 +83,17 @@ fn empty_and_contentless_corpora_are_errors() {
 fn lines_that_tokenise_to_nothing_are_dropped() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c.txt");
-    std::fs::write(&path, format!("{}\u{200d}\n\n\u{200d}\n\n{}", kjv_head(5), kjv_head(3))).unwrap();
+    std::fs::write(
+        &path,
+        format!("{}\u{200d}\n\n\u{200d}\n\n{}", kjv_head(5), kjv_head(3)),
+    )
+    .unwrap();
     let m = prepare(&opts(vec![path], &dir.path().join("o"), Objective::Mlm)).unwrap();
     assert_eq!(m.corpus.dropped_lines, 2);
-    assert_eq!(m.corpus.documents, 2, "a document of dropped lines vanishes");
+    assert_eq!(
+        m.corpus.documents, 2,
+        "a document of dropped lines vanishes"
+    );
     assert_eq!(m.corpus.sentences, 8);
 }
 
@@ -95,15 +106,22 @@ fn bad_json_line_names_its_line() {
         "{\"text\": \"In the beginning God created the heaven.\"}\n\n{\"text\": 3}\n",
     )
     .unwrap();
-    let err = prepare(&opts(vec![path.clone()], &dir.path().join("o"), Objective::Mlm))
-        .unwrap_err()
-        .to_string();
+    let err = prepare(&opts(
+        vec![path.clone()],
+        &dir.path().join("o"),
+        Objective::Mlm,
+    ))
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("c.jsonl") && err.contains("line 3"), "{err}");
     std::fs::write(&path, "{\"text\": \"ok\"}\nnot json\n").unwrap();
     let err = prepare(&opts(vec![path], &dir.path().join("o"), Objective::Mlm))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("line 2") && err.contains("invalid JSON"), "{err}");
+    assert!(
+        err.contains("line 2") && err.contains("invalid JSON"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -152,15 +170,51 @@ fn one_document_corpus_works_for_mlm_and_explains_nsp() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("one.txt");
     std::fs::write(&path, kjv_head(20)).unwrap();
-    let m = prepare(&opts(vec![path.clone()], &dir.path().join("o"), Objective::Mlm)).unwrap();
+    let m = prepare(&opts(
+        vec![path.clone()],
+        &dir.path().join("o"),
+        Objective::Mlm,
+    ))
+    .unwrap();
     assert_eq!(m.corpus.documents, 1);
     assert!(m.total_sequences >= 1);
-    let err = prepare(&opts(vec![path.clone()], &dir.path().join("o2"), Objective::MlmNsp))
-        .unwrap_err()
-        .to_string();
+    let err = prepare(&opts(
+        vec![path.clone()],
+        &dir.path().join("o2"),
+        Objective::MlmNsp,
+    ))
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("at least 2 documents"), "{err}");
     let mut o = opts(vec![path], &dir.path().join("o3"), Objective::Mlm);
     o.shards = 1000;
     let err = prepare(&o).unwrap_err().to_string();
     assert!(err.contains("1000 shards"), "{err}");
+}
+
+#[test]
+fn options_follow_the_job_file() {
+    let spec: keel_proto::jobspec::DataSpec = serde_json::from_value(serde_json::json!({
+        "corpus": ["a.txt", "dir/"], "vocab_size": 8000, "lowercase": false,
+        "objective": "mlm+nsp", "max_seq_length": 64, "heldout_fraction": 0.02
+    }))
+    .unwrap();
+    let o = PrepareOptions::from_spec(&spec, PathBuf::from("out"), 3, 9, 2);
+    assert_eq!(
+        o.vocab,
+        VocabSource::Train {
+            vocab_size: 8000,
+            lowercase: false
+        }
+    );
+    assert_eq!(o.objective, Objective::MlmNsp);
+    assert_eq!(
+        o.corpus,
+        vec![PathBuf::from("a.txt"), PathBuf::from("dir/")]
+    );
+    assert_eq!(
+        (o.max_seq_length, o.shards, o.seed, o.threads),
+        (64, 3, 9, 2)
+    );
+    assert_eq!(o.heldout_fraction, 0.02);
 }

@@ -87,7 +87,8 @@ fn options(corpus: Vec<PathBuf>, out: &Path, objective: Objective) -> PrepareOpt
 
 #[test]
 fn mlm_packing_drops_no_token_on_the_real_corpora() {
-    let tok = KeelTokenizer::from_vocab_file(&shared("fixtures/wordpiece/vocab.txt"), true).unwrap();
+    let tok =
+        KeelTokenizer::from_vocab_file(&shared("fixtures/wordpiece/vocab.txt"), true).unwrap();
     let sep = tok.special().sep;
     let cls = tok.special().cls;
     for (rel, max_len) in [
@@ -129,23 +130,32 @@ fn mlm_packing_drops_no_token_on_the_real_corpora() {
         // streams must leave exactly the corpus's tokens in order.
         assert!(docs.iter().flatten().flatten().all(|&t| t != sep));
         let boundaries = got.iter().filter(|&&t| t == sep).count();
-        assert!(boundaries < docs.len(), "{rel}: {boundaries} boundary [SEP]s");
+        assert!(
+            boundaries < docs.len(),
+            "{rel}: {boundaries} boundary [SEP]s"
+        );
         got.retain(|&t| t != sep);
         expected.retain(|&t| t != sep);
         assert_eq!(got.len() as u64, corpus_tokens, "{rel}");
         assert!(got == expected, "{rel}: token streams differ");
         // Sequences are full except where a sentence or the corpus ended.
-        let full = manifest.total_tokens as f64
-            / (manifest.total_sequences as f64 * max_len as f64);
+        let full =
+            manifest.total_tokens as f64 / (manifest.total_sequences as f64 * max_len as f64);
         assert!(full > 0.85, "{rel}: packing fill {full}");
         // Shards balanced by tokens: within one sequence of the mean.
         let mean = manifest.total_tokens as f64 / manifest.shards.len() as f64;
         for s in &manifest.shards {
-            assert!((s.tokens as f64 - mean).abs() <= max_len as f64, "{rel}: {s:?} vs {mean}");
+            assert!(
+                (s.tokens as f64 - mean).abs() <= max_len as f64,
+                "{rel}: {s:?} vs {mean}"
+            );
         }
         let held = manifest.heldout.sequences as f64;
         let total = held + manifest.total_sequences as f64;
-        assert!((held / total - 0.01).abs() < 0.002, "{rel}: heldout {held}/{total}");
+        assert!(
+            (held / total - 0.01).abs() < 0.002,
+            "{rel}: heldout {held}/{total}"
+        );
     }
 }
 
@@ -158,7 +168,10 @@ fn nsp_instances_follow_bert() {
     o.shards = 2;
     let manifest = prepare(&o).unwrap();
     let data = PreparedData::open(&out).unwrap();
-    let (cls, sep) = (data.tokenizer().special().cls, data.tokenizer().special().sep);
+    let (cls, sep) = (
+        data.tokenizer().special().cls,
+        data.tokenizer().special().sep,
+    );
     let mut labels = [0u64; 2];
     let mut short = 0;
     let mut n = 0;
@@ -185,7 +198,10 @@ fn nsp_instances_follow_bert() {
     assert_eq!(n, manifest.total_sequences);
     let random = labels[1] as f64 / n as f64;
     // Random next: 50% of pairs, plus every single-sentence chunk (fortunes are short).
-    assert!(random > 0.45 && random < 0.8, "random-next fraction {random}");
+    assert!(
+        random > 0.45 && random < 0.8,
+        "random-next fraction {random}"
+    );
     assert!(short > 0);
 }
 
@@ -242,7 +258,12 @@ fn trained_vocabulary_is_saved_in_hf_layout_and_used() {
     let manifest = prepare(&o).unwrap();
     assert!(manifest.vocab_size <= 4000 && manifest.vocab_size > 3000);
     assert!(!manifest.lowercase);
-    for f in ["vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"] {
+    for f in [
+        "vocab.txt",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ] {
         assert!(out.join(f).is_file(), "{f} missing");
     }
     let data = PreparedData::open(&out).unwrap();
@@ -275,12 +296,18 @@ fn corrupted_or_truncated_shards_are_refused_on_open() {
     data.open_shard(1).unwrap();
     std::fs::write(&shard, &bytes[..bytes.len() - 100]).unwrap();
     let err = data.open_shard(1).unwrap_err().to_string();
-    assert!(err.contains("shard-00001.keel") && err.contains("truncated"), "{err}");
+    assert!(
+        err.contains("shard-00001.keel") && err.contains("truncated"),
+        "{err}"
+    );
     let mut flipped = bytes.clone();
     flipped[bytes.len() / 2] ^= 1;
     std::fs::write(&shard, &flipped).unwrap();
     let err = data.open_shard(1).unwrap_err().to_string();
-    assert!(err.contains("shard-00001.keel") && err.contains("corrupted"), "{err}");
+    assert!(
+        err.contains("shard-00001.keel") && err.contains("corrupted"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -325,7 +352,9 @@ fn worker_shards_hold_exactly_each_ranks_sequences() {
             }
             covered += r.len() as u64;
             let hpath = dir.path().join(format!("h{world}-{rank}.keel"));
-            held += build_worker_heldout_shard(&data, world, rank, &hpath).unwrap().sequences;
+            held += build_worker_heldout_shard(&data, world, rank, &hpath)
+                .unwrap()
+                .sequences;
         }
         let b = u64::from(world) * 8;
         assert_eq!(covered, n / b * b);

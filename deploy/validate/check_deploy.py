@@ -12,6 +12,7 @@ status is 1 when any check failed.
 - `check_systemd`, `check_compose`, `check_dockerfile`, `check_k8s`, `check_slurm`: one per kind.
 - `check_flags`: every flag and KEEL_* variable the files pass to a Keel program.
 - `check_runtime_libs`: the shared libraries of built binaries come from the runtime image's packages.
+- `check_health`: built servers answer the gRPC health service the Kubernetes probes call.
 
 Needs Python 3.9+ and PyYAML (Debian: python3-yaml). `k8s --typed` also needs the `kubernetes`
 Python client 37 (pydantic models that reject unknown fields).
@@ -31,7 +32,7 @@ import yaml
 
 # The programs' documented command lines (issue 5); `keel` is keyed by subcommand.
 CONTRACT_FLAGS: dict[str, set[str]] = {
-    "keel-coordinator": {"--listen", "--data-dir", "--token-file"},
+    "keel-coordinator": {"--listen", "--data-dir", "--token-file", "--log"},
     "keel-worker": {
         "--coordinator",
         "--listen",
@@ -39,6 +40,7 @@ CONTRACT_FLAGS: dict[str, set[str]] = {
         "--threads",
         "--cache-dir",
         "--token-file",
+        "--log",
     },
     "keel submit": set(),
     "keel jobs": set(),
@@ -48,7 +50,7 @@ CONTRACT_FLAGS: dict[str, set[str]] = {
     "keel pull": {"--out", "--step"},
     "keel local": {"--workers", "--out"},
 }
-# Environment variables the binaries read (one per flag), plus the log filter.
+# Environment variables the binaries read (one per flag).
 CONTRACT_ENV = {
     "KEEL_LISTEN",
     "KEEL_DATA_DIR",
@@ -57,6 +59,7 @@ CONTRACT_ENV = {
     "KEEL_THREADS",
     "KEEL_CACHE_DIR",
     "KEEL_TOKEN_FILE",
+    "KEEL_LOG",  # the log filter (tracing EnvFilter syntax)
 }
 # KEEL_* names the deployment files define for themselves, never read by a binary.
 DEPLOY_OWN_ENV = {
@@ -439,7 +442,7 @@ def check_k8s(root: Path, rep: Report, typed: bool) -> None:
     }
     for cm in ctx["configmaps"].values():
         for key in cm.get("data", {}):
-            rep.check(key in CONTRACT_ENV or key == "RUST_LOG", f"ConfigMap/{cm['metadata']['name']}: {key} is a Keel variable")
+            rep.check(key in CONTRACT_ENV, f"ConfigMap/{cm['metadata']['name']}: {key} is a Keel variable")
     services = by_kind.get("Service", {})
 
     def selected_by(svc: dict, workload: dict) -> bool:
@@ -628,7 +631,7 @@ def check_flags(root: Path, bin_dir: Path | None, rep: Report) -> None:
         if allowed is None:
             rep.error(f"{src}: {prog} is not a documented Keel command")
             continue
-        extra = flags - allowed
+        extra = flags - allowed - {"--help"}
         rep.check(not extra, f"{src}: {prog} {' '.join(sorted(flags))} is in the documented command line", f"unknown: {sorted(extra)}")
     for src, names in used_env(root).items():
         for n in sorted(names):
@@ -657,11 +660,16 @@ def check_flags(root: Path, bin_dir: Path | None, rep: Report) -> None:
             print(f"  skip: `{prog} --help` shows none of its documented flags: binary not built yet")
             continue
         used = set().union(*(f for _, p, f in invocations if p == prog))
-        missing = used - accepted
+        missing = used - accepted - {"--help"}
         rep.check(not missing, f"{prog} --help accepts {' '.join(sorted(used)) or '(no flags)'}", f"not accepted: {sorted(missing)}")
     if env_seen:
-        for n in sorted(CONTRACT_ENV):
-            rep.check(n in env_seen, f"the binaries read {n} (clap [env: ...] in --help)")
+        files_env = set().union(*used_env(root).values())
+        for n in sorted(CONTRACT_ENV & files_env):
+            if n in env_seen:
+                rep.ok(f"the binaries read {n} (clap [env: ...] in --help)")
+            else:
+                # Not fatal (an unknown variable is ignored), but what it promises does not happen.
+                print(f"  skip: {n} is set by the deployment files but no binary's --help lists it: ignored by this build")
 
 
 def check_runtime_libs(bin_dir: Path, runtime_pkgs: set[str], rep: Report) -> None:
@@ -688,12 +696,75 @@ def check_runtime_libs(bin_dir: Path, runtime_pkgs: set[str], rep: Report) -> No
             rep.check(owner in allowed, f"{prog}: {lib} comes from {owner or '?'}, installed in the runtime image")
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_health(bin_dir: Path, rep: Report) -> None:
+    """Kubernetes' grpc probes (deploy/k8s) call grpc.health.v1.Health/Check: both servers must
+    answer SERVING. Starts a coordinator and a worker on 127.0.0.1 and asks them."""
+    import tempfile
+    import time
+
+    import grpc  # grpcio + grpcio-health-checking, from the tools venv
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cport, wport = free_port(), free_port()
+        logs = {n: open(os.path.join(tmp, f"{n}.log"), "w") for n in ("coordinator", "worker")}
+        procs = {
+            "coordinator": subprocess.Popen(
+                [str(bin_dir / "keel-coordinator"), "--listen", f"127.0.0.1:{cport}", "--data-dir", f"{tmp}/data"],
+                stdout=logs["coordinator"], stderr=subprocess.STDOUT,
+            ),
+            "worker": subprocess.Popen(
+                [str(bin_dir / "keel-worker"), "--coordinator", f"127.0.0.1:{cport}", "--listen", f"127.0.0.1:{wport}",
+                 "--advertise-addr", f"127.0.0.1:{wport}", "--threads", "1", "--cache-dir", f"{tmp}/cache"],
+                stdout=logs["worker"], stderr=subprocess.STDOUT,
+            ),
+        }  # fmt: skip
+        try:
+            for name, port in (("coordinator", cport), ("worker", wport)):
+                status, deadline = "no answer", time.monotonic() + 30
+                while time.monotonic() < deadline and procs[name].poll() is None:
+                    try:
+                        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
+                        status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+                        break
+                    except grpc.RpcError as e:
+                        status = f"{e.code().name} {e.details() or ''}".strip()
+                        if e.code() != grpc.StatusCode.UNAVAILABLE:
+                            break  # the server answered: retrying will not change it
+                        time.sleep(0.3)
+                rep.check(
+                    status == "SERVING",
+                    f"keel-{name} answers grpc.health.v1.Health/Check with SERVING (Kubernetes' grpc probes)",
+                    f"got {status}",
+                )
+        finally:
+            for p in procs.values():
+                p.terminate()
+            for p in procs.values():
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=10)
+            for f in logs.values():
+                f.close()
+
+
 # ------------------------------------------------------------------------------------------
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["systemd", "docker", "compose", "k8s", "slurm", "flags", "libs"])
+    ap.add_argument("what", choices=["systemd", "docker", "compose", "k8s", "slurm", "flags", "libs", "health"])
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2], help="repository root")
     ap.add_argument("--bin-dir", type=Path, help="folder with built keel, keel-coordinator, keel-worker")
     ap.add_argument("--typed", action="store_true", help="k8s: also validate against the kubernetes client's models")
@@ -712,6 +783,10 @@ def main() -> int:
             check_slurm(args.root, rep)
         elif args.what == "flags":
             check_flags(args.root, args.bin_dir, rep)
+        elif args.what == "health":
+            if args.bin_dir is None:
+                ap.error("health needs --bin-dir")
+            check_health(args.bin_dir, rep)
         elif args.what == "libs":
             if args.bin_dir is None:
                 ap.error("libs needs --bin-dir")

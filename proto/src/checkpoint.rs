@@ -1,1 +1,292 @@
-//! (to be written)
+//! The checkpoint folder: Hugging Face layout plus what resuming needs.
+//!
+//! # Layout
+//! A checkpoint is one folder, loadable by `BertForMaskedLM.from_pretrained(DIR)` and
+//! `AutoTokenizer.from_pretrained(DIR)` as it is:
+//! - `config.json`, `model.safetensors` (HF names, float32, tied decoder not stored);
+//! - `vocab.txt`, `tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json`;
+//! - `optimizer.safetensors` (the optimizer's moments, same flat layout as the weights);
+//! - `trainer_state.json` ([`TrainerState`]: step, data position, seed);
+//! - `manifest.json` ([`Manifest`]: sha256 of every other file).
+//!
+//! Folders are written under a temporary name in the same parent, every file fsynced, then
+//! renamed into place ([`commit_dir`]), so a reader never sees half a checkpoint.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+/// `model.safetensors`: the weights (HF state-dict names).
+pub const MODEL_FILE: &str = "model.safetensors";
+/// `optimizer.safetensors`: the optimizer state.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// `trainer_state.json`: [`TrainerState`].
+pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
+/// `manifest.json`: [`Manifest`].
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// `config.json`: the HF model config.
+pub const CONFIG_FILE: &str = "config.json";
+
+/// Errors reading or writing checkpoint folders.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or folder.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A JSON file did not parse.
+    #[error("{path}: {source}")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The parse error.
+        source: serde_json::Error,
+    },
+    /// A file's content does not match the sha256 the manifest or sender gave.
+    #[error("{path}: sha256 is {got}, expected {expected}")]
+    ChecksumMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The checksum promised (hex).
+        expected: String,
+        /// The checksum of the bytes on disk (hex).
+        got: String,
+    },
+    /// A file name was not a plain name (it had a directory part or was empty).
+    #[error("invalid file name {name:?} in a checkpoint: expected a plain file name")]
+    BadName {
+        /// The rejected name.
+        name: String,
+    },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Where training stands in a checkpoint, for resuming and for people.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// The job this checkpoint belongs to.
+    pub job_id: String,
+    /// Membership generation that wrote it.
+    pub generation: u64,
+    /// The job seed (init, masking and dropout streams derive from it).
+    pub seed: u64,
+    /// World size that wrote it.
+    pub world_size: u32,
+    /// Global batch size in sequences.
+    pub global_batch_size: u64,
+    /// Sequences consumed so far (`step * global_batch_size`): the data position.
+    pub sequences_seen: u64,
+    /// Training loss at this step (global).
+    pub loss: f64,
+    /// The optimizer name (`adamw` or `lamb`).
+    pub optimizer: String,
+}
+
+impl TrainerState {
+    /// Reads `trainer_state.json` from a checkpoint folder.
+    ///
+    /// Errors: [`CheckpointError::Io`], [`CheckpointError::Json`].
+    pub fn read(dir: &Path) -> Result<Self, CheckpointError> {
+        let path = dir.join(TRAINER_STATE_FILE);
+        let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+        serde_json::from_str(&text).map_err(|source| CheckpointError::Json { path, source })
+    }
+}
+
+/// `manifest.json`: the sha256 (hex) of every file of the folder but itself.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// File name -> sha256 (lowercase hex).
+    pub files: BTreeMap<String, String>,
+}
+
+impl Manifest {
+    /// Computes the manifest of every plain file in `dir` except `manifest.json`.
+    ///
+    /// Errors: [`CheckpointError::Io`].
+    pub fn compute(dir: &Path) -> Result<Self, CheckpointError> {
+        let mut files = BTreeMap::new();
+        for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
+            let entry = entry.map_err(io_err(dir))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name == MANIFEST_FILE || !entry.path().is_file() {
+                continue;
+            }
+            files.insert(name, sha256_file(&entry.path())?);
+        }
+        Ok(Self { files })
+    }
+
+    /// Reads `manifest.json` from `dir`.
+    ///
+    /// Errors: [`CheckpointError::Io`], [`CheckpointError::Json`].
+    pub fn read(dir: &Path) -> Result<Self, CheckpointError> {
+        let path = dir.join(MANIFEST_FILE);
+        let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+        serde_json::from_str(&text).map_err(|source| CheckpointError::Json { path, source })
+    }
+
+    /// Checks every listed file of `dir` against its sha256.
+    ///
+    /// Errors: [`CheckpointError::ChecksumMismatch`] naming the first bad file, or
+    /// [`CheckpointError::Io`] when one is missing.
+    pub fn verify(&self, dir: &Path) -> Result<(), CheckpointError> {
+        for (name, expected) in &self.files {
+            let path = dir.join(name);
+            let got = sha256_file(&path)?;
+            if &got != expected {
+                return Err(CheckpointError::ChecksumMismatch {
+                    path,
+                    expected: expected.clone(),
+                    got,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Rejects names with a directory part, `..`, or nothing in them.
+///
+/// Errors: [`CheckpointError::BadName`].
+pub fn check_plain_name(name: &str) -> Result<(), CheckpointError> {
+    let plain = !name.is_empty()
+        && name != "."
+        && name != ".."
+        && !name.contains('/')
+        && !name.contains('\\');
+    if plain {
+        Ok(())
+    } else {
+        Err(CheckpointError::BadName {
+            name: name.to_string(),
+        })
+    }
+}
+
+/// Lowercase hex sha256 of a byte slice.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex(&Sha256::digest(bytes))
+}
+
+/// Lowercase hex sha256 of a file's content, read in 1 MiB pieces.
+///
+/// Errors: [`CheckpointError::Io`].
+pub fn sha256_file(path: &Path) -> Result<String, CheckpointError> {
+    let mut file = File::open(path).map_err(io_err(path))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(io_err(path))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hex(&hasher.finalize()))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file in the same folder, fsync, rename.
+///
+/// Errors: [`CheckpointError::Io`].
+pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io_err(dir))?;
+    tmp.write_all(bytes).map_err(io_err(path))?;
+    tmp.as_file().sync_all().map_err(io_err(path))?;
+    tmp.persist(path).map_err(|e| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source: e.error,
+    })?;
+    Ok(())
+}
+
+/// Finishes a folder written under a temporary name: writes its `manifest.json`, fsyncs every
+/// file and the folder, and renames `tmp_dir` to `final_dir` (replacing an older one).
+/// Returns the manifest.
+///
+/// Errors: [`CheckpointError::Io`].
+pub fn commit_dir(tmp_dir: &Path, final_dir: &Path) -> Result<Manifest, CheckpointError> {
+    let manifest = Manifest::compute(tmp_dir)?;
+    let text = serde_json::to_string_pretty(&manifest).map_err(|source| CheckpointError::Json {
+        path: tmp_dir.join(MANIFEST_FILE),
+        source,
+    })?;
+    write_file_atomic(&tmp_dir.join(MANIFEST_FILE), text.as_bytes())?;
+    for name in manifest.files.keys() {
+        let path = tmp_dir.join(name);
+        File::open(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(io_err(&path))?;
+    }
+    sync_dir(tmp_dir)?;
+    if final_dir.exists() {
+        std::fs::remove_dir_all(final_dir).map_err(io_err(final_dir))?;
+    }
+    std::fs::rename(tmp_dir, final_dir).map_err(io_err(final_dir))?;
+    if let Some(parent) = final_dir.parent() {
+        sync_dir(parent)?;
+    }
+    Ok(manifest)
+}
+
+fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(io_err(dir))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commit_dir_writes_a_manifest_that_verifies_and_catches_corruption() {
+        let root = tempfile::tempdir().unwrap();
+        let tmp = root.path().join(".tmp-step-5");
+        std::fs::create_dir(&tmp).unwrap();
+        write_file_atomic(&tmp.join("a.bin"), b"hello").unwrap();
+        write_file_atomic(&tmp.join("b.json"), b"{}").unwrap();
+        let dest = root.path().join("step-5");
+        let manifest = commit_dir(&tmp, &dest).unwrap();
+        assert!(!tmp.exists());
+        assert_eq!(manifest.files.len(), 2);
+        assert_eq!(manifest.files["a.bin"], sha256_hex(b"hello"));
+        let read = Manifest::read(&dest).unwrap();
+        assert_eq!(read, manifest);
+        read.verify(&dest).unwrap();
+        std::fs::write(dest.join("a.bin"), b"hellO").unwrap();
+        let err = read.verify(&dest).unwrap_err();
+        assert!(
+            matches!(err, CheckpointError::ChecksumMismatch { .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn plain_names_only() {
+        check_plain_name("model.safetensors").unwrap();
+        for bad in ["", "..", "a/b", "../x", "a\\b"] {
+            assert!(check_plain_name(bad).is_err(), "{bad:?}");
+        }
+    }
+}

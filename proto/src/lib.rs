@@ -9,6 +9,7 @@
 //! - `tokenizer`, `shard`, `split`: WordPiece vocabulary, the binary shard format, and how
 //!   sequences are split among workers.
 //! - `jobspec`, `checkpoint`: the job file (TOML) and the checkpoint folder.
+//! - `protocol`: the control-plane protocol as numbered steps, and its timeouts.
 
 /// gRPC messages and services generated from `proto/keel.proto` (control plane).
 pub mod rpc {
@@ -24,6 +25,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod jobspec;
 pub mod params;
+pub mod protocol;
 pub mod shard;
 pub mod split;
 pub mod tokenizer;

@@ -94,7 +94,9 @@ pub enum ShardError {
         got: u64,
     },
     /// The header or payload checksum does not match: the file is corrupted.
-    #[error("{path}: {part} checksum mismatch (stored {stored:08x}, computed {computed:08x}): shard is corrupted")]
+    #[error(
+        "{path}: {part} checksum mismatch (stored {stored:08x}, computed {computed:08x}): shard is corrupted"
+    )]
     ChecksumMismatch {
         /// The file.
         path: PathBuf,
@@ -254,10 +256,12 @@ impl ShardWriter {
         }
         self.crc = crc32c::crc32c_append(self.crc, &bytes);
         let path = self.path.clone();
-        self.out.write_all(&bytes).map_err(|source| ShardError::Io {
-            path: path.clone(),
-            source,
-        })?;
+        self.out
+            .write_all(&bytes)
+            .map_err(|source| ShardError::Io {
+                path: path.clone(),
+                source,
+            })?;
         let mut record = [0u8; RECORD_LEN];
         record[0..8].copy_from_slice(&self.num_tokens.to_le_bytes());
         record[8..16].copy_from_slice(&seq.global_index.to_le_bytes());
@@ -318,12 +322,10 @@ impl ShardWriter {
         header[72..76].copy_from_slice(&self.crc.to_le_bytes());
         let header_crc = crc32c::crc32c(&header[0..76]);
         header[76..80].copy_from_slice(&header_crc.to_le_bytes());
-        let mut tmp = self
-            .out
-            .into_inner()
-            .map_err(|e| io(e.into_error()))?;
+        let mut tmp = self.out.into_inner().map_err(|e| io(e.into_error()))?;
         tmp.seek(SeekFrom::Start(0)).map_err(io)?;
         tmp.write_all(&header).map_err(io)?;
+        crate::tokenizer::set_readable(tmp.as_file()).map_err(io)?;
         tmp.as_file().sync_all().map_err(io)?;
         tmp.persist(&path).map_err(|e| io(e.error))?;
         // Make the rename durable too.
@@ -419,10 +421,7 @@ impl ShardReader {
         }
         let version = read_u32(&bytes, 8);
         if version != SHARD_VERSION {
-            return Err(ShardError::UnsupportedVersion {
-                path: p(),
-                version,
-            });
+            return Err(ShardError::UnsupportedVersion { path: p(), version });
         }
         let flags = read_u32(&bytes, 12);
         let wide_ids = flags & FLAG_WIDE_IDS != 0;
@@ -547,7 +546,9 @@ impl ShardReader {
         let nsp = read_u32(&self.bytes, r + 32);
         let ids = if self.wide_ids {
             let at = HEADER_LEN + offset * 4;
-            (0..len).map(|k| read_u32(&self.bytes, at + 4 * k)).collect()
+            (0..len)
+                .map(|k| read_u32(&self.bytes, at + 4 * k))
+                .collect()
         } else {
             let at = HEADER_LEN + offset * 2;
             self.bytes[at..at + 2 * len]

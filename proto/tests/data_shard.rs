@@ -9,7 +9,12 @@ fn sequences(n: u64, max_id: u32, nsp: bool) -> Vec<Sequence> {
         .map(|g| {
             let len = 3 + (g as usize * 7) % 40;
             let ids: Vec<u32> = (0..len)
-                .map(|k| ((g as u32).wrapping_mul(2654435761).wrapping_add(k as u32 * 40503)) % max_id)
+                .map(|k| {
+                    ((g as u32)
+                        .wrapping_mul(2654435761)
+                        .wrapping_add(k as u32 * 40503))
+                        % max_id
+                })
                 .collect();
             let b = if nsp { len / 2 } else { len };
             Sequence {
@@ -50,7 +55,10 @@ fn round_trip_narrow_and_wide_ids() {
             assert_eq!(r.find_global(s.global_index).as_ref(), Some(s));
         }
         assert!(r.find_global(1).is_none());
-        assert!(matches!(r.get(300), Err(ShardError::IndexOutOfRange { .. })));
+        assert!(matches!(
+            r.get(300),
+            Err(ShardError::IndexOutOfRange { .. })
+        ));
         // u16 storage when the vocabulary fits: 2 bytes per token.
         let size = std::fs::metadata(&path).unwrap().len() as usize;
         let width = if vocab <= 65_536 { 2 } else { 4 };
@@ -109,7 +117,10 @@ fn writer_rejects_malformed_sequences_and_leaves_no_file() {
         token_type_ids: vec![0, 1, 0],
         nsp_label: None,
     };
-    assert!(matches!(w.push(&bad_types, 0), Err(ShardError::InvalidSequence { .. })));
+    assert!(matches!(
+        w.push(&bad_types, 0),
+        Err(ShardError::InvalidSequence { .. })
+    ));
     let too_big = Sequence {
         global_index: 1,
         ids: vec![70_000],

@@ -13,7 +13,9 @@ fn every_sequence_of_an_epoch_is_served_exactly_once() {
                     let global = u64::from(w * b * k);
                     if n < global {
                         let err = WorkerPlan::new(n, w, 0, b, k).unwrap_err();
-                        assert!(matches!(err, SplitError::CorpusTooSmall { missing, .. } if missing == global - n));
+                        assert!(
+                            matches!(err, SplitError::CorpusTooSmall { missing, .. } if missing == global - n)
+                        );
                         continue;
                     }
                     let spe = n / global;
@@ -35,7 +37,10 @@ fn every_sequence_of_an_epoch_is_served_exactly_once() {
                                 assert_eq!(mb.epoch, 0);
                                 assert_eq!(mb.sequence_indices.len(), b as usize);
                                 for g in mb.sequence_indices {
-                                    assert!(mine.contains(&g), "micro-batch reads outside its shard");
+                                    assert!(
+                                        mine.contains(&g),
+                                        "micro-batch reads outside its shard"
+                                    );
                                     assert!(from_batches.insert(g));
                                 }
                             }
@@ -79,7 +84,11 @@ fn global_batches_do_not_depend_on_world_size() {
         assert_eq!(reference.values().copied().collect::<Vec<_>>(), expected);
         assert_eq!(*reference.keys().next().unwrap(), step * 12);
         for (w, b, k) in shapes {
-            assert_eq!(step_rows(n, w, b, k, step), reference, "W={w} b={b} k={k} step={step}");
+            assert_eq!(
+                step_rows(n, w, b, k, step),
+                reference,
+                "W={w} b={b} k={k} step={step}"
+            );
         }
         let plan = WorkerPlan::new(n, 2, 1, 3, 2).unwrap();
         assert_eq!(plan.micro_batch(step, 0).unwrap().epoch, step / spe);
@@ -88,11 +97,20 @@ fn global_batches_do_not_depend_on_world_size() {
 
 #[test]
 fn invalid_plans_are_errors() {
-    assert!(matches!(WorkerPlan::new(10, 0, 0, 1, 1), Err(SplitError::Zero { .. })));
-    assert!(matches!(WorkerPlan::new(10, 2, 2, 1, 1), Err(SplitError::RankOutOfRange { .. })));
+    assert!(matches!(
+        WorkerPlan::new(10, 0, 0, 1, 1),
+        Err(SplitError::Zero { .. })
+    ));
+    assert!(matches!(
+        WorkerPlan::new(10, 2, 2, 1, 1),
+        Err(SplitError::RankOutOfRange { .. })
+    ));
     let err = WorkerPlan::new(10, 2, 0, 4, 2).unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("too small") && msg.contains("16") && msg.contains("6 more"), "{msg}");
+    assert!(
+        msg.contains("too small") && msg.contains("16") && msg.contains("6 more"),
+        "{msg}"
+    );
     let plan = WorkerPlan::new(10, 1, 0, 2, 2).unwrap();
     assert!(plan.micro_batch(0, 2).is_err());
 }

@@ -58,7 +58,10 @@ fn every_reference_case_matches_hf() {
     let tok = reference_tokenizer();
     assert_eq!(tok.vocab_size(), 30_522);
     let s = tok.special();
-    assert_eq!((s.pad, s.unk, s.cls, s.sep, s.mask), (0, 100, 101, 102, 103));
+    assert_eq!(
+        (s.pad, s.unk, s.cls, s.sep, s.mask),
+        (0, 100, 101, 102, 103)
+    );
     check_all_cases(&tok);
 }
 
@@ -69,7 +72,10 @@ fn saved_tokenizer_json_reloads_with_identical_ids_and_hf_files() {
     tok.save(dir.path()).unwrap();
     let vocab_txt = std::fs::read(dir.path().join("vocab.txt")).unwrap();
     let original = std::fs::read(shared("fixtures/wordpiece/vocab.txt")).unwrap();
-    assert_eq!(vocab_txt, original, "vocab.txt must round-trip byte for byte");
+    assert_eq!(
+        vocab_txt, original,
+        "vocab.txt must round-trip byte for byte"
+    );
     let reloaded = KeelTokenizer::from_tokenizer_json(&dir.path().join("tokenizer.json")).unwrap();
     assert!(reloaded.lowercase());
     assert_eq!(reloaded.vocab_hash(), tok.vocab_hash());
@@ -85,10 +91,9 @@ fn saved_tokenizer_json_reloads_with_identical_ids_and_hf_files() {
     )
     .unwrap();
     assert_eq!(map["mask_token"], "[MASK]");
-    let json: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.path().join("tokenizer.json")).unwrap(),
-    )
-    .unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("tokenizer.json")).unwrap())
+            .unwrap();
     assert_eq!(json["model"]["type"], "WordPiece");
     assert_eq!(json["normalizer"]["type"], "BertNormalizer");
     assert_eq!(json["normalizer"]["lowercase"], true);
@@ -96,7 +101,8 @@ fn saved_tokenizer_json_reloads_with_identical_ids_and_hf_files() {
 
 #[test]
 fn cased_vocab_keeps_case() {
-    let tok = KeelTokenizer::from_vocab_file(&shared("fixtures/wordpiece/vocab.txt"), false).unwrap();
+    let tok =
+        KeelTokenizer::from_vocab_file(&shared("fixtures/wordpiece/vocab.txt"), false).unwrap();
     // The uncased vocabulary has no "God": cased tokenisation must not lowercase it.
     assert_ne!(tok.encode("God"), reference_tokenizer().encode("God"));
     let dir = tempfile::tempdir().unwrap();
@@ -131,8 +137,15 @@ fn trained_vocabulary_has_specials_first_and_round_trips() {
     // may differ in a few tokens. `prepare` is deterministic given a vocabulary.
     let s = a.special();
     assert_eq!((s.pad, s.unk, s.cls, s.sep, s.mask), (0, 1, 2, 3, 4));
-    assert_eq!(&a.vocab()[..5], &["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]);
-    assert!(a.vocab_size() <= 3000 && a.vocab_size() > 2500, "{}", a.vocab_size());
+    assert_eq!(
+        &a.vocab()[..5],
+        &["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    );
+    assert!(
+        a.vocab_size() <= 3000 && a.vocab_size() > 2500,
+        "{}",
+        a.vocab_size()
+    );
     assert!(a.vocab().iter().any(|t| t.starts_with("##")));
     // Frequent words of the corpus are single tokens; text round-trips through decode.
     let ids = a.encode("And God said, Let there be light");
@@ -158,7 +171,9 @@ fn chinese_characters_are_one_token_each() {
     let tokens: Vec<String> = ids.iter().map(|&i| tok.id_to_token(i).unwrap()).collect();
     assert_eq!(
         tokens,
-        ["床", "前", "明", "月", "光", "，", "疑", "是", "地", "上", "霜", "。"]
+        [
+            "床", "前", "明", "月", "光", "，", "疑", "是", "地", "上", "霜", "。"
+        ]
     );
 }
 
@@ -178,4 +193,26 @@ fn vocab_without_special_tokens_is_an_error() {
     std::fs::write(&path, "[PAD]\n[UNK]\nhello\n").unwrap();
     let err = KeelTokenizer::from_vocab_file(&path, true).unwrap_err();
     assert!(err.to_string().contains("[CLS]"), "{err}");
+}
+
+#[test]
+fn grouped_line_encoding_equals_line_by_line() {
+    let tok = reference_tokenizer();
+    let mut lines = corpus_lines("corpus/en-fortunes/fortunes.txt", 200_000);
+    lines.extend(corpus_lines("corpus/zh-poetry/poetry.txt", 100_000));
+    // Lines that tokenise to nothing, and a literal "[SEP]" (forces the fallback).
+    lines.insert(3, "\u{200d}".to_string());
+    lines.insert(7, "   ".to_string());
+    for group in lines.chunks(64) {
+        let per_line: Vec<Vec<u32>> = group.iter().map(|l| tok.encode(l)).collect();
+        assert_eq!(tok.encode_lines(group), per_line);
+    }
+    let with_sep = ["a [SEP] b".to_string(), "c".to_string()];
+    let per_line: Vec<Vec<u32>> = with_sep.iter().map(|l| tok.encode(l)).collect();
+    assert_eq!(tok.encode_lines(&with_sep), per_line);
+    assert_eq!(
+        per_line[0].len(),
+        3,
+        "a literal [SEP] is the special token, as in HF"
+    );
 }

@@ -7,7 +7,10 @@
 //! - `optim/`: AdamW, LAMB, learning-rate schedules, gradient clipping.
 //! - `data/`: masking (static, dynamic, whole-word) and collation of shard sequences into batches.
 //! - `allreduce/`: ring reduce-scatter + all-gather between workers over gRPC.
-//! - `serve`, `trainer`: the worker process (registration, shard download, training steps).
+//! - `serve`, `trainer`: the worker process (registration, heartbeats, one job's life).
+//! - `client`: file transfers with the coordinator (shards in, checkpoints out).
+//! - `step`: the training loop of one rank; `buckets`: gradient buckets overlapped with
+//!   backward; `ringlink`: the bridge from the math thread to the async ring.
 //! - `bench`: `keel-worker bench`, the training-step benchmark.
 
 // Link OpenBLAS (Debian's system library) as ndarray's BLAS backend.
@@ -16,8 +19,13 @@ extern crate blas_src;
 pub mod allreduce;
 pub mod batch;
 pub mod bench;
+pub mod buckets;
+pub mod client;
 pub mod data;
 pub mod model;
 pub mod optim;
+pub mod optim_state;
+pub mod ringlink;
 pub mod serve;
+pub mod step;
 pub mod trainer;

@@ -7,8 +7,7 @@ use keel_proto::shard::Sequence;
 use keel_proto::tokenizer::KeelTokenizer;
 use keel_worker::data::masking::candidate_words;
 use keel_worker::data::{
-    CollateError, MaskedSequence, MaskingConfig, MaskingMode, MaskingVocab, collate,
-    mask_sequence,
+    CollateError, MaskedSequence, MaskingConfig, MaskingMode, MaskingVocab, collate, mask_sequence,
 };
 
 fn shared(rel: &str) -> PathBuf {
@@ -76,7 +75,10 @@ fn counts_and_80_10_10_split_match_bert() {
                     kept += 1;
                 } else {
                     random += 1;
-                    assert!(!s.all().contains(&now), "random replacement {now} is special");
+                    assert!(
+                        !s.all().contains(&now),
+                        "random replacement {now} is special"
+                    );
                 }
             }
             for p in 0..len {
@@ -128,7 +130,10 @@ fn masks_are_pure_functions_of_seed_epoch_and_index() {
             differ_index += 1;
         }
     }
-    assert!(differ_epoch > 190, "dynamic masks change per epoch: {differ_epoch}");
+    assert!(
+        differ_epoch > 190,
+        "dynamic masks change per epoch: {differ_epoch}"
+    );
     assert!(differ_seed > 190, "{differ_seed}");
     assert!(differ_index > 190, "{differ_index}");
 }
@@ -205,7 +210,12 @@ fn collate_pads_and_flattens_positions() {
     let vocab = MaskingVocab::from_tokenizer(&tok);
     let config = MaskingConfig::default();
     let a = pair(vec![101, 2000, 2001, 102, 3000, 102], 4, Some(0), 10);
-    let b = pair(vec![101, 2500, 102, 2600, 2700, 2800, 2900, 102], 3, Some(1), 11);
+    let b = pair(
+        vec![101, 2500, 102, 2600, 2700, 2800, 2900, 102],
+        3,
+        Some(1),
+        11,
+    );
     let rows: Vec<(Sequence, MaskedSequence)> = [a, b]
         .into_iter()
         .map(|s| {
@@ -217,8 +227,14 @@ fn collate_pads_and_flattens_positions() {
     assert_eq!(batch.input_ids.dim(), (2, 10));
     assert_eq!(batch.real_tokens(), 14);
     assert_eq!(batch.input_ids[[0, 7]], 0, "[PAD] after the sequence");
-    assert_eq!(batch.token_type_ids.row(0).to_vec(), [0, 0, 0, 0, 1, 1, 0, 0, 0, 0]);
-    assert_eq!(batch.attention_mask.row(1).to_vec(), [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]);
+    assert_eq!(
+        batch.token_type_ids.row(0).to_vec(),
+        [0, 0, 0, 0, 1, 1, 0, 0, 0, 0]
+    );
+    assert_eq!(
+        batch.attention_mask.row(1).to_vec(),
+        [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]
+    );
     let mut expected = Vec::new();
     for (r, (_, m)) in rows.iter().enumerate() {
         expected.extend(m.masked_positions.iter().map(|&c| r * 10 + c));
@@ -232,10 +248,43 @@ fn collate_pads_and_flattens_positions() {
     assert_eq!(batch.sample_ids, vec![100, 101]);
     // pad_to 0: the longest row.
     assert_eq!(collate(&rows, &[1, 2], 0).unwrap().seq_len(), 8);
-    assert!(matches!(collate(&rows, &[1, 2], 7), Err(CollateError::TooLong { row: 1, .. })));
-    assert!(matches!(collate(&rows, &[1], 10), Err(CollateError::SampleIdsMismatch { .. })));
+    assert!(matches!(
+        collate(&rows, &[1, 2], 7),
+        Err(CollateError::TooLong { row: 1, .. })
+    ));
+    assert!(matches!(
+        collate(&rows, &[1], 10),
+        Err(CollateError::SampleIdsMismatch { .. })
+    ));
     assert!(matches!(collate(&[], &[], 10), Err(CollateError::Empty)));
     let mut mixed = rows.clone();
     mixed[1].0.nsp_label = None;
-    assert!(matches!(collate(&mixed, &[1, 2], 10), Err(CollateError::MixedNsp)));
+    assert!(matches!(
+        collate(&mixed, &[1, 2], 10),
+        Err(CollateError::MixedNsp)
+    ));
+}
+
+#[test]
+fn masking_config_follows_the_job_file() {
+    let spec: keel_proto::jobspec::DataSpec = serde_json::from_value(serde_json::json!({
+        "corpus": ["c.txt"], "dupe_factor": 3, "whole_word_masking": true,
+        "masked_lm_prob": 0.2, "max_predictions_per_seq": 30
+    }))
+    .unwrap();
+    let c = MaskingConfig::from_spec(&spec);
+    assert_eq!(c.mode, MaskingMode::Static { dupe_factor: 3 });
+    assert!(c.whole_word);
+    assert_eq!((c.masked_lm_prob, c.max_predictions_per_seq), (0.2, 30));
+    c.validate().unwrap();
+    let dynamic: keel_proto::jobspec::DataSpec =
+        serde_json::from_value(serde_json::json!({ "corpus": ["c.txt"] })).unwrap();
+    let d = MaskingConfig::from_spec(&dynamic);
+    assert_eq!(d.mode, MaskingMode::Dynamic);
+    assert!(!d.whole_word);
+    let bad = MaskingConfig {
+        mode: MaskingMode::Static { dupe_factor: 0 },
+        ..d
+    };
+    assert!(bad.validate().is_err());
 }

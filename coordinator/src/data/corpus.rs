@@ -359,13 +359,12 @@ impl DocumentReader {
                             if line.trim().is_empty() {
                                 continue;
                             }
-                            let text = json_text(&line).map_err(|reason| {
-                                CorpusError::BadJsonLine {
+                            let text =
+                                json_text(&line).map_err(|reason| CorpusError::BadJsonLine {
                                     path: f.path.clone(),
                                     line: f.line,
                                     reason,
-                                }
-                            })?;
+                                })?;
                             doc.sentences.extend(
                                 text.lines()
                                     .filter(|l| !l.trim().is_empty())

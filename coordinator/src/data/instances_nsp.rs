@@ -62,7 +62,10 @@ pub fn create_nsp_instances<E>(
             } else {
                 1
             };
-            let mut a: Vec<u32> = chunk[..a_end].iter().flat_map(|s| s.iter().copied()).collect();
+            let mut a: Vec<u32> = chunk[..a_end]
+                .iter()
+                .flat_map(|s| s.iter().copied())
+                .collect();
             let mut b: Vec<u32> = Vec::new();
             let is_random_next = num_docs >= 2 && (chunk.len() == 1 || rng.random::<f64>() < 0.5);
             if is_random_next {
@@ -84,7 +87,10 @@ pub fn create_nsp_instances<E>(
                 // The sentences not used for A go back to the document.
                 i -= chunk.len() - a_end;
             } else {
-                b = chunk[a_end..].iter().flat_map(|s| s.iter().copied()).collect();
+                b = chunk[a_end..]
+                    .iter()
+                    .flat_map(|s| s.iter().copied())
+                    .collect();
             }
             truncate_pair(&mut a, &mut b, max_num_tokens, rng);
             if !a.is_empty() && !b.is_empty() {

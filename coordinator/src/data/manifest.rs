@@ -6,38 +6,8 @@ use serde::{Deserialize, Serialize};
 /// Version of the prepared-folder layout.
 pub const MANIFEST_VERSION: u32 = 1;
 
-/// Training objective of the prepared sequences.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Objective {
-    /// Masked LM only, full-sentence packing (RoBERTa).
-    #[serde(rename = "mlm")]
-    Mlm,
-    /// Masked LM plus next-sentence prediction (original BERT).
-    #[serde(rename = "mlm+nsp")]
-    MlmNsp,
-}
-
-impl Objective {
-    /// `"mlm"` or `"mlm+nsp"`.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Objective::Mlm => "mlm",
-            Objective::MlmNsp => "mlm+nsp",
-        }
-    }
-}
-
-impl std::str::FromStr for Objective {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "mlm" => Ok(Objective::Mlm),
-            "mlm+nsp" => Ok(Objective::MlmNsp),
-            other => Err(format!("unknown objective {other:?}: expected mlm or mlm+nsp")),
-        }
-    }
-}
+/// Training objective (shared with the job file: `mlm` or `mlm+nsp`).
+pub use keel_proto::jobspec::Objective;
 
 /// One shard file in the manifest.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

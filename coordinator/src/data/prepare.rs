@@ -94,7 +94,12 @@ pub struct PrepareOptions {
 impl PrepareOptions {
     /// Options with BERT's defaults: 128 tokens, 1 shard, seed 12345, 1% heldout, 1 thread,
     /// short_seq_prob 0.1, no progress bar.
-    pub fn new(corpus: Vec<PathBuf>, vocab: VocabSource, objective: Objective, out_dir: PathBuf) -> Self {
+    pub fn new(
+        corpus: Vec<PathBuf>,
+        vocab: VocabSource,
+        objective: Objective,
+        out_dir: PathBuf,
+    ) -> Self {
         Self {
             corpus,
             vocab,
@@ -110,6 +115,45 @@ impl PrepareOptions {
             model_vocab_size: None,
             show_progress: false,
         }
+    }
+}
+
+impl PrepareOptions {
+    /// Options from a job file's `[data]` section: its corpus, vocabulary, objective, length,
+    /// heldout fraction and shards (`0` = `world_size` shards), with `seed` and `threads`.
+    pub fn from_spec(
+        spec: &keel_proto::jobspec::DataSpec,
+        out_dir: PathBuf,
+        world_size: usize,
+        seed: u64,
+        threads: usize,
+    ) -> Self {
+        let vocab = match (&spec.vocab, spec.vocab_size) {
+            (Some(path), _) => VocabSource::File {
+                path: path.clone(),
+                lowercase: spec.lowercase,
+            },
+            (None, size) => VocabSource::Train {
+                vocab_size: size.unwrap_or(30_522),
+                lowercase: spec.lowercase,
+            },
+        };
+        let mut o = PrepareOptions::new(
+            spec.corpus.iter().map(PathBuf::from).collect(),
+            vocab,
+            spec.objective,
+            out_dir,
+        );
+        o.max_seq_length = spec.max_seq_length;
+        o.heldout_fraction = spec.heldout_fraction;
+        o.shards = if spec.shards == 0 {
+            world_size.max(1)
+        } else {
+            spec.shards
+        };
+        o.seed = seed;
+        o.threads = threads.max(1);
+        o
     }
 }
 
@@ -203,16 +247,25 @@ fn validate(o: &PrepareOptions) -> Result<(), PrepareError> {
         return bad("corpus", "give at least one file, directory or glob".into());
     }
     if o.max_seq_length < 8 || o.max_seq_length > 65_536 {
-        return bad("max_seq_length", format!("{} is not in 8..=65536", o.max_seq_length));
+        return bad(
+            "max_seq_length",
+            format!("{} is not in 8..=65536", o.max_seq_length),
+        );
     }
     if o.shards == 0 {
         return bad("shards", "must be at least 1".into());
     }
     if !(0.0..=0.5).contains(&o.heldout_fraction) {
-        return bad("heldout_fraction", format!("{} is not in [0, 0.5]", o.heldout_fraction));
+        return bad(
+            "heldout_fraction",
+            format!("{} is not in [0, 0.5]", o.heldout_fraction),
+        );
     }
     if !(0.0..=1.0).contains(&o.short_seq_prob) {
-        return bad("short_seq_prob", format!("{} is not in [0, 1]", o.short_seq_prob));
+        return bad(
+            "short_seq_prob",
+            format!("{} is not in [0, 1]", o.short_seq_prob),
+        );
     }
     if o.threads == 0 {
         return bad("threads", "must be at least 1".into());
@@ -469,6 +522,16 @@ pub fn prepare(options: &PrepareOptions) -> Result<PreparedManifest, PrepareErro
         source,
     })?;
 
+    // A manifest left from an earlier run would describe shards about to be replaced: remove
+    // it first, so that a folder with a manifest is always a complete, consistent one.
+    let old_manifest = options.out_dir.join(MANIFEST_FILE);
+    if old_manifest.exists() {
+        std::fs::remove_file(&old_manifest).map_err(|source| PrepareError::Io {
+            path: old_manifest.clone(),
+            source,
+        })?;
+    }
+
     let t0 = Instant::now();
     let tokenizer = load_or_train(&files, options, total_bytes)?;
     let train_vocab_s = match options.vocab {
@@ -493,7 +556,11 @@ pub fn prepare(options: &PrepareOptions) -> Result<PreparedManifest, PrepareErro
         return Err(PrepareError::EmptyCorpus {
             reason: format!(
                 "no text lines in {}",
-                files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")
+                files
+                    .iter()
+                    .map(|f| f.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         });
     }
@@ -527,7 +594,10 @@ pub fn prepare(options: &PrepareOptions) -> Result<PreparedManifest, PrepareErro
         });
     }
     let (held, train) = order.split_at(heldout as usize);
-    let train_lengths: Vec<u64> = train.iter().map(|&i| u64::from(lengths[i as usize])).collect();
+    let train_lengths: Vec<u64> = train
+        .iter()
+        .map(|&i| u64::from(lengths[i as usize]))
+        .collect();
     let starts = shard_starts(&train_lengths, options.shards);
     let mut shards = Vec::with_capacity(options.shards);
     for (k, &start) in starts.iter().enumerate() {

@@ -69,7 +69,11 @@ impl PreparedData {
                 ),
             });
         }
-        for entry in manifest.shards.iter().chain(std::iter::once(&manifest.heldout)) {
+        for entry in manifest
+            .shards
+            .iter()
+            .chain(std::iter::once(&manifest.heldout))
+        {
             let p = dir.join(&entry.file);
             if !p.is_file() {
                 return Err(PrepareError::ShardMismatch {
@@ -184,10 +188,12 @@ impl PreparedData {
     /// Reads training sequence `g` (opens its shard: use [`super::build_worker_shard`] for
     /// bulk access). Errors: `InvalidOption` for `g >= N`, shard errors.
     pub fn sequence(&self, g: u64) -> Result<Sequence, PrepareError> {
-        let k = self.shard_of(g).ok_or_else(|| PrepareError::InvalidOption {
-            field: "global_index",
-            reason: format!("{g} is out of range (0..{})", self.manifest.total_sequences),
-        })?;
+        let k = self
+            .shard_of(g)
+            .ok_or_else(|| PrepareError::InvalidOption {
+                field: "global_index",
+                reason: format!("{g} is out of range (0..{})", self.manifest.total_sequences),
+            })?;
         let reader = self.open_shard(k)?;
         let pos = (g - self.manifest.shards[k].first_global_index) as usize;
         Ok(reader.get(pos)?)

@@ -19,6 +19,9 @@ use super::spill::{Spill, SpillError, SpillWriter, TokenizedDoc, doc_to_words};
 /// Text per work item, in bytes.
 pub const CHUNK_BYTES: u64 = 256 * 1024;
 
+/// Lines joined into one tokenizer call (see `KeelTokenizer::encode_lines`).
+const LINES_PER_CALL: usize = 64;
+
 /// Errors of the tokenising pass.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
@@ -64,16 +67,26 @@ fn tokenize_chunk(tokenizer: &KeelTokenizer, docs: Vec<Document>) -> Tokenized {
         dropped_lines: 0,
         lines: 0,
     };
-    for doc in docs {
+    // Encode all lines of the chunk in groups (fewer, larger tokenizer calls), then hand the
+    // ids back to their documents.
+    let lines: Vec<&str> = docs
+        .iter()
+        .flat_map(|d| d.sentences.iter().map(String::as_str))
+        .collect();
+    let mut ids = Vec::with_capacity(lines.len());
+    for group in lines.chunks(LINES_PER_CALL) {
+        ids.extend(tokenizer.encode_lines(group));
+    }
+    let mut ids = ids.into_iter();
+    for doc in &docs {
         out.bytes += doc.bytes;
         let mut sentences = Vec::with_capacity(doc.sentences.len());
-        for s in &doc.sentences {
+        for sentence_ids in ids.by_ref().take(doc.sentences.len()) {
             out.lines += 1;
-            let ids = tokenizer.encode(s);
-            if ids.is_empty() {
+            if sentence_ids.is_empty() {
                 out.dropped_lines += 1;
             } else {
-                sentences.push(ids);
+                sentences.push(sentence_ids);
             }
         }
         if !sentences.is_empty() {

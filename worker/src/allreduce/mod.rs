@@ -33,6 +33,21 @@
 //! 7. A rank that hears nothing from its left, or whose right accepts nothing, for `timeout`
 //!    fails the all-reduce naming that peer; the coordinator then re-forms the ring with a new
 //!    generation.
+//!
+//! # Use in a worker
+//! ```ignore
+//! let mailbox = Mailbox::new();
+//! tune_server(Server::builder())
+//!     .add_service(control_service)
+//!     .add_service(ring_service(Arc::clone(&mailbox)))
+//!     .serve_with_incoming(listener_stream); // at the worker's --listen address
+//! // per generation, with the coordinator's (job, generation, rank, peers):
+//! let ring = Ring::connect(RingConfig { streams_per_link: 2, frame_bytes: 512 << 10, .. }, Arc::clone(&mailbox)).await?;
+//! ring.all_reduce_sum(step, bucket, &mut grads).await?; // same (step, bucket, len) on every rank
+//! ```
+//! A connection lost in the middle of a frame may deliver it twice after the retry; the receiver
+//! then fails the all-reduce with [`AllReduceError::BadFrame`] ("duplicate frame") rather than
+//! adding it twice.
 
 pub mod bench;
 mod error;

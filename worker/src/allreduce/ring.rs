@@ -480,11 +480,11 @@ fn absorb(
             payload: Payload::Ready(sum_to_bytes(local, &frame.data)),
         })
     } else if t + 2 == n {
-        add_assign_le(local, &frame.data);
+        // Keep the final sum and encode it for the all-gather in one pass.
         Some(Outgoing {
             ring_step: next,
             offset: range.start,
-            payload: Payload::Local(range),
+            payload: Payload::Ready(sum_store_to_bytes(local, &frame.data)),
         })
     } else {
         copy_le(local, &frame.data);
@@ -496,35 +496,81 @@ fn absorb(
     }
 }
 
-fn le_f32(b: &[u8]) -> f32 {
-    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+/// Elements decoded per block by [`for_each_block`] (a 2 KiB stack buffer).
+const BLOCK: usize = 512;
+
+/// Calls `f(start, block)` for consecutive blocks of `incoming` (little-endian f32 bytes)
+/// decoded into an aligned stack buffer, so the arithmetic runs on plain `f32` slices (the
+/// frame's bytes sit at any alignment inside tonic's receive buffer).
+fn for_each_block(incoming: &[u8], mut f: impl FnMut(usize, &[f32])) {
+    let mut buf = [0.0f32; BLOCK];
+    for (i, bytes) in incoming.chunks(BLOCK * 4).enumerate() {
+        let block = &mut buf[..bytes.len() / 4];
+        for (x, b) in block.iter_mut().zip(bytes.chunks_exact(4)) {
+            *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        f(i * BLOCK, block);
+    }
 }
 
 /// `local[i] + incoming[i]` as little-endian bytes (`incoming`: `local.len() * 4` bytes).
 fn sum_to_bytes(local: &[f32], incoming: &[u8]) -> Bytes {
-    let mut out = vec![0u8; local.len() * 4];
-    for ((o, a), b) in out
-        .chunks_exact_mut(4)
-        .zip(local)
-        .zip(incoming.chunks_exact(4))
+    let mut sums = Vec::with_capacity(local.len());
+    for_each_block(incoming, |start, block| {
+        let mine = &local[start..start + block.len()];
+        sums.extend(mine.iter().zip(block).map(|(a, b)| a + b));
+    });
+    f32_vec_to_bytes(sums)
+}
+
+/// `local[i] += incoming[i]`, returning the new `local` as little-endian bytes too.
+fn sum_store_to_bytes(local: &mut [f32], incoming: &[u8]) -> Bytes {
+    for_each_block(incoming, |start, block| {
+        for (a, b) in local[start..start + block.len()].iter_mut().zip(block) {
+            *a += b;
+        }
+    });
+    f32s_to_bytes(local)
+}
+
+/// A `Vec<f32>` viewed as its bytes (little-endian machines), without copying.
+#[cfg(target_endian = "little")]
+struct F32Bytes(Vec<f32>);
+
+#[cfg(target_endian = "little")]
+impl AsRef<[u8]> for F32Bytes {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: f32 has no padding and every bit pattern is valid u8s; u8 needs no alignment.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast::<u8>(), self.0.len() * 4) }
+    }
+}
+
+/// `values` as little-endian bytes, without a copy on little-endian machines.
+fn f32_vec_to_bytes(values: Vec<f32>) -> Bytes {
+    #[cfg(target_endian = "little")]
     {
-        o.copy_from_slice(&(a + le_f32(b)).to_le_bytes());
+        Bytes::from_owner(F32Bytes(values))
     }
-    Bytes::from(out)
-}
-
-/// `local[i] += incoming[i]`.
-fn add_assign_le(local: &mut [f32], incoming: &[u8]) {
-    for (a, b) in local.iter_mut().zip(incoming.chunks_exact(4)) {
-        *a += le_f32(b);
+    #[cfg(not(target_endian = "little"))]
+    {
+        f32s_to_bytes(&values)
     }
 }
 
-/// `local[i] = incoming[i]`.
+/// `local[i] = incoming[i]` (a memcpy on little-endian machines).
 fn copy_le(local: &mut [f32], incoming: &[u8]) {
-    for (a, b) in local.iter_mut().zip(incoming.chunks_exact(4)) {
-        *a = le_f32(b);
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: any bytes are a valid f32; the view covers exactly `local`'s memory.
+        let raw = unsafe {
+            std::slice::from_raw_parts_mut(local.as_mut_ptr().cast::<u8>(), local.len() * 4)
+        };
+        raw.copy_from_slice(incoming);
     }
+    #[cfg(not(target_endian = "little"))]
+    for_each_block(incoming, |start, block| {
+        local[start..start + block.len()].copy_from_slice(block);
+    });
 }
 
 /// `values` as little-endian bytes (one memcpy).

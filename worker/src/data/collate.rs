@@ -94,7 +94,11 @@ pub fn collate_with_pad(
         let len = seq.ids.len();
         let inconsistent = |reason: String| CollateError::Inconsistent { row, reason };
         if len > t {
-            return Err(CollateError::TooLong { row, len, pad_to: t });
+            return Err(CollateError::TooLong {
+                row,
+                len,
+                pad_to: t,
+            });
         }
         if seq.token_type_ids.len() != len || masked.input_ids.len() != len {
             return Err(inconsistent(format!(

@@ -63,6 +63,24 @@ impl Default for MaskingConfig {
     }
 }
 
+impl MaskingConfig {
+    /// Settings from a job file's `[data]` section (`dupe_factor` 0 = dynamic masking).
+    pub fn from_spec(spec: &keel_proto::jobspec::DataSpec) -> Self {
+        Self {
+            masked_lm_prob: spec.masked_lm_prob,
+            max_predictions_per_seq: spec.max_predictions_per_seq,
+            whole_word: spec.whole_word_masking,
+            mode: if spec.dupe_factor == 0 {
+                MaskingMode::Dynamic
+            } else {
+                MaskingMode::Static {
+                    dupe_factor: u64::from(spec.dupe_factor),
+                }
+            },
+        }
+    }
+}
+
 /// Errors of [`MaskingConfig::validate`].
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum MaskingError {
@@ -185,10 +203,14 @@ pub fn mask_sequence(
                 vocab.special.mask
             } else if rng.random::<f64>() < 0.5 {
                 original
-            } else if vocab.replacement_ids.is_empty() {
-                original
             } else {
-                vocab.replacement_ids[rng.random_range(0..vocab.replacement_ids.len())]
+                // An empty replacement list (a vocabulary of only special tokens) keeps the token.
+                let n = vocab.replacement_ids.len();
+                if n == 0 {
+                    original
+                } else {
+                    vocab.replacement_ids[rng.random_range(0..n)]
+                }
             };
             input_ids[pos] = replacement;
             chosen.push((pos, original));

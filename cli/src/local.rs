@@ -1,0 +1,272 @@
+//! `keel local`: a whole Keel cluster of real processes on this machine. Starts
+//! `keel-coordinator` and N `keel-worker`s (found next to this executable) on 127.0.0.1 with
+//! free ports, submits the job, shows its progress, pulls the final checkpoint, and stops the
+//! processes, also on error or Ctrl-C.
+
+use crate::client::{finished_ok, submit};
+use crate::{pull, watch};
+use anyhow::Context;
+use keel_proto::jobspec::JobSpec;
+use keel_proto::rpc::PingRequest;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Arguments of `keel local`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The job file (its [cluster] is set to exactly --workers workers).
+    pub job_file: PathBuf,
+    /// Worker processes to start.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Folder to write the final checkpoint to (with metrics.jsonl and loss.png).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Compute threads per worker; default: available cores / workers (at least 1).
+    #[arg(long, env = "KEEL_THREADS")]
+    pub threads: Option<usize>,
+    /// Folder for the coordinator's data, the workers' caches and all logs; default: a
+    /// temporary folder, removed after a successful run.
+    #[arg(long, env = "KEEL_LOCAL_DIR")]
+    pub work_dir: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// The started processes; dropping it kills and reaps them.
+struct Cluster {
+    /// (name, process), coordinator first.
+    children: Vec<(String, Child)>,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for (name, child) in self.children.iter_mut().rev() {
+            if let Ok(None) = child.try_wait() {
+                let _ = child.kill();
+            }
+            if let Err(e) = child.wait() {
+                eprintln!("warning: reaping {name}: {e}");
+            }
+        }
+    }
+}
+
+impl Cluster {
+    /// Fails if a process has exited (naming it and its log).
+    fn check_alive(&mut self, logs: &Path) -> anyhow::Result<()> {
+        for (name, child) in &mut self.children {
+            if let Some(status) = child.try_wait()? {
+                anyhow::bail!(
+                    "{name} exited ({status}); its log: {}\n{}",
+                    logs.join(format!("{name}.log")).display(),
+                    tail(&logs.join(format!("{name}.log")), 15)
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The last `n` lines of a file.
+fn tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// A free TCP port on 127.0.0.1 (bound and released; the OS does not hand it out again soon).
+fn free_port() -> anyhow::Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// `name` next to the running `keel` executable.
+fn sibling_exe(name: &str) -> anyhow::Result<PathBuf> {
+    let me = std::env::current_exe().context("locating the keel executable")?;
+    let dir = me.parent().context("the keel executable has no folder")?;
+    let path = dir.join(name);
+    if !path.is_file() {
+        anyhow::bail!(
+            "{} not found next to {} (build all binaries: cargo build --release --bins)",
+            path.display(),
+            me.display()
+        );
+    }
+    Ok(path)
+}
+
+fn spawn(
+    cluster: &mut Cluster,
+    name: &str,
+    exe: &Path,
+    args: &[String],
+    logs: &Path,
+) -> anyhow::Result<()> {
+    let log = std::fs::File::create(logs.join(format!("{name}.log")))?;
+    let child = Command::new(exe)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("starting {}", exe.display()))?;
+    cluster.children.push((name.to_string(), child));
+    Ok(())
+}
+
+/// Runs `keel local`.
+///
+/// Errors: a process that fails to start or dies, the job failing (its error), or the pull.
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
+    // Take Ctrl-C from the start, so that it stops the cluster (dropping `Cluster` kills the
+    // processes) instead of ending this process with the workers left running.
+    let (interrupted_tx, mut interrupted) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            let _ = interrupted_tx.send(true);
+        }
+    });
+    let mut spec = JobSpec::from_file(&args.job_file)?;
+    spec.resolve_paths(&std::env::current_dir()?);
+    spec.cluster.min_workers = args.workers;
+    spec.cluster.max_workers = args.workers;
+    let (tmp, root) = match &args.work_dir {
+        Some(dir) => {
+            std::fs::create_dir_all(dir)?;
+            (None, dir.clone())
+        }
+        None => {
+            let t = tempfile::Builder::new().prefix("keel-local-").tempdir()?;
+            let p = t.path().to_path_buf();
+            (Some(t), p)
+        }
+    };
+    let logs = root.join("logs");
+    std::fs::create_dir_all(&logs)?;
+    let job_path = root.join("job.toml");
+    std::fs::write(&job_path, spec.to_toml_string()?)?;
+
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = args.threads.unwrap_or(cores / args.workers).max(1);
+    let coordinator_exe = sibling_exe("keel-coordinator")?;
+    let worker_exe = sibling_exe("keel-worker")?;
+    let mut cluster = Cluster {
+        children: Vec::new(),
+    };
+    let port = free_port()?;
+    let coord_addr = format!("127.0.0.1:{port}");
+    spawn(
+        &mut cluster,
+        "coordinator",
+        &coordinator_exe,
+        &[
+            "--listen".into(),
+            coord_addr.clone(),
+            "--data-dir".into(),
+            root.join("coordinator").display().to_string(),
+        ],
+        &logs,
+    )?;
+    let mut client = crate::client::connect(&coord_addr)?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        cluster.check_alive(&logs)?;
+        anyhow::ensure!(!*interrupted.borrow(), "interrupted");
+        if client.ping(PingRequest {}).await.is_ok() {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the coordinator did not answer within 30 s (log: {})",
+            logs.join("coordinator.log").display()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for i in 0..args.workers {
+        let addr = format!("127.0.0.1:{}", free_port()?);
+        spawn(
+            &mut cluster,
+            &format!("worker-{i}"),
+            &worker_exe,
+            &[
+                "--coordinator".into(),
+                coord_addr.clone(),
+                "--listen".into(),
+                addr.clone(),
+                "--advertise-addr".into(),
+                addr,
+                "--threads".into(),
+                threads.to_string(),
+                "--cache-dir".into(),
+                root.join(format!("worker-{i}")).display().to_string(),
+            ],
+            &logs,
+        )?;
+    }
+    if !args.quiet {
+        eprintln!(
+            "keel local: coordinator {coord_addr}, {} worker(s) x {threads} thread(s); logs in {}",
+            args.workers,
+            logs.display()
+        );
+    }
+    let started = Instant::now();
+    let work = async {
+        let job = submit(&mut client, &job_path).await?;
+        if !args.quiet {
+            eprintln!("keel local: submitted {job}");
+        }
+        let status = watch::watch(&mut client, &job, !args.quiet).await?;
+        finished_ok(&status)?;
+        let out = pull::pull(&mut client, &job, Some(spec.train.max_steps), &args.out).await?;
+        let (throughput, steps) = mean_throughput(&out.join("metrics.jsonl"));
+        println!(
+            "{job}: completed {} steps on {} worker(s) in {:.1} s; final loss {:.4}; throughput {:.0} tok/s (mean of steps {}..{}); checkpoint in {}",
+            status.max_steps,
+            args.workers,
+            started.elapsed().as_secs_f64(),
+            status.loss,
+            throughput,
+            steps.0,
+            steps.1,
+            out.display()
+        );
+        Ok(())
+    };
+    let result = tokio::select! {
+        r = work => r,
+        _ = interrupted.wait_for(|i| *i) => Err(anyhow::anyhow!("interrupted")),
+    };
+    drop(cluster);
+    match (&result, tmp) {
+        (Ok(()), Some(t)) => drop(t),
+        (Err(_), Some(t)) => {
+            let kept = t.keep();
+            eprintln!("keel local: logs kept in {}", kept.join("logs").display());
+        }
+        _ => {}
+    }
+    result
+}
+
+/// Mean `tokens_per_s` over the step lines of a metrics.jsonl, leaving out the first 20% of
+/// steps (warm-up: allocation, first connections). Returns (mean, (first step, last step)).
+pub fn mean_throughput(metrics: &Path) -> (f64, (u64, u64)) {
+    let text = std::fs::read_to_string(metrics).unwrap_or_default();
+    let rows: Vec<(u64, f64)> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| Some((v.get("step")?.as_u64()?, v.get("tokens_per_s")?.as_f64()?)))
+        .collect();
+    if rows.is_empty() {
+        return (f64::NAN, (0, 0));
+    }
+    let skip = rows.len() / 5;
+    let kept = &rows[skip..];
+    let mean = kept.iter().map(|r| r.1).sum::<f64>() / kept.len() as f64;
+    (mean, (kept[0].0, kept[kept.len() - 1].0))
+}

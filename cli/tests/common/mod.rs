@@ -1,0 +1,287 @@
+//! Helpers shared by the end-to-end tests: the built binaries, job files, real processes on
+//! 127.0.0.1 that are killed when dropped.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The `keel` binary under test.
+pub fn keel() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_keel"))
+}
+
+/// A sibling binary of `keel` (keel-coordinator, keel-worker), built by `cargo test --workspace`
+/// or `cargo build --bins`.
+pub fn sibling(name: &str) -> PathBuf {
+    let path = keel().parent().unwrap().join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: build the binaries first (cargo build --release --bins)",
+        path.display()
+    );
+    path
+}
+
+/// `../shared/corpus/NAME` from the crate.
+pub fn corpus(name: &str) -> PathBuf {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/corpus")).join(name)
+}
+
+/// `../shared/fixtures/NAME` from the crate.
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/fixtures"
+    ))
+    .join(name)
+}
+
+/// A small job: tiny BERT, sequences of 64 tokens, a small vocabulary.
+pub struct JobFile {
+    pub corpus: PathBuf,
+    pub vocab_size: usize,
+    /// A vocabulary file instead of training one.
+    pub vocab: Option<PathBuf>,
+    pub micro_batch_size: usize,
+    pub grad_accum: usize,
+    pub max_steps: u64,
+    pub workers: usize,
+    pub learning_rate: f64,
+    pub warmup_steps: u64,
+    pub checkpoint_every: u64,
+    pub eval_every: u64,
+    pub peer_timeout_seconds: f64,
+    pub objective: &'static str,
+    pub lowercase: bool,
+}
+
+impl JobFile {
+    pub fn new(corpus: PathBuf) -> Self {
+        JobFile {
+            corpus,
+            vocab_size: 1000,
+            vocab: None,
+            micro_batch_size: 8,
+            grad_accum: 1,
+            max_steps: 200,
+            workers: 2,
+            learning_rate: 2e-3,
+            warmup_steps: 20,
+            checkpoint_every: 100,
+            eval_every: 100,
+            peer_timeout_seconds: 30.0,
+            objective: "mlm",
+            lowercase: true,
+        }
+    }
+
+    /// Writes the job to `dir/job.toml`.
+    pub fn write(&self, dir: &Path) -> PathBuf {
+        let text = format!(
+            r#"[data]
+corpus = ["{corpus}"]
+{vocab}
+lowercase = {lower}
+objective = "{objective}"
+max_seq_length = 64
+masked_lm_prob = 0.15
+max_predictions_per_seq = 10
+heldout_fraction = 0.01
+[model]
+preset = "tiny"
+[train]
+micro_batch_size = {mbs}
+gradient_accumulation_steps = {ga}
+max_steps = {steps}
+optimizer = "adamw"
+learning_rate = {lr}
+warmup_steps = {warmup}
+schedule = "linear"
+weight_decay = 0.01
+max_grad_norm = 1.0
+seed = 42
+checkpoint_every = {ckpt}
+eval_every = {eval}
+[cluster]
+min_workers = {w}
+max_workers = {w}
+peer_timeout_seconds = {timeout}
+"#,
+            corpus = self.corpus.display(),
+            vocab = match &self.vocab {
+                Some(path) => format!("vocab = \"{}\"", path.display()),
+                None => format!("vocab_size = {}", self.vocab_size),
+            },
+            lower = self.lowercase,
+            objective = self.objective,
+            mbs = self.micro_batch_size,
+            ga = self.grad_accum,
+            steps = self.max_steps,
+            lr = self.learning_rate,
+            warmup = self.warmup_steps,
+            ckpt = self.checkpoint_every,
+            eval = self.eval_every,
+            w = self.workers,
+            timeout = self.peer_timeout_seconds,
+        );
+        let path = dir.join("job.toml");
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+}
+
+/// Runs `keel ARGS` to completion (with a generous bound) and returns its output.
+pub fn run_keel(args: &[&str], cwd: &Path) -> Output {
+    let out = Command::new(keel())
+        .args(args)
+        .current_dir(cwd)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        panic!(
+            "keel {args:?} failed: {}\nstdout:\n{}\nstderr:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    out
+}
+
+/// `keel local --workers N JOB --out OUT --work-dir WORK --threads 1 --quiet`.
+pub fn keel_local(job: &Path, workers: usize, out: &Path, work: &Path) -> Output {
+    run_keel(
+        &[
+            "local",
+            "--workers",
+            &workers.to_string(),
+            job.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--work-dir",
+            work.to_str().unwrap(),
+            "--threads",
+            "1",
+            "--quiet",
+        ],
+        job.parent().unwrap(),
+    )
+}
+
+/// A process that is killed and reaped when dropped.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Proc {
+    pub fn spawn(name: &str, exe: &Path, args: &[String], logs: &Path) -> Proc {
+        let log = logs.join(format!("{name}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(exe)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        Proc {
+            name: name.to_string(),
+            child,
+            log,
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// A free port on 127.0.0.1.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A coordinator process on a free port; returns it and its address.
+pub fn start_coordinator(root: &Path) -> (Proc, String) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let logs = root.join("logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let p = Proc::spawn(
+        "coordinator",
+        &sibling("keel-coordinator"),
+        &[
+            "--listen".into(),
+            addr.clone(),
+            "--data-dir".into(),
+            root.join("coordinator").display().to_string(),
+        ],
+        &logs,
+    );
+    (p, addr)
+}
+
+/// A worker process on a free port, 1 thread; returns it and its advertise address.
+pub fn start_worker(root: &Path, coordinator: &str, i: usize) -> (Proc, String) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let p = Proc::spawn(
+        &format!("worker-{i}"),
+        &sibling("keel-worker"),
+        &[
+            "--coordinator".into(),
+            coordinator.into(),
+            "--listen".into(),
+            addr.clone(),
+            "--advertise-addr".into(),
+            addr.clone(),
+            "--threads".into(),
+            "1".into(),
+            "--cache-dir".into(),
+            root.join(format!("worker-{i}")).display().to_string(),
+        ],
+        &root.join("logs"),
+    );
+    (p, addr)
+}
+
+/// `keel status JOB` as JSON.
+pub fn status(job: &str, coordinator: &str, cwd: &Path) -> serde_json::Value {
+    let out = run_keel(&["status", job, "--coordinator", coordinator], cwd);
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Polls `f` every 200 ms until it returns `Some`, at most `limit`.
+pub fn poll<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    None
+}
+
+/// The JSON lines of a metrics.jsonl.
+pub fn metrics(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}

@@ -1,0 +1,93 @@
+//! The coordinator's errors and how they map to gRPC status codes.
+
+use std::path::PathBuf;
+
+/// Everything the coordinator can refuse or fail at.
+#[derive(Debug, thiserror::Error)]
+pub enum CoordinatorError {
+    /// No job with this id.
+    #[error("no job {job_id}")]
+    UnknownJob {
+        /// The id asked for.
+        job_id: String,
+    },
+    /// No registered worker with this id (it timed out or the coordinator restarted).
+    #[error("unknown worker {worker_id}: register again")]
+    UnknownWorker {
+        /// The id given.
+        worker_id: String,
+    },
+    /// The job spec is not valid.
+    #[error("invalid job: {0}")]
+    InvalidJob(#[from] keel_proto::jobspec::JobSpecError),
+    /// A message names a job generation or state that is no longer current.
+    #[error("job {job_id}: {message}")]
+    Stale {
+        /// The job.
+        job_id: String,
+        /// What does not match.
+        message: String,
+    },
+    /// A request is malformed (bad file name, missing key).
+    #[error("{0}")]
+    BadRequest(String),
+    /// No such checkpoint or file.
+    #[error("{0}")]
+    NotFound(String),
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or folder.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A checkpoint or transferred file failed verification.
+    #[error(transparent)]
+    Checkpoint(#[from] keel_proto::checkpoint::CheckpointError),
+    /// Preparing the job's data or model failed.
+    #[error("preparing job {job_id}: {message}")]
+    Prepare {
+        /// The job.
+        job_id: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// The gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+impl CoordinatorError {
+    /// Whether a client may retry the same request later and expect success.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, CoordinatorError::Io { .. })
+    }
+
+    /// An `Io` error for `path`.
+    pub fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> CoordinatorError {
+        let path = path.into();
+        move |source| CoordinatorError::Io { path, source }
+    }
+}
+
+impl From<CoordinatorError> for tonic::Status {
+    fn from(e: CoordinatorError) -> Self {
+        use tonic::Status;
+        let msg = e.to_string();
+        match e {
+            CoordinatorError::UnknownJob { .. } | CoordinatorError::NotFound(_) => {
+                Status::not_found(msg)
+            }
+            CoordinatorError::UnknownWorker { .. } => Status::failed_precondition(msg),
+            CoordinatorError::InvalidJob(_) | CoordinatorError::BadRequest(_) => {
+                Status::invalid_argument(msg)
+            }
+            CoordinatorError::Stale { .. } => Status::failed_precondition(msg),
+            CoordinatorError::Checkpoint(_) => Status::data_loss(msg),
+            CoordinatorError::Io { .. }
+            | CoordinatorError::Prepare { .. }
+            | CoordinatorError::Transport(_) => Status::internal(msg),
+        }
+    }
+}

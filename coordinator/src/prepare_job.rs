@@ -1,0 +1,178 @@
+//! A job's inputs: its prepared data (through `crate::data`), its model config, and the files
+//! each rank fetches.
+//!
+//! Everything here is blocking (tokenizing, sharding, hashing): the scheduler runs it on
+//! `spawn_blocking`.
+
+use crate::CoordinatorError;
+use crate::data::{PrepareOptions, VocabSource};
+use crate::job::PreparedJob;
+use keel_proto::checkpoint::{sha256_file, write_file_atomic};
+use keel_proto::config::BertConfig;
+use keel_proto::jobspec::{JobSpec, Objective};
+use keel_proto::params::Heads;
+use keel_proto::rpc::JobFile;
+use keel_proto::split::WorkerPlan;
+use keel_proto::tokenizer::KeelTokenizer;
+use std::path::{Path, PathBuf};
+
+/// File name of the model config kept in the job folder (copied into every checkpoint).
+pub const JOB_CONFIG_FILE: &str = "config.json";
+
+/// Prepares a job: tokenizes and shards the corpus into `job_dir/data`, builds the model
+/// config (`job_dir/config.json`) and lists the files every rank fetches.
+///
+/// Errors: [`CoordinatorError::Prepare`] naming what failed (corpus, vocabulary, config).
+pub fn prepare(
+    job_id: &str,
+    spec: &JobSpec,
+    job_dir: &Path,
+) -> Result<PreparedJob, CoordinatorError> {
+    let fail = |message: String| CoordinatorError::Prepare {
+        job_id: job_id.to_string(),
+        message,
+    };
+    let data_dir = job_dir.join("data");
+    let lowercase = spec.data.lowercase;
+    let vocab = match (&spec.data.vocab, spec.data.vocab_size) {
+        (Some(path), _) => VocabSource::File {
+            path: path.clone(),
+            lowercase,
+        },
+        (None, Some(vocab_size)) => VocabSource::Train {
+            vocab_size,
+            lowercase,
+        },
+        (None, None) => return Err(fail("data: give vocab_size or vocab".into())),
+    };
+    let objective = match spec.data.objective {
+        Objective::Mlm => crate::data::Objective::Mlm,
+        Objective::MlmNsp => crate::data::Objective::MlmNsp,
+    };
+    let corpus = spec.data.corpus.iter().map(PathBuf::from).collect();
+    let mut options = PrepareOptions::new(corpus, vocab, objective, data_dir.clone());
+    options.max_seq_length = spec.data.max_seq_length;
+    options.shards = spec.data.shards.max(1);
+    options.seed = spec.train.seed;
+    options.heldout_fraction = spec.data.heldout_fraction;
+    options.threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let manifest = crate::data::prepare(&options).map_err(|e| fail(format!("data: {e}")))?;
+    let total_sequences = manifest.total_sequences;
+
+    let vocab_path = data_dir.join("vocab.txt");
+    let tokenizer_path = data_dir.join("tokenizer.json");
+    let tokenizer = KeelTokenizer::from_tokenizer_json(&tokenizer_path)
+        .map_err(|e| fail(format!("{}: {e}", tokenizer_path.display())))?;
+    let vocab_size = tokenizer.vocab_size();
+
+    let heads = match spec.data.objective {
+        Objective::Mlm => Heads::MaskedLm,
+        Objective::MlmNsp => Heads::PreTraining,
+    };
+    let mut shared_files = vec![
+        ("heldout".to_string(), data_dir.join("heldout.keel")),
+        ("vocab".to_string(), vocab_path.clone()),
+        ("tokenizer".to_string(), tokenizer_path),
+    ];
+    let mut config = if let Some(preset) = &spec.model.preset {
+        BertConfig::preset(preset, vocab_size).map_err(|e| fail(format!("model.preset: {e}")))?
+    } else if let Some(path) = &spec.model.config {
+        BertConfig::from_json_file(path).map_err(|e| fail(format!("{}: {e}", path.display())))?
+    } else if let Some(dir) = &spec.model.init_checkpoint {
+        let path = dir.join("config.json");
+        let weights = dir.join("model.safetensors");
+        if !weights.is_file() {
+            return Err(fail(format!("{}: no such file", weights.display())));
+        }
+        shared_files.push(("init_weights".to_string(), weights));
+        BertConfig::from_json_file(&path).map_err(|e| fail(format!("{}: {e}", path.display())))?
+    } else {
+        return Err(fail("model: give preset, config or init_checkpoint".into()));
+    };
+    if config.vocab_size != vocab_size {
+        if spec.model.preset.is_some() {
+            config.vocab_size = vocab_size;
+        } else {
+            return Err(fail(format!(
+                "the model config has vocab_size {} but the vocabulary {} has {vocab_size} entries",
+                config.vocab_size,
+                vocab_path.display()
+            )));
+        }
+    }
+    if config.max_position_embeddings < spec.data.max_seq_length {
+        return Err(fail(format!(
+            "data.max_seq_length {} exceeds the model's max_position_embeddings {}",
+            spec.data.max_seq_length, config.max_position_embeddings
+        )));
+    }
+    if let Some(p) = spec.model.dropout {
+        config.hidden_dropout_prob = p;
+        config.attention_probs_dropout_prob = p;
+    }
+    let config = config.with_heads(heads);
+    config
+        .validate()
+        .map_err(|e| fail(format!("model config: {e}")))?;
+    let model_config_json = config.to_json_pretty();
+    write_file_atomic(&job_dir.join(JOB_CONFIG_FILE), model_config_json.as_bytes())?;
+    Ok(PreparedJob {
+        data_dir,
+        total_sequences,
+        model_config_json,
+        shared_files,
+    })
+}
+
+/// Builds rank `rank`'s shard (the sequences its plan names) and lists the files it fetches,
+/// with their sha256. Returns `(name, path, JobFile)` per file.
+///
+/// Errors: [`CoordinatorError::Prepare`] if the shard cannot be built, `Io` if unreadable.
+pub fn rank_files(
+    job_id: &str,
+    spec: &JobSpec,
+    prepared: &PreparedJob,
+    job_dir: &Path,
+    world_size: usize,
+    rank: usize,
+) -> Result<Vec<(String, PathBuf, JobFile)>, CoordinatorError> {
+    let fail = |message: String| CoordinatorError::Prepare {
+        job_id: job_id.to_string(),
+        message,
+    };
+    let data = crate::data::PreparedData::open(&prepared.data_dir)
+        .map_err(|e| fail(format!("{}: {e}", prepared.data_dir.display())))?;
+    let plan = WorkerPlan::new(
+        prepared.total_sequences,
+        world_size as u32,
+        rank as u32,
+        spec.train.micro_batch_size as u32,
+        spec.train.gradient_accumulation_steps as u32,
+    )
+    .map_err(|e| fail(format!("data plan for rank {rank} of {world_size}: {e}")))?;
+    let ranks_dir = job_dir.join("ranks");
+    std::fs::create_dir_all(&ranks_dir).map_err(CoordinatorError::io(&ranks_dir))?;
+    let shard_path = ranks_dir.join(format!("rank-{rank}-of-{world_size}.keel"));
+    crate::data::build_worker_shard(&data, &plan, &shard_path)
+        .map_err(|e| fail(format!("shard for rank {rank}: {e}")))?;
+    let mut files = vec![("shard".to_string(), shard_path)];
+    files.extend(prepared.shared_files.iter().cloned());
+    files
+        .into_iter()
+        .map(|(role, path)| {
+            let sha256 = sha256_file(&path)?;
+            let size = std::fs::metadata(&path)
+                .map_err(CoordinatorError::io(&path))?
+                .len();
+            // Names are unique per content: workers cache by them.
+            let name = format!("{role}-{}", &sha256[..16]);
+            let file = JobFile {
+                name: name.clone(),
+                role,
+                sha256,
+                size,
+            };
+            Ok((name, path, file))
+        })
+        .collect()
+}

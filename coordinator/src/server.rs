@@ -1,0 +1,74 @@
+//! Runs a coordinator: the gRPC service plus the scheduler loop, until shutdown.
+
+use crate::CoordinatorError;
+use crate::scheduler;
+use crate::service::CoordinatorService;
+use crate::state::Shared;
+use keel_proto::protocol::MAX_MESSAGE_BYTES;
+use keel_proto::rpc::coordinator_server::CoordinatorServer;
+use std::future::Future;
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+/// Settings of a coordinator process.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Folder for jobs (`jobs/job-N/`: prepared data, shards, metrics, checkpoints).
+    pub data_dir: PathBuf,
+}
+
+/// Serves the coordinator on `listener` until `shutdown` resolves, then stops within ~2 s
+/// (open watch and attach streams are closed rather than waited for).
+///
+/// Errors: [`CoordinatorError::Io`] if the data folder cannot be created,
+/// [`CoordinatorError::Transport`] if the server fails.
+pub async fn run(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), CoordinatorError> {
+    let jobs = config.data_dir.join("jobs");
+    std::fs::create_dir_all(&jobs).map_err(CoordinatorError::io(&jobs))?;
+    let shared = Shared::new(config.data_dir.clone());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let scheduler = tokio::spawn(scheduler::run(shared.clone(), async move {
+        let _ = stop_rx.await;
+    }));
+    let service = CoordinatorServer::new(CoordinatorService::new(shared.clone()))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let (server_stop_tx, server_stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tonic::transport::Server::builder()
+        .initial_stream_window_size(Some(16 << 20))
+        .initial_connection_window_size(Some(32 << 20))
+        .max_frame_size(Some(1 << 20))
+        .add_service(service)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+            let _ = server_stop_rx.await;
+        });
+    tokio::pin!(server);
+    tokio::select! {
+        result = &mut server => {
+            let _ = stop_tx.send(());
+            let _ = scheduler.await;
+            return result.map_err(CoordinatorError::from);
+        }
+        _ = shutdown => {}
+    }
+    let _ = server_stop_tx.send(());
+    let _ = stop_tx.send(());
+    {
+        // Close every attach stream so graceful shutdown does not wait on them.
+        let mut reg = shared.lock();
+        for w in reg.workers.values_mut() {
+            w.commands = None;
+        }
+    }
+    let _ = scheduler.await;
+    match tokio::time::timeout(Duration::from_secs(2), server).await {
+        Ok(result) => result.map_err(CoordinatorError::from),
+        Err(_) => Ok(()),
+    }
+}

@@ -1,0 +1,423 @@
+//! `keel.v1.Coordinator`: translates RPCs to the registry and errors to `Status`.
+
+use crate::CoordinatorError;
+use crate::files::send_files;
+use crate::job::Job;
+use crate::state::{Shared, WorkerEntry};
+use crate::store;
+use keel_proto::jobspec::JobSpec;
+use keel_proto::protocol::{HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT};
+use keel_proto::rpc::coordinator_server::Coordinator;
+use keel_proto::rpc::*;
+use std::io::Write;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+/// A server stream of `T`.
+type RpcStream<T> = Pin<Box<dyn futures::Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+/// The gRPC face of the coordinator.
+#[derive(Debug, Clone)]
+pub struct CoordinatorService {
+    /// Registry and settings.
+    shared: Arc<Shared>,
+}
+
+impl CoordinatorService {
+    /// A service over the coordinator's shared state.
+    pub fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+}
+
+/// Appends one JSON line to the job's `metrics.jsonl`.
+fn append_metrics(job: &Job, value: serde_json::Value) {
+    let path = job.dir.join("metrics.jsonl");
+    let result = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| writeln!(f, "{value}"));
+    if let Err(e) = result {
+        tracing::warn!(path = %path.display(), "cannot append metrics: {e}");
+    }
+}
+
+/// `18.2k` for 18200.
+fn human(n: f64) -> String {
+    if n >= 1e6 {
+        format!("{:.1}M", n / 1e6)
+    } else if n >= 1e3 {
+        format!("{:.1}k", n / 1e3)
+    } else {
+        format!("{n:.0}")
+    }
+}
+
+#[tonic::async_trait]
+impl Coordinator for CoordinatorService {
+    async fn ping(&self, _: Request<PingRequest>) -> Result<Response<PingReply>, Status> {
+        Ok(Response::new(PingReply {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+        }))
+    }
+
+    async fn submit_job(
+        &self,
+        request: Request<SubmitJobRequest>,
+    ) -> Result<Response<SubmitJobReply>, Status> {
+        let req = request.into_inner();
+        let origin = if req.origin.is_empty() {
+            "job"
+        } else {
+            &req.origin
+        };
+        let spec =
+            JobSpec::from_toml_str(&req.spec_toml, origin).map_err(CoordinatorError::from)?;
+        let mut reg = self.shared.lock();
+        reg.next_job += 1;
+        let id = format!("job-{}", reg.next_job);
+        let dir = self.shared.data_dir.join("jobs").join(&id);
+        std::fs::create_dir_all(&dir).map_err(CoordinatorError::io(&dir))?;
+        keel_proto::checkpoint::write_file_atomic(&dir.join("job.toml"), req.spec_toml.as_bytes())
+            .map_err(CoordinatorError::from)?;
+        std::fs::File::create(dir.join("metrics.jsonl")).map_err(CoordinatorError::io(&dir))?;
+        tracing::info!(job = %id, origin, "job submitted");
+        reg.jobs.insert(id.clone(), Job::new(id.clone(), spec, dir));
+        reg.order.push(id.clone());
+        drop(reg);
+        self.shared.wake.notify_one();
+        Ok(Response::new(SubmitJobReply { job_id: id }))
+    }
+
+    async fn list_jobs(
+        &self,
+        _: Request<ListJobsRequest>,
+    ) -> Result<Response<ListJobsReply>, Status> {
+        let reg = self.shared.lock();
+        let jobs = reg
+            .order
+            .iter()
+            .filter_map(|id| reg.jobs.get(id))
+            .map(Job::status)
+            .collect();
+        Ok(Response::new(ListJobsReply { jobs }))
+    }
+
+    async fn get_job(
+        &self,
+        request: Request<GetJobRequest>,
+    ) -> Result<Response<JobStatus>, Status> {
+        let mut reg = self.shared.lock();
+        let job = reg.job_mut(&request.into_inner().job_id)?;
+        Ok(Response::new(job.status()))
+    }
+
+    async fn cancel_job(
+        &self,
+        request: Request<CancelJobRequest>,
+    ) -> Result<Response<JobStatus>, Status> {
+        let id = request.into_inner().job_id;
+        let mut reg = self.shared.lock();
+        reg.job_mut(&id)?;
+        reg.end_job(
+            &id,
+            JobState::Cancelled,
+            Some("cancelled by the user".into()),
+        );
+        let status = reg.job_mut(&id)?.status();
+        Ok(Response::new(status))
+    }
+
+    type WatchJobStream = RpcStream<JobStatus>;
+
+    async fn watch_job(
+        &self,
+        request: Request<GetJobRequest>,
+    ) -> Result<Response<Self::WatchJobStream>, Status> {
+        let id = request.into_inner().job_id;
+        let mut rx = {
+            let mut reg = self.shared.lock();
+            reg.job_mut(&id)?.watch.subscribe()
+        };
+        let (tx, out) = mpsc::channel(16);
+        tokio::spawn(async move {
+            loop {
+                let status = rx.borrow_and_update().clone();
+                let finished = matches!(
+                    JobState::try_from(status.state),
+                    Ok(JobState::Completed | JobState::Failed | JobState::Cancelled)
+                );
+                if tx.send(Ok(status)).await.is_err() || finished {
+                    return;
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(out))))
+    }
+
+    type PullCheckpointStream = RpcStream<FileChunk>;
+
+    async fn pull_checkpoint(
+        &self,
+        request: Request<PullCheckpointRequest>,
+    ) -> Result<Response<Self::PullCheckpointStream>, Status> {
+        let req = request.into_inner();
+        let (dir, step) = {
+            let mut reg = self.shared.lock();
+            let job = reg.job_mut(&req.job_id)?;
+            let step = if req.step == 0 {
+                job.checkpoints.last().copied().ok_or_else(|| {
+                    CoordinatorError::NotFound(format!("job {} has no checkpoint yet", req.job_id))
+                })?
+            } else {
+                req.step
+            };
+            (job.dir.clone(), step)
+        };
+        let files = store::checkpoint_files(&dir, step)?;
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(send_files(files, tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    type PullMetricsStream = RpcStream<FileChunk>;
+
+    async fn pull_metrics(
+        &self,
+        request: Request<GetJobRequest>,
+    ) -> Result<Response<Self::PullMetricsStream>, Status> {
+        let dir = {
+            let mut reg = self.shared.lock();
+            reg.job_mut(&request.into_inner().job_id)?.dir.clone()
+        };
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(send_files(
+            vec![("metrics.jsonl".to_string(), dir.join("metrics.jsonl"))],
+            tx,
+        ));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn register(
+        &self,
+        request: Request<RegisterRequest>,
+    ) -> Result<Response<RegisterReply>, Status> {
+        let req = request.into_inner();
+        if req.advertise_addr.is_empty() {
+            return Err(Status::invalid_argument(
+                "advertise_addr is empty: start the worker with --advertise-addr HOST:PORT",
+            ));
+        }
+        let mut reg = self.shared.lock();
+        reg.next_worker += 1;
+        let number = reg.next_worker;
+        let id = format!("w-{number}");
+        let entry = WorkerEntry {
+            id: id.clone(),
+            number,
+            advertise_addr: req.advertise_addr,
+            threads: req.threads,
+            hostname: req.hostname,
+            last_seen: Instant::now(),
+            job: None,
+            step: 0,
+            commands: None,
+        };
+        tracing::info!(worker = %entry.describe(), threads = entry.threads, host = %entry.hostname, "worker registered");
+        reg.workers.insert(id.clone(), entry);
+        Ok(Response::new(RegisterReply {
+            worker_id: id,
+            heartbeat_interval_ms: HEARTBEAT_INTERVAL.as_millis() as u64,
+            heartbeat_timeout_ms: HEARTBEAT_TIMEOUT.as_millis() as u64,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<HeartbeatRequest>,
+    ) -> Result<Response<HeartbeatReply>, Status> {
+        let req = request.into_inner();
+        let mut reg = self.shared.lock();
+        let Some(w) = reg.workers.get_mut(&req.worker_id) else {
+            return Ok(Response::new(HeartbeatReply { known: false }));
+        };
+        w.last_seen = Instant::now();
+        if let Some(key) = req.key
+            && w.job.as_ref().is_some_and(|(j, _)| *j == key.job_id)
+        {
+            w.step = key.step;
+        }
+        Ok(Response::new(HeartbeatReply { known: true }))
+    }
+
+    type AttachStream = RpcStream<WorkerCommand>;
+
+    async fn attach(
+        &self,
+        request: Request<AttachRequest>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
+        let id = request.into_inner().worker_id;
+        let (tx, rx) = mpsc::channel(16);
+        {
+            let mut reg = self.shared.lock();
+            let w = reg
+                .workers
+                .get_mut(&id)
+                .ok_or(CoordinatorError::UnknownWorker {
+                    worker_id: id.clone(),
+                })?;
+            w.commands = Some(tx);
+            w.last_seen = Instant::now();
+        }
+        self.shared.wake.notify_one();
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    type FetchFileStream = RpcStream<FileChunk>;
+
+    async fn fetch_file(
+        &self,
+        request: Request<FetchFileRequest>,
+    ) -> Result<Response<Self::FetchFileStream>, Status> {
+        let req = request.into_inner();
+        let path = {
+            let mut reg = self.shared.lock();
+            let job = reg.check_key(req.key.as_ref())?;
+            job.files.get(&req.name).cloned().ok_or_else(|| {
+                CoordinatorError::NotFound(format!("job {} has no file {}", job.id, req.name))
+            })?
+        };
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(send_files(vec![(req.name, path)], tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn report_step(&self, request: Request<StepReport>) -> Result<Response<Ack>, Status> {
+        let r = request.into_inner();
+        let mut reg = self.shared.lock();
+        let job = reg.check_key(r.key.as_ref())?;
+        let step = r.key.as_ref().map_or(0, |k| k.step);
+        if r.rank == 0 && step > job.step {
+            job.step = step;
+            append_metrics(
+                job,
+                serde_json::json!({
+                    "step": step,
+                    "loss": r.loss,
+                    "mlm_loss": r.mlm_loss,
+                    "nsp_loss": r.nsp_loss,
+                    "mlm_accuracy": r.mlm_accuracy,
+                    "lr": r.learning_rate,
+                    "grad_norm": r.grad_norm,
+                    "tokens_per_s": r.tokens_per_second,
+                    "step_seconds": r.step_seconds,
+                    "allreduce_seconds": r.allreduce_seconds,
+                    "tokens": r.tokens,
+                }),
+            );
+            tracing::info!(
+                job = %job.id,
+                "step {step} | loss {:.4} | lr {:.1e} | {:.0} ms | {} tok/s | allreduce {:.0} ms",
+                r.loss,
+                r.learning_rate,
+                r.step_seconds * 1e3,
+                human(r.tokens_per_second),
+                r.allreduce_seconds * 1e3
+            );
+            job.last_step = Some(r);
+            job.publish();
+        }
+        Ok(Response::new(Ack {}))
+    }
+
+    async fn report_eval(&self, request: Request<EvalReport>) -> Result<Response<Ack>, Status> {
+        let r = request.into_inner();
+        let mut reg = self.shared.lock();
+        let job = reg.check_key(r.key.as_ref())?;
+        let step = r.key.as_ref().map_or(0, |k| k.step);
+        append_metrics(
+            job,
+            serde_json::json!({
+                "step": step,
+                "eval_loss": r.mlm_loss,
+                "eval_accuracy": r.mlm_accuracy,
+                "eval_perplexity": r.perplexity,
+                "eval_masked_tokens": r.masked_tokens,
+            }),
+        );
+        tracing::info!(
+            job = %job.id,
+            "eval at step {step} | mlm loss {:.4} | accuracy {:.3} | perplexity {:.2}",
+            r.mlm_loss,
+            r.mlm_accuracy,
+            r.perplexity
+        );
+        job.last_eval = Some(r);
+        job.publish();
+        Ok(Response::new(Ack {}))
+    }
+
+    async fn upload_checkpoint(
+        &self,
+        request: Request<Streaming<FileChunk>>,
+    ) -> Result<Response<Ack>, Status> {
+        store::receive_upload(self.shared.clone(), request.into_inner()).await?;
+        Ok(Response::new(Ack {}))
+    }
+
+    async fn report_done(&self, request: Request<DoneReport>) -> Result<Response<Ack>, Status> {
+        let r = request.into_inner();
+        let mut reg = self.shared.lock();
+        let job = reg.check_key(r.key.as_ref())?;
+        job.done.insert(r.rank);
+        let all_done = job.done.len() == job.workers.len();
+        let has_final = job.checkpoints.contains(&job.spec.train.max_steps);
+        let id = job.id.clone();
+        if all_done {
+            if has_final {
+                job.step = job.spec.train.max_steps;
+                reg.end_job(&id, keel_proto::rpc::JobState::Completed, None);
+            } else {
+                reg.end_job(
+                    &id,
+                    JobState::Failed,
+                    Some("all ranks finished but no final checkpoint was stored".into()),
+                );
+            }
+        }
+        Ok(Response::new(Ack {}))
+    }
+
+    async fn report_failure(
+        &self,
+        request: Request<FailureReport>,
+    ) -> Result<Response<Ack>, Status> {
+        let r = request.into_inner();
+        let mut reg = self.shared.lock();
+        let id = reg.check_key(r.key.as_ref())?.id.clone();
+        let step = r.key.as_ref().map_or(0, |k| k.step);
+        let ranks = reg
+            .jobs
+            .get(&id)
+            .map(|j| reg.describe_ranks(j))
+            .unwrap_or_default();
+        let who = reg
+            .workers
+            .get(&r.worker_id)
+            .map_or(r.worker_id.clone(), |w| w.describe());
+        let message = format!(
+            "rank {} {who} failed at step {step}: {} [ring: {ranks}]",
+            r.rank, r.error
+        );
+        reg.end_job(&id, JobState::Failed, Some(message));
+        Ok(Response::new(Ack {}))
+    }
+}

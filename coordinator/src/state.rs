@@ -1,0 +1,194 @@
+//! The coordinator's registry: workers (membership) and jobs, behind one mutex that is never
+//! held across an `.await`.
+
+use crate::CoordinatorError;
+use crate::job::Job;
+use keel_proto::rpc::{CancelJob, JobState, TrainingKey, WorkerCommand, worker_command};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+use tokio::sync::{Notify, mpsc};
+use tonic::Status;
+
+/// The sending half of a worker's `Attach` stream.
+pub type CommandSender = mpsc::Sender<Result<WorkerCommand, Status>>;
+
+/// A registered worker.
+#[derive(Debug)]
+pub struct WorkerEntry {
+    /// `w-N`, in registration order.
+    pub id: String,
+    /// Registration number: orders ranks.
+    pub number: u64,
+    /// host:port its ring peers reach it at.
+    pub advertise_addr: String,
+    /// Compute threads it runs.
+    pub threads: u32,
+    /// Its host name, for people.
+    pub hostname: String,
+    /// Last heartbeat (or registration).
+    pub last_seen: Instant,
+    /// The job it works on, with its rank.
+    pub job: Option<(String, u32)>,
+    /// Steps completed in that job, as last heartbeated.
+    pub step: u64,
+    /// Its open `Attach` stream; `None` until attached.
+    pub commands: Option<CommandSender>,
+}
+
+impl WorkerEntry {
+    /// `w-2 (127.0.0.1:7072)`: how errors name a worker.
+    pub fn describe(&self) -> String {
+        format!("{} ({})", self.id, self.advertise_addr)
+    }
+}
+
+/// Workers and jobs.
+#[derive(Debug, Default)]
+pub struct Registry {
+    /// Registered workers by id.
+    pub workers: BTreeMap<String, WorkerEntry>,
+    /// Jobs by id (`job-N` sorts by submission only within a width; `order` keeps FIFO).
+    pub jobs: BTreeMap<String, Job>,
+    /// Job ids in submission order.
+    pub order: Vec<String>,
+    /// Counter for worker ids.
+    pub next_worker: u64,
+    /// Counter for job ids.
+    pub next_job: u64,
+}
+
+/// Shared state of a running coordinator.
+#[derive(Debug)]
+pub struct Shared {
+    /// The registry.
+    registry: Mutex<Registry>,
+    /// Where jobs live.
+    pub data_dir: PathBuf,
+    /// Wakes the scheduler when something changed.
+    pub wake: Notify,
+}
+
+impl Shared {
+    /// A fresh coordinator state over `data_dir`; job numbers continue after the folders
+    /// already there.
+    pub fn new(data_dir: PathBuf) -> Arc<Self> {
+        let mut registry = Registry::default();
+        if let Ok(entries) = std::fs::read_dir(data_dir.join("jobs")) {
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if let Some(n) = name
+                    .strip_prefix("job-")
+                    .and_then(|n| n.parse::<u64>().ok())
+                {
+                    registry.next_job = registry.next_job.max(n);
+                }
+            }
+        }
+        Arc::new(Shared {
+            registry: Mutex::new(registry),
+            data_dir,
+            wake: Notify::new(),
+        })
+    }
+
+    /// Locks the registry. A panic while it was held poisons it; the state is still
+    /// consistent field by field, so we carry on.
+    pub fn lock(&self) -> MutexGuard<'_, Registry> {
+        match self.registry.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+}
+
+impl Registry {
+    /// The job `job_id`.
+    ///
+    /// Errors: [`CoordinatorError::UnknownJob`].
+    pub fn job_mut(&mut self, job_id: &str) -> Result<&mut Job, CoordinatorError> {
+        self.jobs
+            .get_mut(job_id)
+            .ok_or_else(|| CoordinatorError::UnknownJob {
+                job_id: job_id.to_string(),
+            })
+    }
+
+    /// Checks that a worker message is about the job's current generation.
+    ///
+    /// Errors: [`CoordinatorError::UnknownJob`], [`CoordinatorError::Stale`].
+    pub fn check_key(&mut self, key: Option<&TrainingKey>) -> Result<&mut Job, CoordinatorError> {
+        let key = key.ok_or_else(|| CoordinatorError::BadRequest("missing training key".into()))?;
+        let job = self.job_mut(&key.job_id)?;
+        if job.generation != key.generation {
+            return Err(CoordinatorError::Stale {
+                job_id: key.job_id.clone(),
+                message: format!(
+                    "generation {} is not the current one ({})",
+                    key.generation, job.generation
+                ),
+            });
+        }
+        Ok(job)
+    }
+
+    /// Ends a job that is not finished yet: sets its state and error, tells its workers to
+    /// drop it (CancelJob on their streams) and frees them.
+    pub fn end_job(&mut self, job_id: &str, state: JobState, error: Option<String>) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        if job.is_finished() {
+            return;
+        }
+        job.state = state;
+        if let Some(e) = &error {
+            tracing::error!(job = job_id, "{e}");
+        } else {
+            tracing::info!(job = job_id, state = ?state, "job ended");
+        }
+        job.error = error.clone();
+        job.publish();
+        let key = TrainingKey {
+            job_id: job.id.clone(),
+            generation: job.generation,
+            step: job.step,
+        };
+        let workers = job.workers.clone();
+        for id in workers {
+            if let Some(w) = self.workers.get_mut(&id) {
+                if w.job.as_ref().is_some_and(|(j, _)| j == job_id) {
+                    w.job = None;
+                }
+                if state != JobState::Completed
+                    && let Some(tx) = &w.commands
+                {
+                    let cmd = WorkerCommand {
+                        command: Some(worker_command::Command::Cancel(CancelJob {
+                            key: Some(key.clone()),
+                            reason: error.clone().unwrap_or_else(|| "job cancelled".into()),
+                        })),
+                    };
+                    // A full or closed stream means the worker is gone or stuck; its heartbeat
+                    // timeout deals with it.
+                    let _ = tx.try_send(Ok(cmd));
+                }
+            }
+        }
+    }
+
+    /// `rank 1 = w-2 (127.0.0.1:7072)` for every rank of a job: appended to failure messages
+    /// so that a rank named by a ring error maps to a worker.
+    pub fn describe_ranks(&self, job: &Job) -> String {
+        job.workers
+            .iter()
+            .enumerate()
+            .map(|(rank, id)| match self.workers.get(id) {
+                Some(w) => format!("rank {rank} = {}", w.describe()),
+                None => format!("rank {rank} = {id}"),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}

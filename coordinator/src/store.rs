@@ -1,0 +1,205 @@
+//! The checkpoint store: `JOB_DIR/checkpoints/step-N/`, one folder per stored checkpoint, in
+//! the layout of `keel_proto::checkpoint`.
+//!
+//! Rank 0 uploads the weights, optimizer state and trainer state; the store verifies each
+//! file's sha256, adds `config.json` and the tokenizer files, writes the manifest and renames
+//! the folder into place.
+
+use crate::CoordinatorError;
+use crate::prepare_job::JOB_CONFIG_FILE;
+use crate::state::Shared;
+use futures::{Stream, StreamExt};
+use keel_proto::checkpoint::{check_plain_name, commit_dir};
+use keel_proto::rpc::{FileChunk, TrainingKey};
+use keel_proto::tokenizer::KeelTokenizer;
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tokio::io::AsyncWriteExt;
+
+/// The folder of the checkpoint at `step` of the job in `job_dir`.
+pub fn checkpoint_dir(job_dir: &Path, step: u64) -> PathBuf {
+    job_dir.join("checkpoints").join(format!("step-{step}"))
+}
+
+/// Receives one checkpoint upload and stores it. Returns its key.
+///
+/// Errors: `BadRequest` for an empty stream, a bad file name or a chunk out of order;
+/// `Checkpoint(ChecksumMismatch)` when a file's bytes do not match its sha256; `Stale` /
+/// `UnknownJob` for a key that is not current; `Io`.
+pub async fn receive_upload<S>(
+    shared: Arc<Shared>,
+    mut stream: S,
+) -> Result<TrainingKey, CoordinatorError>
+where
+    S: Stream<Item = Result<FileChunk, tonic::Status>> + Unpin,
+{
+    let mut key: Option<TrainingKey> = None;
+    let mut tmp: Option<tempfile::TempDir> = None;
+    let mut job_dir = PathBuf::new();
+    let mut current: Option<(String, tokio::fs::File, Sha256, u64)> = None;
+    while let Some(chunk) = stream.next().await {
+        let chunk =
+            chunk.map_err(|s| CoordinatorError::BadRequest(format!("upload stream: {s}")))?;
+        if key.is_none() {
+            let k = chunk.key.clone().ok_or_else(|| {
+                CoordinatorError::BadRequest("first upload chunk has no key".into())
+            })?;
+            {
+                let mut reg = shared.lock();
+                let job = reg.check_key(Some(&k))?;
+                job_dir = job.dir.clone();
+            }
+            let parent = job_dir.join("checkpoints");
+            std::fs::create_dir_all(&parent).map_err(CoordinatorError::io(&parent))?;
+            tmp = Some(
+                tempfile::Builder::new()
+                    .prefix(&format!(".tmp-step-{}-", k.step))
+                    .tempdir_in(&parent)
+                    .map_err(CoordinatorError::io(&parent))?,
+            );
+            key = Some(k);
+        }
+        let Some(dir) = tmp.as_ref().map(|t| t.path().to_path_buf()) else {
+            continue;
+        };
+        check_plain_name(&chunk.name)?;
+        if current
+            .as_ref()
+            .is_none_or(|(name, ..)| name != &chunk.name)
+        {
+            if let Some((name, ..)) = &current {
+                return Err(CoordinatorError::BadRequest(format!(
+                    "file {name} ended without its last chunk"
+                )));
+            }
+            let path = dir.join(&chunk.name);
+            let file = tokio::fs::File::create(&path)
+                .await
+                .map_err(CoordinatorError::io(&path))?;
+            current = Some((chunk.name.clone(), file, Sha256::new(), 0));
+        }
+        let Some((name, file, hasher, written)) = current.as_mut() else {
+            continue;
+        };
+        if chunk.offset != *written {
+            return Err(CoordinatorError::BadRequest(format!(
+                "{name}: chunk at offset {} but {written} bytes written",
+                chunk.offset
+            )));
+        }
+        let path = dir.join(name.as_str());
+        file.write_all(&chunk.data)
+            .await
+            .map_err(CoordinatorError::io(&path))?;
+        hasher.update(&chunk.data);
+        *written += chunk.data.len() as u64;
+        if chunk.last {
+            file.sync_all().await.map_err(CoordinatorError::io(&path))?;
+            let got: String = hasher
+                .clone()
+                .finalize()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            if got != chunk.sha256 {
+                return Err(keel_proto::checkpoint::CheckpointError::ChecksumMismatch {
+                    path,
+                    expected: chunk.sha256.clone(),
+                    got,
+                }
+                .into());
+            }
+            current = None;
+        }
+    }
+    if let Some((name, ..)) = current {
+        return Err(CoordinatorError::BadRequest(format!(
+            "upload ended in the middle of {name}"
+        )));
+    }
+    let (Some(key), Some(tmp)) = (key, tmp) else {
+        return Err(CoordinatorError::BadRequest(
+            "empty checkpoint upload".into(),
+        ));
+    };
+    let step = key.step;
+    let final_dir = checkpoint_dir(&job_dir, step);
+    let job_dir2 = job_dir.clone();
+    tokio::task::spawn_blocking(move || -> Result<(), CoordinatorError> {
+        let dir = tmp.keep();
+        let config_src = job_dir2.join(JOB_CONFIG_FILE);
+        let config_dst = dir.join(JOB_CONFIG_FILE);
+        std::fs::copy(&config_src, &config_dst).map_err(CoordinatorError::io(&config_src))?;
+        let vocab = job_dir2.join("data").join("tokenizer.json");
+        let tokenizer = KeelTokenizer::from_tokenizer_json(&vocab)
+            .map_err(|e| CoordinatorError::BadRequest(format!("{}: {e}", vocab.display())))?;
+        tokenizer
+            .save(&dir)
+            .map_err(|e| CoordinatorError::BadRequest(format!("saving tokenizer: {e}")))?;
+        commit_dir(&dir, &final_dir)?;
+        Ok(())
+    })
+    .await
+    .map_err(|e| CoordinatorError::BadRequest(format!("checkpoint task: {e}")))??;
+
+    let mut reg = shared.lock();
+    if let Ok(job) = reg.job_mut(&key.job_id) {
+        if !job.checkpoints.contains(&step) {
+            job.checkpoints.push(step);
+            job.checkpoints.sort_unstable();
+        }
+        prune(
+            job.spec.train.keep_checkpoints,
+            job.spec.train.max_steps,
+            &job.dir,
+            &mut job.checkpoints,
+        );
+        job.publish();
+    }
+    tracing::info!(job = %key.job_id, step, "checkpoint stored");
+    Ok(key)
+}
+
+/// Keeps the newest `keep` periodic checkpoints (and the final one at `max_steps`).
+fn prune(keep: usize, max_steps: u64, job_dir: &Path, steps: &mut Vec<u64>) {
+    let periodic: Vec<u64> = steps.iter().copied().filter(|&s| s != max_steps).collect();
+    if periodic.len() <= keep.max(1) {
+        return;
+    }
+    let drop = periodic.len() - keep.max(1);
+    for &step in &periodic[..drop] {
+        let dir = checkpoint_dir(job_dir, step);
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            tracing::warn!(dir = %dir.display(), "cannot remove old checkpoint: {e}");
+        }
+        steps.retain(|&s| s != step);
+    }
+}
+
+/// The files of a stored checkpoint, sorted by name, manifest last.
+///
+/// Errors: `NotFound` if the folder does not exist; `Io`.
+pub fn checkpoint_files(
+    job_dir: &Path,
+    step: u64,
+) -> Result<Vec<(String, PathBuf)>, CoordinatorError> {
+    let dir = checkpoint_dir(job_dir, step);
+    if !dir.is_dir() {
+        return Err(CoordinatorError::NotFound(format!(
+            "no checkpoint at step {step}"
+        )));
+    }
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(&dir).map_err(CoordinatorError::io(&dir))? {
+        let entry = entry.map_err(CoordinatorError::io(&dir))?;
+        if entry.path().is_file() {
+            files.push((
+                entry.file_name().to_string_lossy().into_owned(),
+                entry.path(),
+            ));
+        }
+    }
+    files.sort_by_key(|(name, _)| (name == keel_proto::checkpoint::MANIFEST_FILE, name.clone()));
+    Ok(files)
+}

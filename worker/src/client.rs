@@ -1,0 +1,256 @@
+//! The worker's calls to the coordinator that move files: fetching its shard and the job's
+//! files into the cache (verified by sha256), and uploading a checkpoint folder.
+
+use keel_proto::checkpoint::{check_plain_name, sha256_file};
+use keel_proto::protocol::{FILE_CHUNK_BYTES, MAX_MESSAGE_BYTES};
+use keel_proto::rpc::coordinator_client::CoordinatorClient;
+use keel_proto::rpc::{FetchFileRequest, FileChunk, JobFile, TrainingKey};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic::transport::{Channel, Endpoint};
+
+/// Errors moving files between the worker and the coordinator.
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    /// The coordinator answered with an error or the connection broke.
+    #[error("{what}: {status}")]
+    Rpc {
+        /// What was being done.
+        what: String,
+        /// The gRPC status.
+        status: tonic::Status,
+    },
+    /// A local file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// The bytes received do not hash to what the coordinator promised.
+    #[error("{name}: received sha256 {got}, expected {expected}")]
+    Checksum {
+        /// The file.
+        name: String,
+        /// Promised (hex).
+        expected: String,
+        /// Received (hex).
+        got: String,
+    },
+    /// The stream broke the chunk protocol (name, offset, missing last chunk).
+    #[error("{0}")]
+    Protocol(String),
+    /// The coordinator address is malformed or unreachable.
+    #[error("coordinator {addr}: {reason}")]
+    Connect {
+        /// The address.
+        addr: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TransferError + '_ {
+    move |source| TransferError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// A client for `addr` (host:port) with Keel's message limits and HTTP/2 windows. Connects
+/// lazily; calls fail with `UNAVAILABLE` while the coordinator is down.
+///
+/// Errors: [`TransferError::Connect`] for a malformed address.
+pub fn coordinator_client(addr: &str) -> Result<CoordinatorClient<Channel>, TransferError> {
+    let url = if addr.starts_with("http://") || addr.starts_with("https://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    };
+    let endpoint = Endpoint::from_shared(url)
+        .map_err(|e| TransferError::Connect {
+            addr: addr.to_string(),
+            reason: e.to_string(),
+        })?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .initial_stream_window_size(Some(16 << 20))
+        .initial_connection_window_size(Some(32 << 20));
+    Ok(CoordinatorClient::new(endpoint.connect_lazy())
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES))
+}
+
+/// Fetches `file` into `cache_dir/files/<sha256>` unless it is already there with the right
+/// checksum; returns its path. The file is written under a temporary name, verified, fsynced
+/// and renamed.
+///
+/// Errors: [`TransferError::Rpc`], [`TransferError::Checksum`], [`TransferError::Io`],
+/// [`TransferError::Protocol`].
+pub async fn fetch_cached(
+    client: &mut CoordinatorClient<Channel>,
+    key: &TrainingKey,
+    worker_id: &str,
+    file: &JobFile,
+    cache_dir: &Path,
+) -> Result<PathBuf, TransferError> {
+    check_plain_name(&file.sha256).map_err(|e| TransferError::Protocol(e.to_string()))?;
+    let dir = cache_dir.join("files");
+    tokio::fs::create_dir_all(&dir).await.map_err(io(&dir))?;
+    let path = dir.join(&file.sha256);
+    if path.is_file() {
+        let p = path.clone();
+        let cached = tokio::task::spawn_blocking(move || sha256_file(&p).ok())
+            .await
+            .ok()
+            .flatten();
+        if cached.as_deref() == Some(file.sha256.as_str()) {
+            tracing::info!(file = %file.name, "using cached copy");
+            return Ok(path);
+        }
+    }
+    let mut stream = client
+        .fetch_file(FetchFileRequest {
+            key: Some(key.clone()),
+            worker_id: worker_id.to_string(),
+            name: file.name.clone(),
+        })
+        .await
+        .map_err(|status| TransferError::Rpc {
+            what: format!("fetching {}", file.name),
+            status,
+        })?
+        .into_inner();
+    let tmp = tempfile::NamedTempFile::new_in(&dir).map_err(io(&dir))?;
+    let (std_file, tmp_path) = tmp.into_parts();
+    let mut out = tokio::fs::File::from_std(std_file);
+    let mut hasher = Sha256::new();
+    let mut written = 0u64;
+    let mut finished = false;
+    while let Some(chunk) = stream
+        .message()
+        .await
+        .map_err(|status| TransferError::Rpc {
+            what: format!("fetching {}", file.name),
+            status,
+        })?
+    {
+        if chunk.offset != written || finished {
+            return Err(TransferError::Protocol(format!(
+                "{}: chunk at offset {} after {written} bytes",
+                file.name, chunk.offset
+            )));
+        }
+        out.write_all(&chunk.data).await.map_err(io(&tmp_path))?;
+        hasher.update(&chunk.data);
+        written += chunk.data.len() as u64;
+        finished = chunk.last;
+    }
+    if !finished {
+        return Err(TransferError::Protocol(format!(
+            "{}: stream ended after {written} of {} bytes",
+            file.name, file.size
+        )));
+    }
+    let got = hex(&hasher.finalize());
+    if got != file.sha256 {
+        return Err(TransferError::Checksum {
+            name: file.name.clone(),
+            expected: file.sha256.clone(),
+            got,
+        });
+    }
+    out.sync_all().await.map_err(io(&tmp_path))?;
+    drop(out);
+    tmp_path.persist(&path).map_err(|e| TransferError::Io {
+        path: path.clone(),
+        source: e.error,
+    })?;
+    tracing::info!(file = %file.name, bytes = written, "fetched and verified");
+    Ok(path)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Uploads every plain file of `dir` (sorted by name) as one checkpoint stream tagged `key`.
+///
+/// Errors: [`TransferError::Io`] reading the files, [`TransferError::Rpc`] if the coordinator
+/// refuses or the stream breaks.
+pub async fn upload_dir(
+    client: &mut CoordinatorClient<Channel>,
+    key: &TrainingKey,
+    dir: &Path,
+) -> Result<(), TransferError> {
+    let mut names = Vec::new();
+    let mut entries = tokio::fs::read_dir(dir).await.map_err(io(dir))?;
+    while let Some(entry) = entries.next_entry().await.map_err(io(dir))? {
+        if entry.file_type().await.map_err(io(dir))?.is_file() {
+            names.push(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    names.sort();
+    let (tx, rx) = tokio::sync::mpsc::channel::<FileChunk>(4);
+    let dir = dir.to_path_buf();
+    let key2 = key.clone();
+    let reader = tokio::spawn(async move {
+        for name in names {
+            let path = dir.join(&name);
+            let mut file = tokio::fs::File::open(&path).await.map_err(io(&path))?;
+            let size = file.metadata().await.map_err(io(&path))?.len();
+            let mut hasher = Sha256::new();
+            let mut offset = 0u64;
+            loop {
+                let mut buf = vec![0u8; FILE_CHUNK_BYTES];
+                let mut filled = 0;
+                while filled < buf.len() {
+                    let n = file.read(&mut buf[filled..]).await.map_err(io(&path))?;
+                    if n == 0 {
+                        break;
+                    }
+                    filled += n;
+                }
+                buf.truncate(filled);
+                hasher.update(&buf);
+                let last = offset + filled as u64 >= size;
+                let chunk = FileChunk {
+                    key: Some(key2.clone()),
+                    name: name.clone(),
+                    offset,
+                    data: buf.into(),
+                    last,
+                    sha256: if last {
+                        hex(&hasher.clone().finalize())
+                    } else {
+                        String::new()
+                    },
+                    size,
+                };
+                offset += filled as u64;
+                if tx.send(chunk).await.is_err() {
+                    return Ok(());
+                }
+                if last {
+                    break;
+                }
+            }
+        }
+        Ok::<(), TransferError>(())
+    });
+    let result = client
+        .upload_checkpoint(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await;
+    let read = reader
+        .await
+        .map_err(|e| TransferError::Protocol(format!("upload reader: {e}")))?;
+    read?;
+    result.map_err(|status| TransferError::Rpc {
+        what: format!("uploading the checkpoint of step {}", key.step),
+        status,
+    })?;
+    Ok(())
+}

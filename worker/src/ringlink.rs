@@ -1,0 +1,112 @@
+//! The bridge between the math thread (blocking) and the ring all-reduce (async): the math
+//! thread submits buffers and later waits for their sums; one task on the runtime runs the
+//! all-reduces one after another in submission order, which is the same order on every rank.
+
+use crate::allreduce::{AllReduceError, Ring};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+/// An all-reduce that failed, or the ring task that stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum RingLinkError {
+    /// The ring reported an error (it names the peer and step).
+    #[error(transparent)]
+    AllReduce(#[from] AllReduceError),
+    /// The ring task is gone (the job is being torn down).
+    #[error("the ring task stopped")]
+    Closed,
+}
+
+/// One buffer to sum across ranks.
+struct Request {
+    step: u64,
+    bucket: u32,
+    data: Vec<f32>,
+    reply: oneshot::Sender<Result<(Vec<f32>, Duration), AllReduceError>>,
+}
+
+/// The math thread's handle on the ring.
+#[derive(Debug, Clone)]
+pub struct RingLink {
+    tx: mpsc::UnboundedSender<Request>,
+}
+
+impl std::fmt::Debug for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Request(step {}, bucket {}, {} elems)",
+            self.step,
+            self.bucket,
+            self.data.len()
+        )
+    }
+}
+
+/// A pending sum.
+#[derive(Debug)]
+pub struct RingReply {
+    rx: oneshot::Receiver<Result<(Vec<f32>, Duration), AllReduceError>>,
+}
+
+impl RingReply {
+    /// Blocks (the math thread) until the sum is back.
+    ///
+    /// Errors: [`RingLinkError`].
+    pub fn wait(self) -> Result<Vec<f32>, RingLinkError> {
+        match self.rx.blocking_recv() {
+            Ok(Ok((data, _))) => Ok(data),
+            Ok(Err(e)) => Err(e.into()),
+            Err(_) => Err(RingLinkError::Closed),
+        }
+    }
+}
+
+impl RingLink {
+    /// Starts the ring task on the current runtime; it ends when every `RingLink` is dropped.
+    /// `busy` accumulates the seconds the ring spent in all-reduces (for metrics), in µs.
+    pub fn spawn(ring: Arc<Ring>, busy: Arc<std::sync::atomic::AtomicU64>) -> RingLink {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Request>();
+        tokio::spawn(async move {
+            while let Some(mut req) = rx.recv().await {
+                let t0 = Instant::now();
+                let result = ring
+                    .all_reduce_sum(req.step, req.bucket, &mut req.data)
+                    .await;
+                let took = t0.elapsed();
+                busy.fetch_add(
+                    took.as_micros() as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                let _ = req.reply.send(result.map(|()| (req.data, took)));
+            }
+        });
+        RingLink { tx }
+    }
+
+    /// Queues `data` to be summed across ranks as (step, bucket).
+    pub fn submit(&self, step: u64, bucket: u32, data: Vec<f32>) -> RingReply {
+        let (reply, rx) = oneshot::channel();
+        // If the task is gone the reply sender is dropped and `wait` says Closed.
+        let _ = self.tx.send(Request {
+            step,
+            bucket,
+            data,
+            reply,
+        });
+        RingReply { rx }
+    }
+
+    /// Sums `data` across ranks and waits for the result (the math thread blocks).
+    ///
+    /// Errors: [`RingLinkError`].
+    pub fn all_reduce(
+        &self,
+        step: u64,
+        bucket: u32,
+        data: Vec<f32>,
+    ) -> Result<Vec<f32>, RingLinkError> {
+        self.submit(step, bucket, data).wait()
+    }
+}

@@ -1,0 +1,533 @@
+//! The training loop of one rank, run on a blocking thread (protocol step 8).
+//!
+//! Each step: build this rank's micro-batches from its shard; all-reduce the masked-token
+//! and NSP counts; forward/backward every micro-batch with `mlm_scale = 1 / global masked
+//! count` (so the summed gradient across ranks is exactly that of one big batch); gradient
+//! buckets go to the ring as backward finishes them; all-reduce the loss sums; clip by global
+//! norm; optimizer step. Every rank holds the same sums, so every rank applies the same update.
+//!
+//! Shape legend: `b` micro-batch size (sequences), `k` gradient accumulation steps, `W` world
+//! size, `P` parameters (flat buffer length).
+
+use crate::batch::Batch;
+use crate::buckets::{BUCKET_ELEMS, Buckets, FIRST_SPECIAL_BUCKET};
+use crate::data::{MaskingConfig, MaskingMode, MaskingVocab, collate, mask_sequence};
+use crate::model::{Bert, DropoutKey, ModelError, StepOptions, init_params};
+use crate::optim::{
+    AdamW, AdamWConfig, Lamb, LambConfig, LrSchedule, Optimizer, ScheduleKind, clip_grad_norm,
+    global_norm,
+};
+use crate::ringlink::{RingLink, RingLinkError};
+use keel_proto::checkpoint::{OPTIMIZER_FILE, TRAINER_STATE_FILE, TrainerState, write_file_atomic};
+use keel_proto::config::BertConfig;
+use keel_proto::jobspec::{JobSpec, Objective, OptimizerKind, TrainSpec};
+use keel_proto::params::ParamLayout;
+use keel_proto::rpc::{EvalReport, StepReport, TrainingKey};
+use keel_proto::shard::ShardReader;
+use keel_proto::split::WorkerPlan;
+use keel_proto::tokenizer::KeelTokenizer;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// Bucket id of the per-step counts all-reduce: `[masked tokens, NSP labels, real tokens]`.
+pub const COUNTS_BUCKET: u32 = FIRST_SPECIAL_BUCKET;
+/// Bucket id of the per-step loss all-reduce: `[mlm loss sum, mlm correct, nsp loss sum, nsp correct]`.
+pub const LOSS_BUCKET: u32 = FIRST_SPECIAL_BUCKET + 1;
+/// Bucket id of the eval all-reduce: `[mlm loss sum, masked tokens, correct]`.
+pub const EVAL_BUCKET: u32 = FIRST_SPECIAL_BUCKET + 2;
+/// Held-out sequences evaluated at most (across all ranks), to bound eval time.
+pub const EVAL_MAX_SEQUENCES: usize = 1024;
+/// Mixed into the job seed for the held-out masks, so they differ from training masks.
+pub const EVAL_SEED_SALT: u64 = 0x5eed_e7a1;
+
+/// Everything the loop needs, prepared by `trainer`.
+#[derive(Debug, Clone)]
+pub struct TrainSetup {
+    /// The job.
+    pub job_id: String,
+    /// Membership generation.
+    pub generation: u64,
+    /// This rank.
+    pub rank: u32,
+    /// World size `W`.
+    pub world_size: u32,
+    /// The job spec.
+    pub spec: JobSpec,
+    /// The model config.
+    pub config: BertConfig,
+    /// Training sequences in the whole set.
+    pub total_sequences: u64,
+    /// This rank's shard.
+    pub shard: PathBuf,
+    /// The held-out shard.
+    pub heldout: PathBuf,
+    /// The tokenizer (tokenizer.json), for the special ids and vocabulary of masking.
+    pub tokenizer: PathBuf,
+    /// Initial weights (HF model.safetensors), or `None` to initialise from the seed.
+    pub init_weights: Option<PathBuf>,
+    /// Scratch folder for staging checkpoints.
+    pub work_dir: PathBuf,
+}
+
+/// What the loop tells the reporter (in order).
+#[derive(Debug)]
+pub enum Event {
+    /// A finished step's metrics (rank 0).
+    Step(StepReport),
+    /// An eval's results (rank 0).
+    Eval(EvalReport),
+    /// A checkpoint folder staged at `dir`, to upload (rank 0).
+    Checkpoint {
+        /// Steps completed.
+        step: u64,
+        /// The staged folder.
+        dir: PathBuf,
+    },
+}
+
+/// Why the loop stopped, with the step it was at.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The ring all-reduce failed (the error names the peer).
+    #[error("step {step}: all-reduce: {source}")]
+    AllReduce {
+        /// 0-based step.
+        step: u64,
+        /// What the ring said.
+        source: RingLinkError,
+    },
+    /// The model rejected a batch or buffer.
+    #[error("step {step}: model: {source}")]
+    Model {
+        /// 0-based step.
+        step: u64,
+        /// The model's error.
+        source: ModelError,
+    },
+    /// Data (shard, plan, vocabulary, masking) could not be used.
+    #[error("step {step}: data: {message}")]
+    Data {
+        /// 0-based step.
+        step: u64,
+        /// What failed.
+        message: String,
+    },
+    /// A checkpoint could not be written or weights read.
+    #[error("step {step}: {message}")]
+    Io {
+        /// 0-based step.
+        step: u64,
+        /// What failed.
+        message: String,
+    },
+    /// The job was cancelled.
+    #[error("cancelled at step {step}")]
+    Cancelled {
+        /// 0-based step.
+        step: u64,
+    },
+}
+
+fn data_err(step: u64) -> impl Fn(String) -> TrainError {
+    move |message| TrainError::Data { step, message }
+}
+
+/// The per-rank data pipeline: shard + plan + masking -> micro-batches.
+struct Pipeline {
+    shard: ShardReader,
+    plan: WorkerPlan,
+    masking: MaskingConfig,
+    vocab: MaskingVocab,
+    seed: u64,
+    /// Every batch is padded to `max_seq_length`: shapes then do not depend on how the global
+    /// batch is split, which keeps 1 worker and N workers equal.
+    pad_to: usize,
+}
+
+impl Pipeline {
+    /// Micro-batch `j` of this rank at `step`.
+    fn micro_batch(&self, step: u64, j: u32) -> Result<Batch, TrainError> {
+        let err = data_err(step);
+        let mb = self
+            .plan
+            .micro_batch(step, j)
+            .map_err(|e| err(e.to_string()))?;
+        let mut masked = Vec::with_capacity(mb.sequence_indices.len());
+        for &g in &mb.sequence_indices {
+            let seq = self
+                .shard
+                .find_global(g)
+                .ok_or_else(|| err(format!("sequence {g} is not in this rank's shard")))?;
+            let m = mask_sequence(&seq, self.seed, mb.epoch, &self.masking, &self.vocab);
+            masked.push((seq, m));
+        }
+        collate(&masked, &mb.sample_ids, self.pad_to).map_err(|e| err(e.to_string()))
+    }
+}
+
+/// Runs the job's steps on this rank.
+///
+/// Errors: [`TrainError`] with the step it happened at.
+pub fn train(
+    setup: TrainSetup,
+    ring: RingLink,
+    events: UnboundedSender<Event>,
+    cancel: &AtomicBool,
+    progress: &AtomicU64,
+    ring_busy_us: &AtomicU64,
+) -> Result<(), TrainError> {
+    let spec = &setup.spec;
+    let t = &spec.train;
+    let err0 = data_err(0);
+    let config = &setup.config;
+    let heads = config.heads();
+    let layout = ParamLayout::bert(config, heads);
+    let mut model =
+        Bert::<f32>::new(config, heads).map_err(|source| TrainError::Model { step: 0, source })?;
+    let mut params = match &setup.init_weights {
+        Some(path) => {
+            keel_proto::weights::load_safetensors(path, &layout).map_err(|e| TrainError::Io {
+                step: 0,
+                message: format!("{}: {e}", path.display()),
+            })?
+        }
+        None => init_params(config, &layout, t.seed),
+    };
+    let mut grads = vec![0f32; layout.total_len()];
+    let mut optimizer = optimizer_for(t, &layout);
+    let schedule = schedule_for(t);
+
+    let tokenizer = KeelTokenizer::from_tokenizer_json(&setup.tokenizer)
+        .map_err(|e| err0(format!("{}: {e}", setup.tokenizer.display())))?;
+    let nsp = spec.data.objective == Objective::MlmNsp;
+    let pipeline = Pipeline {
+        shard: ShardReader::open(&setup.shard)
+            .map_err(|e| err0(format!("{}: {e}", setup.shard.display())))?,
+        plan: WorkerPlan::new(
+            setup.total_sequences,
+            setup.world_size,
+            setup.rank,
+            t.micro_batch_size as u32,
+            t.gradient_accumulation_steps as u32,
+        )
+        .map_err(|e| err0(e.to_string()))?,
+        masking: MaskingConfig {
+            masked_lm_prob: spec.data.masked_lm_prob,
+            max_predictions_per_seq: spec.data.max_predictions_per_seq,
+            whole_word: spec.data.whole_word_masking,
+            mode: match spec.data.dupe_factor {
+                0 => MaskingMode::Dynamic,
+                d => MaskingMode::Static {
+                    dupe_factor: u64::from(d),
+                },
+            },
+        },
+        vocab: MaskingVocab::from_tokenizer(&tokenizer),
+        seed: t.seed,
+        pad_to: spec.data.max_seq_length,
+    };
+    let heldout = ShardReader::open(&setup.heldout)
+        .map_err(|e| err0(format!("{}: {e}", setup.heldout.display())))?;
+    let mut buckets = Buckets::new(layout.total_len(), BUCKET_ELEMS);
+    let k = t.gradient_accumulation_steps as u32;
+    let global_batch = spec.global_batch(setup.world_size as usize) as u64;
+
+    for step in 0..t.max_steps {
+        if cancel.load(Ordering::SeqCst) {
+            return Err(TrainError::Cancelled { step });
+        }
+        let ring_err = |source| TrainError::AllReduce { step, source };
+        let model_err = |source| TrainError::Model { step, source };
+        let started = Instant::now();
+        let busy_before = ring_busy_us.load(Ordering::Relaxed);
+
+        let batches = (0..k)
+            .map(|j| pipeline.micro_batch(step, j))
+            .collect::<Result<Vec<_>, _>>()?;
+        let local_masked: usize = batches.iter().map(|b| b.masked_positions.len()).sum();
+        let local_nsp: usize = if nsp {
+            batches.iter().map(Batch::batch_size).sum()
+        } else {
+            0
+        };
+        let local_tokens: usize = batches.iter().map(Batch::real_tokens).sum();
+        let counts = ring
+            .all_reduce(
+                step,
+                COUNTS_BUCKET,
+                vec![local_masked as f32, local_nsp as f32, local_tokens as f32],
+            )
+            .map_err(ring_err)?;
+        let (global_masked, global_nsp, global_tokens) = (counts[0], counts[1], counts[2]);
+        let opts_for = |last: bool| StepOptions {
+            mlm_scale: if global_masked > 0.0 {
+                1.0 / global_masked
+            } else {
+                0.0
+            },
+            nsp_scale: if global_nsp > 0.0 {
+                1.0 / global_nsp
+            } else {
+                0.0
+            },
+            dropout: Some(DropoutKey { seed: t.seed, step }),
+            report_ready: last,
+        };
+
+        grads.fill(0.0);
+        buckets.begin();
+        let mut sums = [0f64; 4];
+        for (j, batch) in batches.iter().enumerate() {
+            let opts = opts_for(j + 1 == batches.len());
+            let s = model
+                .forward_backward(&params, &mut grads, batch, &opts, &mut |range, data| {
+                    buckets.ready(range, data, &ring, step)
+                })
+                .map_err(model_err)?;
+            sums[0] += f64::from(s.mlm_loss_sum);
+            sums[1] += s.mlm_correct as f64;
+            sums[2] += f64::from(s.nsp_loss_sum);
+            sums[3] += s.nsp_correct as f64;
+        }
+        let compute_done = Instant::now();
+        buckets.flush(&grads, &ring, step);
+        buckets.finish(&mut grads).map_err(ring_err)?;
+        let loss = ring
+            .all_reduce(step, LOSS_BUCKET, sums.iter().map(|&x| x as f32).collect())
+            .map_err(ring_err)?;
+        let allreduce_wait = compute_done.elapsed();
+
+        let grad_norm = if t.max_grad_norm > 0.0 {
+            clip_grad_norm(&mut grads, t.max_grad_norm as f32)
+        } else {
+            global_norm(&grads)
+        };
+        let lr = schedule.lr(step);
+        optimizer.step(&mut params, &grads, lr);
+        let done = step + 1;
+        progress.store(done, Ordering::SeqCst);
+
+        let step_seconds = started.elapsed().as_secs_f64();
+        let mlm_loss = f64::from(loss[0]) / f64::from(global_masked.max(1.0));
+        let nsp_loss = if nsp {
+            f64::from(loss[2]) / f64::from(global_nsp.max(1.0))
+        } else {
+            0.0
+        };
+        let ring_seconds = (ring_busy_us.load(Ordering::Relaxed) - busy_before) as f64 * 1e-6;
+        let key = TrainingKey {
+            job_id: setup.job_id.clone(),
+            generation: setup.generation,
+            step: done,
+        };
+        if setup.rank == 0 {
+            let report = StepReport {
+                key: Some(key.clone()),
+                rank: setup.rank,
+                loss: mlm_loss + nsp_loss,
+                mlm_loss,
+                nsp_loss,
+                mlm_accuracy: f64::from(loss[1]) / f64::from(global_masked.max(1.0)),
+                learning_rate: f64::from(lr),
+                grad_norm: f64::from(grad_norm),
+                tokens_per_second: f64::from(global_tokens) / step_seconds.max(1e-9),
+                step_seconds,
+                allreduce_seconds: ring_seconds,
+                tokens: global_tokens as u64,
+            };
+            tracing::info!(
+                "step {done} | loss {:.4} | lr {:.1e} | {:.0} ms | {:.1}k tok/s | allreduce {:.0} ms (waited {:.0} ms)",
+                report.loss,
+                lr,
+                step_seconds * 1e3,
+                report.tokens_per_second / 1e3,
+                ring_seconds * 1e3,
+                allreduce_wait.as_secs_f64() * 1e3
+            );
+            let _ = events.send(Event::Step(report));
+        }
+        let last = done == t.max_steps;
+        if (t.eval_every > 0 && done % t.eval_every == 0) || last {
+            let report = evaluate(
+                &setup, &mut model, &params, &heldout, &pipeline, &ring, done,
+            )?;
+            if setup.rank == 0 {
+                tracing::info!(
+                    "eval at step {done} | mlm loss {:.4} | accuracy {:.3} | perplexity {:.2}",
+                    report.mlm_loss,
+                    report.mlm_accuracy,
+                    report.perplexity
+                );
+                let _ = events.send(Event::Eval(EvalReport {
+                    key: Some(key.clone()),
+                    ..report
+                }));
+            }
+        }
+        if setup.rank == 0 && ((t.checkpoint_every > 0 && done % t.checkpoint_every == 0) || last) {
+            let dir = stage_checkpoint(
+                &setup,
+                &layout,
+                &params,
+                optimizer.as_ref(),
+                done,
+                mlm_loss + nsp_loss,
+                global_batch,
+            )?;
+            let _ = events.send(Event::Checkpoint { step: done, dir });
+        }
+    }
+    Ok(())
+}
+
+/// The job's optimizer over `layout` (hyper-parameters from `[train]`).
+pub fn optimizer_for(t: &TrainSpec, layout: &ParamLayout) -> Box<dyn Optimizer> {
+    match t.optimizer {
+        OptimizerKind::Adamw => Box::new(AdamW::<f32>::new(
+            layout,
+            AdamWConfig {
+                beta1: t.adam_beta1,
+                beta2: t.adam_beta2,
+                eps: t.adam_epsilon,
+                weight_decay: t.weight_decay,
+                bias_correction: true,
+            },
+        )),
+        OptimizerKind::Lamb => Box::new(Lamb::<f32>::new(
+            layout,
+            LambConfig {
+                beta1: t.adam_beta1,
+                beta2: t.adam_beta2,
+                eps: t.adam_epsilon,
+                weight_decay: t.weight_decay,
+            },
+        )),
+    }
+}
+
+/// The job's learning-rate schedule (warmup, then `[train] schedule` to 0 at `max_steps`).
+pub fn schedule_for(t: &TrainSpec) -> LrSchedule {
+    LrSchedule {
+        kind: match t.schedule {
+            keel_proto::jobspec::ScheduleKind::Linear => ScheduleKind::Linear,
+            keel_proto::jobspec::ScheduleKind::Poly => ScheduleKind::Poly {
+                power: t.poly_power,
+            },
+            keel_proto::jobspec::ScheduleKind::Constant => ScheduleKind::Constant,
+        },
+        peak_lr: t.learning_rate,
+        warmup_steps: t.warmup_steps,
+        total_steps: t.max_steps,
+    }
+}
+
+/// Evaluates the held-out set: rank r takes sequences `r, r + W, ...` (at most
+/// [`EVAL_MAX_SEQUENCES`] in all), masked with a fixed seed; the sums are all-reduced.
+/// Every rank takes part, even one with no sequences.
+///
+/// Errors: [`TrainError`] at `step`.
+fn evaluate(
+    setup: &TrainSetup,
+    model: &mut Bert<f32>,
+    params: &[f32],
+    heldout: &ShardReader,
+    pipeline: &Pipeline,
+    ring: &RingLink,
+    step: u64,
+) -> Result<EvalReport, TrainError> {
+    let err = data_err(step);
+    let n = heldout.len().min(EVAL_MAX_SEQUENCES);
+    let mine: Vec<usize> = (setup.rank as usize..n)
+        .step_by(setup.world_size.max(1) as usize)
+        .collect();
+    let mut sums = [0f64; 3];
+    for chunk in mine.chunks(setup.spec.train.micro_batch_size.max(1)) {
+        let mut masked = Vec::with_capacity(chunk.len());
+        let mut ids = Vec::with_capacity(chunk.len());
+        for &i in chunk {
+            let seq = heldout.get(i).map_err(|e| err(e.to_string()))?;
+            ids.push(seq.global_index);
+            let m = mask_sequence(
+                &seq,
+                pipeline.seed ^ EVAL_SEED_SALT,
+                0,
+                &pipeline.masking,
+                &pipeline.vocab,
+            );
+            masked.push((seq, m));
+        }
+        let batch = collate(&masked, &ids, pipeline.pad_to).map_err(|e| err(e.to_string()))?;
+        let s = model
+            .forward_loss(params, &batch)
+            .map_err(|source| TrainError::Model { step, source })?;
+        sums[0] += f64::from(s.mlm_loss_sum);
+        sums[1] += s.mlm_count as f64;
+        sums[2] += s.mlm_correct as f64;
+    }
+    let total = ring
+        .all_reduce(step, EVAL_BUCKET, sums.iter().map(|&x| x as f32).collect())
+        .map_err(|source| TrainError::AllReduce { step, source })?;
+    let count = f64::from(total[1]).max(1.0);
+    let mlm_loss = f64::from(total[0]) / count;
+    Ok(EvalReport {
+        key: None,
+        rank: setup.rank,
+        mlm_loss,
+        mlm_accuracy: f64::from(total[2]) / count,
+        perplexity: mlm_loss.exp(),
+        masked_tokens: total[1] as u64,
+    })
+}
+
+/// Writes `model.safetensors`, the optimizer state and `trainer_state.json` into a fresh
+/// folder under the work dir; returns it.
+///
+/// Errors: [`TrainError::Io`].
+fn stage_checkpoint(
+    setup: &TrainSetup,
+    layout: &ParamLayout,
+    params: &[f32],
+    optimizer: &dyn Optimizer,
+    step: u64,
+    loss: f64,
+    global_batch: u64,
+) -> Result<PathBuf, TrainError> {
+    let io = |message: String| TrainError::Io { step, message };
+    let dir = setup.work_dir.join(format!("checkpoint-{step}"));
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(|e| io(format!("{}: {e}", dir.display())))?;
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| io(format!("{}: {e}", dir.display())))?;
+    keel_proto::weights::save_safetensors(
+        dir.join(keel_proto::checkpoint::MODEL_FILE),
+        layout,
+        params,
+    )
+    .map_err(|e| io(format!("saving weights: {e}")))?;
+    crate::optim_state::save(
+        &dir.join(OPTIMIZER_FILE),
+        optimizer,
+        &setup.spec.train.optimizer,
+    )
+    .map_err(|e| io(format!("saving optimizer state: {e}")))?;
+    let state = TrainerState {
+        step,
+        job_id: setup.job_id.clone(),
+        generation: setup.generation,
+        seed: setup.spec.train.seed,
+        world_size: setup.world_size,
+        global_batch_size: global_batch,
+        sequences_seen: step * global_batch,
+        loss,
+        optimizer: match setup.spec.train.optimizer {
+            OptimizerKind::Adamw => "adamw".into(),
+            OptimizerKind::Lamb => "lamb".into(),
+        },
+    };
+    let text = serde_json::to_string_pretty(&state).map_err(|e| io(e.to_string()))?;
+    write_file_atomic(&dir.join(TRAINER_STATE_FILE), text.as_bytes())
+        .map_err(|e| io(e.to_string()))?;
+    Ok(dir)
+}
