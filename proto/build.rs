@@ -7,7 +7,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         unsafe { std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };
     }
     let protos = ["proto/keel.proto", "proto/ring.proto"];
+    let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
+        // For gRPC server reflection (grpcurl): see `keel_proto::FILE_DESCRIPTOR_SET`.
+        .file_descriptor_set_path(out_dir.join("keel_descriptor.bin"))
         // Tensor payloads decode to zero-copy `Bytes` (STACK.md: 2.5-3x faster than repeated float).
         .bytes(".")
         .compile_protos(&protos, &["proto"])?;

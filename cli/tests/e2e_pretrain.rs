@@ -82,9 +82,9 @@ fn pretrain(corpus_name: &str, lowercase: bool, vocab_size: usize, fill_mask_tex
     println!(
         "{corpus_name}: vocab {vocab}, ln(V) {chance:.3}, loss first 10 steps {first:.3}, last 10 steps {last:.3}"
     );
-    // 1 nat below chance: perplexity under 37% of the vocabulary size.
+    // 2 nats below chance: perplexity under 14% of the vocabulary size.
     assert!(
-        last < chance - 1.0,
+        last < chance - 2.0,
         "final loss {last:.3} is not well below ln(V) = {chance:.3}"
     );
     assert!(
@@ -97,7 +97,7 @@ fn pretrain(corpus_name: &str, lowercase: bool, vocab_size: usize, fill_mask_tex
         .collect();
     assert_eq!(evals.len(), 2, "eval at steps 100 and 200");
     assert!(
-        evals[1] < chance - 1.0,
+        evals[1] < chance - 2.0,
         "eval loss {} not below ln(V)",
         evals[1]
     );
@@ -201,7 +201,7 @@ fn two_workers_pretrain_tiny_bert_on_the_king_james_bible() {
     pretrain(
         "en-kjv",
         true,
-        1000,
+        4000,
         "and god said , let there be [MASK] : and there was light .",
     );
 }

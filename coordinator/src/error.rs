@@ -56,6 +56,9 @@ pub enum CoordinatorError {
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    /// The health or reflection service could not be built.
+    #[error(transparent)]
+    Admin(#[from] keel_proto::admin::AdminError),
 }
 
 impl CoordinatorError {
@@ -87,7 +90,8 @@ impl From<CoordinatorError> for tonic::Status {
             CoordinatorError::Checkpoint(_) => Status::data_loss(msg),
             CoordinatorError::Io { .. }
             | CoordinatorError::Prepare { .. }
-            | CoordinatorError::Transport(_) => Status::internal(msg),
+            | CoordinatorError::Transport(_)
+            | CoordinatorError::Admin(_) => Status::internal(msg),
         }
     }
 }

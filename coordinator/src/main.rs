@@ -26,6 +26,7 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(&args.log))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
@@ -36,11 +37,7 @@ fn main() -> anyhow::Result<()> {
         let config = keel_coordinator::Config {
             data_dir: args.data_dir,
         };
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
-            tracing::info!("shutting down");
-        };
-        keel_coordinator::run(config, listener, shutdown).await?;
+        keel_coordinator::run(config, listener, keel_proto::admin::shutdown_signal()).await?;
         Ok(())
     })
 }

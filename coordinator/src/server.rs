@@ -39,11 +39,15 @@ pub async fn run(
     let service = CoordinatorServer::new(CoordinatorService::new(shared.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let (health_reporter, health, reflection) =
+        keel_proto::admin::admin_services::<CoordinatorServer<CoordinatorService>>().await?;
     let (server_stop_tx, server_stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tonic::transport::Server::builder()
         .initial_stream_window_size(Some(16 << 20))
         .initial_connection_window_size(Some(32 << 20))
         .max_frame_size(Some(1 << 20))
+        .add_service(health)
+        .add_service(reflection)
         .add_service(service)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
             let _ = server_stop_rx.await;
@@ -57,6 +61,7 @@ pub async fn run(
         }
         _ = shutdown => {}
     }
+    keel_proto::admin::mark_not_serving(&health_reporter).await;
     let _ = server_stop_tx.send(());
     let _ = stop_tx.send(());
     {

@@ -21,6 +21,11 @@ pub mod ring_rpc {
     tonic::include_proto!("keel.ring.v1");
 }
 
+/// The encoded protobuf descriptors of `keel.proto` and `ring.proto`, for gRPC server
+/// reflection (so `grpcurl` can list and call Keel's services without the .proto files).
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("keel_descriptor");
+
+pub mod admin;
 pub mod checkpoint;
 pub mod config;
 pub mod jobspec;

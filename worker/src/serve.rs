@@ -1,9 +1,10 @@
 //! The worker process: serves the ring, registers with the coordinator, heartbeats, and runs
 //! the jobs the coordinator assigns (protocol steps 1, 2, 5 in `keel_proto::protocol`).
 
-use crate::allreduce::{Mailbox, ring_service, tune_server};
+use crate::allreduce::{Mailbox, RingService, ring_service, tune_server};
 use crate::client::coordinator_client;
 use crate::trainer::{self, JobContext};
+use keel_proto::ring_rpc::ring_server::RingServer;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{
     AttachRequest, DoneReport, FailureReport, HeartbeatRequest, RegisterRequest, TrainingKey,
@@ -64,6 +65,9 @@ pub enum ServeError {
     /// The coordinator address is malformed.
     #[error(transparent)]
     Client(#[from] crate::client::TransferError),
+    /// The health or reflection service could not be built.
+    #[error(transparent)]
+    Admin(#[from] keel_proto::admin::AdminError),
     /// The cache folder cannot be created.
     #[error("{path}: {source}")]
     Io {
@@ -79,6 +83,7 @@ pub fn main(args: Args) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(&args.log))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let Some(advertise_addr) = args.advertise_addr.clone() else {
         anyhow::bail!(
@@ -101,11 +106,7 @@ pub fn main(args: Args) -> anyhow::Result<()> {
             threads,
             cache_dir: args.cache_dir.clone(),
         };
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
-            tracing::info!("shutting down");
-        };
-        run(config, listener, shutdown).await?;
+        run(config, listener, keel_proto::admin::shutdown_signal()).await?;
         Ok(())
     })
 }
@@ -136,7 +137,11 @@ pub async fn run(
     let mailbox = Mailbox::new();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut server_stop = stop_rx.clone();
+    let (health_reporter, health, reflection) =
+        keel_proto::admin::admin_services::<RingServer<RingService>>().await?;
     let server = tune_server(tonic::transport::Server::builder())
+        .add_service(health)
+        .add_service(reflection)
         .add_service(ring_service(mailbox.clone()))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
             let _ = server_stop.wait_for(|s| *s).await;
@@ -145,6 +150,7 @@ pub async fn run(
     let client = coordinator_client(&config.coordinator)?;
     let sessions = tokio::spawn(sessions(config, client, mailbox, stop_rx));
     shutdown.await;
+    keel_proto::admin::mark_not_serving(&health_reporter).await;
     let _ = stop_tx.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(3), sessions).await;
     match tokio::time::timeout(Duration::from_secs(2), server).await {
