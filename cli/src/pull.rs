@@ -126,12 +126,7 @@ async fn receive_files(
         *written += chunk.data.len() as u64;
         if chunk.last {
             file.sync_all()?;
-            let got: String = hasher
-                .clone()
-                .finalize()
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect();
+            let got = keel_proto::checkpoint::hex(&hasher.clone().finalize());
             if got != chunk.sha256 {
                 anyhow::bail!(
                     "{name}: received sha256 {got}, the coordinator sent {}",

@@ -58,12 +58,7 @@ async fn send_file(
         hasher.update(&buf);
         let last = offset + filled as u64 >= size || filled == 0;
         let sha256 = if last {
-            hasher
-                .clone()
-                .finalize()
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect()
+            keel_proto::checkpoint::hex(&hasher.clone().finalize())
         } else {
             String::new()
         };

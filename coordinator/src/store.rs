@@ -96,12 +96,7 @@ where
         *written += chunk.data.len() as u64;
         if chunk.last {
             file.sync_all().await.map_err(CoordinatorError::io(&path))?;
-            let got: String = hasher
-                .clone()
-                .finalize()
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect();
+            let got = keel_proto::checkpoint::hex(&hasher.clone().finalize());
             if got != chunk.sha256 {
                 return Err(keel_proto::checkpoint::CheckpointError::ChecksumMismatch {
                     path,

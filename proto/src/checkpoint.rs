@@ -201,7 +201,8 @@ pub fn sha256_file(path: &Path) -> Result<String, CheckpointError> {
     Ok(hex(&hasher.finalize()))
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// Lowercase hex of `bytes` (a sha256 digest, 64 characters), as manifests and file streams carry it.
+pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

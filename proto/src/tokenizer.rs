@@ -526,10 +526,7 @@ pub fn check_fits(vocab_size: usize, model_vocab_size: usize) -> Result<(), Toke
     Ok(())
 }
 
-/// Lowercase hex of `bytes`.
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
+pub use crate::checkpoint::hex;
 
 fn bert_normalizer(lowercase: bool) -> BertNormalizer {
     // strip_accents: None follows `lowercase`, as in BERT and HF.

@@ -173,9 +173,7 @@ pub async fn fetch_cached(
     Ok(path)
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
+use keel_proto::checkpoint::hex;
 
 /// Uploads every plain file of `dir` (sorted by name) as one checkpoint stream tagged `key`.
 ///
