@@ -23,7 +23,7 @@ if ! command -v cargo >/dev/null; then export PATH="$HOME/.cargo/bin:$PATH"; fi
 
 say "Building Keel (release; the first build takes ~5 minutes on 2 cores)"
 cargo build --release --bins
-bin="$root/target/release"
+bin="${CARGO_TARGET_DIR:-$root/target}/release"
 
 corpus=("$@")
 if [ ${#corpus[@]} -eq 0 ]; then

@@ -73,6 +73,12 @@ pub fn write_loss_png(metrics_jsonl: &Path, out_png: &Path) -> anyhow::Result<()
         .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
     draw(&curves, tmp.path())?;
     tmp.as_file().sync_all()?;
+    // Temporary files are created 0600; the picture is as readable as the checkpoint beside it.
+    #[cfg(unix)]
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o644),
+    )?;
     tmp.persist(out_png)
         .with_context(|| format!("writing {}", out_png.display()))?;
     Ok(())
@@ -166,6 +172,12 @@ mod tests {
         write_loss_png(&metrics, &png).unwrap();
         let bytes = std::fs::read(&png).unwrap();
         assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&png).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o644, "loss.png mode {mode:o}");
+        }
         assert!(bytes.len() > 2000, "{} bytes", bytes.len());
     }
 

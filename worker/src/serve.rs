@@ -166,14 +166,15 @@ async fn sessions(
     mailbox: Arc<Mailbox>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let jobs: Arc<Mutex<HashMap<String, Arc<AtomicBool>>>> = Arc::default();
+    let jobs: RunningJobs = Arc::default();
+    let shutting_down = Arc::new(AtomicBool::new(false));
     let mut backoff = Duration::from_millis(100);
     loop {
         if *stop.borrow() {
             break;
         }
         tokio::select! {
-            result = session(&config, client.clone(), mailbox.clone(), jobs.clone()) => {
+            result = session(&config, client.clone(), mailbox.clone(), jobs.clone(), shutting_down.clone()) => {
                 match result {
                     Ok(()) => backoff = Duration::from_millis(100),
                     Err(e) => {
@@ -189,20 +190,32 @@ async fn sessions(
             _ = stop.wait_for(|s| *s) => break,
         }
     }
-    // Stop running jobs: their next step sees the flag.
+    // Stop running jobs: their next step sees the flag, and each tells the coordinator that
+    // this worker is going away (run_and_report). Wait a bounded while for those reports.
+    shutting_down.store(true, Ordering::SeqCst);
     if let Ok(jobs) = jobs.lock() {
         for flag in jobs.values() {
             flag.store(true, Ordering::SeqCst);
         }
     }
+    for _ in 0..25 {
+        if jobs.lock().map_or(true, |j| j.is_empty()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
+
+/// Jobs running on this worker: job id -> its cancel flag.
+type RunningJobs = Arc<Mutex<HashMap<String, Arc<AtomicBool>>>>;
 
 /// One registration: heartbeats plus the attach stream, until either fails.
 async fn session(
     config: &Config,
     mut client: CoordinatorClient<Channel>,
     mailbox: Arc<Mailbox>,
-    jobs: Arc<Mutex<HashMap<String, Arc<AtomicBool>>>>,
+    jobs: RunningJobs,
+    shutting_down: Arc<AtomicBool>,
 ) -> Result<(), tonic::Status> {
     let hostname = std::env::var("HOSTNAME").unwrap_or_default();
     let reply = client
@@ -248,8 +261,9 @@ async fn session(
                         progress: current.step.clone(),
                     };
                     let (jobs, current) = (jobs.clone(), current.clone());
+                    let shutting_down = shutting_down.clone();
                     tokio::spawn(async move {
-                        run_and_report(ctx, start).await;
+                        run_and_report(ctx, start, &shutting_down).await;
                         if let Ok(mut map) = jobs.lock() {
                             map.remove(&key.job_id);
                         }
@@ -326,7 +340,11 @@ async fn heartbeat_loop(
 }
 
 /// Runs one job and tells the coordinator how it ended.
-async fn run_and_report(ctx: JobContext, start: keel_proto::rpc::StartJob) {
+async fn run_and_report(
+    ctx: JobContext,
+    start: keel_proto::rpc::StartJob,
+    shutting_down: &AtomicBool,
+) {
     let mut client = ctx.client.clone();
     let worker_id = ctx.worker_id.clone();
     let rank = start.rank;
@@ -351,8 +369,24 @@ async fn run_and_report(ctx: JobContext, start: keel_proto::rpc::StartJob) {
                 tracing::error!("reporting done: {e}");
             }
         }
-        Err(e) if cancel.load(Ordering::SeqCst) => {
+        Err(e) if cancel.load(Ordering::SeqCst) && !shutting_down.load(Ordering::SeqCst) => {
             tracing::warn!(job = %key.job_id, "job stopped: {e}");
+        }
+        Err(_) if shutting_down.load(Ordering::SeqCst) => {
+            // SIGTERM/SIGINT: the step in flight is abandoned; say so rather than go silent.
+            tracing::warn!(job = %key.job_id, step = key.step, "shutting down: leaving the job");
+            let report = FailureReport {
+                key: Some(key.clone()),
+                rank,
+                worker_id: worker_id.clone(),
+                error: format!(
+                    "worker {worker_id} (rank {rank}) was shut down by a signal after step {}",
+                    key.step
+                ),
+            };
+            if let Err(e) = client.report_failure(report).await {
+                tracing::error!("reporting shutdown: {e}");
+            }
         }
         Err(e) => {
             tracing::error!(job = %key.job_id, step = key.step, "job failed: {e}");

@@ -159,3 +159,21 @@ fn many_buckets_in_flight_at_once() {
         }
     }
 }
+
+/// Regression: a worker's second job (same generation 1, same step 0 and bucket as the first
+/// job's) was refused as "already running or finished on this worker", so a long-running
+/// worker could only ever run one job.
+#[test]
+fn a_second_job_on_the_same_workers_reuses_steps_and_buckets() {
+    let n = 2;
+    let peers = start_peers(n);
+    for job in ["job-1", "job-2", "job-3"] {
+        let rings = connect_all(&peers, 1, |cfg| cfg.job_id = job.to_string());
+        let inputs: Vec<_> = (0..n).map(|r| integer_input(r, 1001)).collect();
+        let expected = sequential_sum(&inputs);
+        for out in all_reduce(&peers, &rings, 0, 0, inputs) {
+            let out = out.unwrap_or_else(|e| panic!("{job}: {e}"));
+            assert!(out == expected, "{job}: wrong sum");
+        }
+    }
+}

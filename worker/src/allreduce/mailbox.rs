@@ -159,11 +159,20 @@ impl Mailbox {
                 return Ok(());
             }
         }
+        let same_job = st.membership.as_ref().is_some_and(|m| m.job_id == job_id);
         st.membership = Some(Membership {
             job_id: job_id.to_string(),
             generation,
         });
-        st.slots.retain(|key, _| key.generation == generation);
+        if same_job {
+            st.slots.retain(|key, _| key.generation == generation);
+        } else {
+            // A new job starts its steps (and generations) from 0 again: what the previous
+            // job left (buffered frames, finished keys) must not collide with it.
+            st.slots.clear();
+            st.finished.clear();
+            st.finished_order.clear();
+        }
         Ok(())
     }
 
