@@ -64,8 +64,16 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
     if let Command::FillMask(args) = cmd {
         return fill_mask::run(args);
     }
+    let coordinator = match &cmd {
+        Command::Submit { conn, .. } | Command::Jobs { conn } => Some(conn.coordinator.clone()),
+        Command::Status(a) | Command::Watch(a) | Command::Cancel(a) => {
+            Some(a.conn.coordinator.clone())
+        }
+        Command::Pull(args) => Some(args.conn.coordinator.clone()),
+        Command::Local(_) | Command::FillMask(_) => None,
+    };
     let runtime = tokio::runtime::Runtime::new()?;
-    runtime.block_on(async {
+    let result = runtime.block_on(async {
         match cmd {
             Command::Submit { job_file, conn } => {
                 let mut client = connect(&conn.coordinator)?;
@@ -86,12 +94,18 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
                     "job", "state", "step", "loss"
                 );
                 for j in jobs {
+                    // No step yet: no loss to show.
+                    let loss = if j.loss.is_finite() {
+                        format!("{:.4}", j.loss)
+                    } else {
+                        "-".to_string()
+                    };
                     println!(
-                        "{:<10} {:<20} {:>12} {:>9.4}  {}",
+                        "{:<10} {:<20} {:>12} {:>9}  {}",
                         j.job_id,
                         state_name(j.state),
                         format!("{}/{}", j.step, j.max_steps),
-                        j.loss,
+                        loss,
                         j.workers.join(", ")
                     );
                 }
@@ -135,7 +149,30 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
             Command::Local(args) => local::run(args).await,
             Command::FillMask(_) => Ok(()),
         }
-    })
+    });
+    match coordinator {
+        Some(addr) => result.map_err(|e| explain_unreachable(e, &addr)),
+        None => result,
+    }
+}
+
+/// Turns "the coordinator is not there" (gRPC UNAVAILABLE from a failed connect) into one
+/// plain sentence naming the address; other errors pass through unchanged.
+fn explain_unreachable(e: anyhow::Error, addr: &str) -> anyhow::Error {
+    let unavailable = e.chain().any(|cause| {
+        cause
+            .downcast_ref::<tonic::Status>()
+            .is_some_and(|s| s.code() == tonic::Code::Unavailable)
+    });
+    if unavailable {
+        anyhow::anyhow!(
+            "cannot reach the coordinator at {addr} ({}): is keel-coordinator running there? \
+             (set it with --coordinator or KEEL_COORDINATOR)",
+            e.root_cause()
+        )
+    } else {
+        e
+    }
 }
 
 /// A client for the coordinator at `addr`.

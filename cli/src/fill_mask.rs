@@ -41,6 +41,9 @@ pub struct Candidate {
 ///
 /// Errors: an unreadable checkpoint or a text with no [MASK].
 pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.top_k == 0 {
+        anyhow::bail!("--top-k must be at least 1");
+    }
     let results = fill_mask(&args.checkpoint, &args.text, args.top_k)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&results)?);

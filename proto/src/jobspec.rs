@@ -489,6 +489,15 @@ impl JobSpec {
                 &format!("one of {}", PRESETS.join(", ")),
             ));
         }
+        // The presets have 512 positions (BERT's max_position_embeddings); a config file's own
+        // limit is checked when the coordinator reads it.
+        if m.preset.is_some() && d.max_seq_length > 512 {
+            return Err(bad(
+                "data.max_seq_length",
+                d.max_seq_length.to_string(),
+                "at most 512 tokens with a model.preset (its max_position_embeddings)",
+            ));
+        }
         if let Some(p) = m.dropout
             && !(0.0..1.0).contains(&p)
         {
@@ -689,6 +698,11 @@ max_workers = 2
                 "warmup_steps = 30",
                 "warmup_steps = 3000",
                 "train.warmup_steps",
+            ),
+            (
+                "max_seq_length = 128",
+                "max_seq_length = 600",
+                "data.max_seq_length",
             ),
             (
                 "micro_batch_size = 16",
