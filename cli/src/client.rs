@@ -214,6 +214,7 @@ pub fn state_name(state: i32) -> &'static str {
         Ok(JobState::Completed) => "completed",
         Ok(JobState::Failed) => "failed",
         Ok(JobState::Cancelled) => "cancelled",
+        Ok(JobState::Recovering) => "recovering",
         _ => "unknown",
     }
 }

@@ -114,6 +114,7 @@ impl Job {
             eval_loss: self.last_eval.as_ref().map_or(f64::NAN, |e| e.mlm_loss),
             eval_accuracy: self.last_eval.as_ref().map_or(f64::NAN, |e| e.mlm_accuracy),
             elapsed_seconds: self.submitted.elapsed().as_secs_f64(),
+            ..Default::default()
         }
     }
 

@@ -234,6 +234,7 @@ async fn start_ranks(
             streams_per_link: STREAMS_PER_LINK,
             frame_bytes: FILE_CHUNK_BYTES as u64,
             ring_timeout_ms,
+            ..Default::default()
         };
         let cmd = WorkerCommand {
             command: Some(worker_command::Command::Start(start)),

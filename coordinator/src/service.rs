@@ -420,4 +420,8 @@ impl Coordinator for CoordinatorService {
         reg.end_job(&id, JobState::Failed, Some(message));
         Ok(Response::new(Ack {}))
     }
+
+    async fn report_held(&self, _request: Request<HeldReport>) -> Result<Response<Ack>, Status> {
+        Err(Status::unimplemented("recovery is not built yet"))
+    }
 }

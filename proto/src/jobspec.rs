@@ -233,6 +233,10 @@ pub struct TrainSpec {
     /// Keep this many periodic checkpoints (the final one is always kept).
     #[serde(default = "default_keep_checkpoints")]
     pub keep_checkpoints: usize,
+    /// Steps whose loss or gradient is not finite are skipped (no update); after this many
+    /// skipped steps the job fails.
+    #[serde(default = "default_max_skipped_steps")]
+    pub max_skipped_steps: u64,
 }
 
 /// `[cluster]`: world size bounds and failure detection.
@@ -248,6 +252,14 @@ pub struct ClusterSpec {
     /// A peer silent for this long (seconds) is declared dead.
     #[serde(default = "default_peer_timeout")]
     pub peer_timeout_seconds: f64,
+    /// Times the ring may be re-formed after losing a worker (or the coordinator) before the
+    /// job fails; 0 = fail at the first loss.
+    #[serde(default = "default_max_recoveries")]
+    pub max_recoveries: u64,
+    /// After a loss leaves fewer than `min_workers`, wait this long (seconds) for a
+    /// replacement before failing the job.
+    #[serde(default = "default_replacement_timeout")]
+    pub replacement_timeout_seconds: f64,
 }
 
 impl Default for ClusterSpec {
@@ -256,6 +268,8 @@ impl Default for ClusterSpec {
             min_workers: 1,
             max_workers: 1,
             peer_timeout_seconds: default_peer_timeout(),
+            max_recoveries: default_max_recoveries(),
+            replacement_timeout_seconds: default_replacement_timeout(),
         }
     }
 }
@@ -316,6 +330,15 @@ fn default_keep_checkpoints() -> usize {
 }
 fn default_peer_timeout() -> f64 {
     30.0
+}
+fn default_max_recoveries() -> u64 {
+    16
+}
+fn default_replacement_timeout() -> f64 {
+    600.0
+}
+fn default_max_skipped_steps() -> u64 {
+    10
 }
 
 /// The presets `[model] preset` accepts.
@@ -601,6 +624,15 @@ impl JobSpec {
                 "cluster.peer_timeout_seconds",
                 c.peer_timeout_seconds.to_string(),
                 "between 0.5 and 3600 seconds",
+            ));
+        }
+        if !(c.replacement_timeout_seconds.is_finite()
+            && (1.0..=604_800.0).contains(&c.replacement_timeout_seconds))
+        {
+            return Err(bad(
+                "cluster.replacement_timeout_seconds",
+                c.replacement_timeout_seconds.to_string(),
+                "between 1 second and 604800 (one week)",
             ));
         }
         Ok(())

@@ -223,6 +223,7 @@ async fn session(
             advertise_addr: config.advertise_addr.clone(),
             threads: config.threads as u32,
             hostname,
+            ..Default::default()
         })
         .await?
         .into_inner();
@@ -285,7 +286,7 @@ async fn session(
                         flag.store(true, Ordering::SeqCst);
                     }
                 }
-                None => {}
+                Some(worker_command::Command::Suspend(_)) | None => {}
             }
         }
         Ok::<(), tonic::Status>(())
@@ -383,6 +384,7 @@ async fn run_and_report(
                     "worker {worker_id} (rank {rank}) was shut down by a signal after step {}",
                     key.step
                 ),
+                ..Default::default()
             };
             if let Err(e) = client.report_failure(report).await {
                 tracing::error!("reporting shutdown: {e}");
@@ -395,6 +397,7 @@ async fn run_and_report(
                 rank,
                 worker_id,
                 error: e.to_string(),
+                ..Default::default()
             };
             if let Err(e) = client.report_failure(report).await {
                 tracing::error!("reporting failure: {e}");

@@ -336,6 +336,7 @@ pub fn train(
                 step_seconds,
                 allreduce_seconds: ring_seconds,
                 tokens: global_tokens as u64,
+                ..Default::default()
             };
             tracing::info!(
                 "step {done} | loss {:.4} | lr {:.1e} | {:.0} ms | {:.1}k tok/s | allreduce {:.0} ms (waited {:.0} ms)",
