@@ -350,7 +350,8 @@ fn advance(shared: &Arc<Shared>, reg: &mut Registry, id: &str) {
         });
         job.publish();
         if job.prepared.is_none() {
-            spawn_prepare(shared, id.to_string(), JobState::Recovering);
+            let (spec, dir) = (job.spec.clone(), job.dir.clone());
+            spawn_prepare(shared, id.to_string(), spec, dir, JobState::Recovering);
         }
         return;
     };

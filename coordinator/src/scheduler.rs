@@ -83,21 +83,21 @@ fn start_preparing(shared: &Arc<Shared>) {
         let Ok(job) = reg.job_mut(&id) else { continue };
         job.state = JobState::Preparing;
         job.publish();
-        spawn_prepare(shared, id, JobState::WaitingForWorkers);
+        let (spec, dir) = (job.spec.clone(), job.dir.clone());
+        spawn_prepare(shared, id, spec, dir, JobState::WaitingForWorkers);
     }
 }
 
 /// Prepares a job's data on a blocking thread; on success the job goes to `then` (from
-/// `PREPARING`, or stays `RECOVERING` for a job restored after a restart).
-pub fn spawn_prepare(shared: &Arc<Shared>, id: String, then: JobState) {
-    let Some((spec, dir)) = shared
-        .lock()
-        .jobs
-        .get(&id)
-        .map(|j| (j.spec.clone(), j.dir.clone()))
-    else {
-        return;
-    };
+/// `PREPARING`, or stays `RECOVERING` for a job restored after a restart). Call it with the
+/// registry locked or not: it locks only from the spawned task.
+pub fn spawn_prepare(
+    shared: &Arc<Shared>,
+    id: String,
+    spec: keel_proto::jobspec::JobSpec,
+    dir: PathBuf,
+    then: JobState,
+) {
     let shared = shared.clone();
     tokio::spawn(async move {
         tracing::info!(job = %id, "preparing data and model");

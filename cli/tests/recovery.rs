@@ -1,0 +1,322 @@
+//! Losing workers mid-job (issue #6): `kill -9` of a random worker at a random step, several
+//! times in one job. The survivors are suspended at once, the ring re-forms, and the job goes
+//! on from the newest step a survivor holds in memory:
+//! - with `min_workers = max_workers`, the job waits for a replacement worker, which receives
+//!   the weights and optimizer state by broadcast; the final checkpoint is bit for bit that
+//!   of an uninterrupted run of the same job;
+//! - with `min_workers` below, the job goes on with fewer workers (same global batch), grows
+//!   back when a new worker registers, and ends close to the uninterrupted run (the ring sums
+//!   in another order while the world is smaller).
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The first `lines` lines of the King James Bible.
+fn small_corpus(dir: &Path, lines: usize) -> PathBuf {
+    let text = std::fs::read_to_string(corpus("en-kjv").join("kjv.txt")).unwrap();
+    let part: Vec<&str> = text.lines().take(lines).collect();
+    let path = dir.join("kjv-part.txt");
+    std::fs::write(&path, part.join("\n") + "\n").unwrap();
+    path
+}
+
+/// A small pseudo-random generator (SplitMix64), seeded and printed so a failure replays.
+struct Rng(u64);
+
+impl Rng {
+    fn from_time() -> Rng {
+        let seed = std::env::var("KEEL_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
+        println!("random seed: {seed} (set KEEL_TEST_SEED to replay)");
+        Rng(seed)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)) % n.max(1)
+    }
+}
+
+/// A coordinator and workers on 127.0.0.1.
+struct Cluster {
+    dir: tempfile::TempDir,
+    _coordinator: Proc,
+    addr: String,
+    workers: Vec<(Proc, String)>,
+    started: usize,
+    corpus: PathBuf,
+}
+
+impl Cluster {
+    fn new(workers: usize) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let corpus = small_corpus(dir.path(), 2000);
+        let (coordinator, addr) = start_coordinator(dir.path());
+        let mut c = Cluster {
+            dir,
+            _coordinator: coordinator,
+            addr,
+            workers: Vec::new(),
+            started: 0,
+            corpus,
+        };
+        for _ in 0..workers {
+            c.add_worker();
+        }
+        c
+    }
+
+    fn root(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn add_worker(&mut self) {
+        let w = start_worker(self.dir.path(), &self.addr, self.started);
+        self.started += 1;
+        self.workers.push(w);
+    }
+
+    /// The job: 3 workers' global batch, fixed vocabulary (byte-identical data every time).
+    fn submit(&self, name: &str, min_workers: usize) -> String {
+        let case = self.root().join(name);
+        std::fs::create_dir_all(&case).unwrap();
+        let mut job = JobFile::new(self.corpus.clone());
+        job.vocab = Some(fixture("wordpiece").join("vocab.txt"));
+        job.workers = 3;
+        job.micro_batch_size = 4;
+        job.max_steps = 40;
+        job.warmup_steps = 4;
+        job.checkpoint_every = 10;
+        job.eval_every = 0;
+        job.peer_timeout_seconds = 10.0;
+        job.cluster_extra = format!("min_workers = {min_workers}\nmax_recoveries = 8");
+        let text = std::fs::read_to_string(job.write(&case))
+            .unwrap()
+            .replace("min_workers = 3\n", "");
+        let path = case.join("job.toml");
+        std::fs::write(&path, text).unwrap();
+        let out = run_keel(
+            &[
+                "submit",
+                path.to_str().unwrap(),
+                "--coordinator",
+                &self.addr,
+            ],
+            self.root(),
+        );
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    }
+
+    fn status(&self, job: &str) -> serde_json::Value {
+        status(job, &self.addr, self.root())
+    }
+
+    /// Waits until `f(status)` holds; panics with the status and logs after `limit`.
+    fn wait(
+        &self,
+        job: &str,
+        what: &str,
+        limit: Duration,
+        f: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        poll(limit, || {
+            let s = self.status(job);
+            assert_ne!(
+                s["state"], "failed",
+                "job failed while waiting for {what}: {s}"
+            );
+            f(&s).then_some(s)
+        })
+        .unwrap_or_else(|| panic!("{what}: not within {limit:?}: {}", self.status(job)))
+    }
+
+    fn pull(&self, job: &str, name: &str) -> PathBuf {
+        let out_dir = self.root().join(name);
+        let out = run_keel(
+            &[
+                "pull",
+                job,
+                "--out",
+                out_dir.to_str().unwrap(),
+                "--coordinator",
+                &self.addr,
+            ],
+            self.root(),
+        );
+        assert!(out.status.success(), "{out:?}");
+        out_dir
+    }
+
+    /// kill -9 of the worker at `index` (of those alive); returns its address.
+    fn kill(&mut self, index: usize) -> String {
+        let (mut proc, addr) = self.workers.remove(index);
+        proc.child.kill().unwrap();
+        proc.child.wait().unwrap();
+        addr
+    }
+}
+
+/// `max |a - b| / max |b|` over every tensor but the attention key biases (see
+/// equivalence.rs: their true gradient is 0, so reordered sums move them at full size).
+fn max_relative_difference(a: &Path, b: &Path) -> f64 {
+    let load =
+        |d: &Path| keel_proto::weights::load_tensors_f64(d.join("model.safetensors")).unwrap();
+    let (wa, wb) = (load(a), load(b));
+    let mut worst = 0f64;
+    for (name, (_, va)) in &wa {
+        if name.ends_with("attention.self.key.bias") {
+            continue;
+        }
+        let vb = &wb[name].1;
+        let scale = vb.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-12);
+        let diff = va
+            .iter()
+            .zip(vb)
+            .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+        worst = worst.max(diff / scale);
+    }
+    worst
+}
+
+#[test]
+fn killed_workers_are_replaced_and_the_result_is_bit_identical() {
+    let mut cluster = Cluster::new(3);
+    let limit = Duration::from_secs(600);
+
+    let reference = cluster.submit("reference", 3);
+    cluster.wait(&reference, "the reference job to complete", limit, |s| {
+        s["state"] == "completed"
+    });
+    let expected = cluster.pull(&reference, "reference-checkpoint");
+
+    let mut rng = Rng::from_time();
+    let job = cluster.submit("killed", 3);
+    let mut at = 0;
+    for round in 1..=3u64 {
+        // A random step in the next stretch of the job, then a random worker.
+        let target = at + 2 + rng.below(8);
+        let s = cluster.wait(&job, "the job to reach the kill step", limit, |s| {
+            s["state"] == "running" && s["step"].as_u64().unwrap_or(0) >= target
+        });
+        let victim = rng.below(cluster.workers.len() as u64) as usize;
+        let killed_at = Instant::now();
+        let addr = cluster.kill(victim);
+        println!(
+            "round {round}: killed {addr} at step >= {} ({s})",
+            s["step"]
+        );
+        // The survivors are suspended and wait for a replacement (min_workers = 3).
+        cluster.wait(
+            &job,
+            "the job to notice the loss",
+            Duration::from_secs(30),
+            |s| s["recoveries"].as_u64() == Some(round),
+        );
+        println!(
+            "round {round}: loss noticed after {:.1} s",
+            killed_at.elapsed().as_secs_f64()
+        );
+        cluster.add_worker();
+        let s = cluster.wait(
+            &job,
+            "the job to run again with the replacement",
+            limit,
+            |s| s["state"] == "running" && s["workers"].as_array().is_some_and(|w| w.len() == 3),
+        );
+        println!(
+            "round {round}: running again at step {} after {:.1} s",
+            s["step"],
+            killed_at.elapsed().as_secs_f64()
+        );
+        at = s["step"].as_u64().unwrap();
+    }
+    let done = cluster.wait(&job, "the job to complete", limit, |s| {
+        s["state"] == "completed"
+    });
+    assert_eq!(done["step"], 40, "{done}");
+    assert_eq!(done["recoveries"], 3, "{done}");
+    let got = cluster.pull(&job, "killed-checkpoint");
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        let (x, y) = (
+            std::fs::read(expected.join(f)).unwrap(),
+            std::fs::read(got.join(f)).unwrap(),
+        );
+        assert!(
+            x == y,
+            "{f} differs from the uninterrupted run (max relative weight difference {:e})",
+            max_relative_difference(&got, &expected)
+        );
+    }
+    // The survivors of every round are still alive.
+    for (proc, addr) in &mut cluster.workers {
+        assert!(
+            proc.child.try_wait().unwrap().is_none(),
+            "worker {addr} exited:\n{}",
+            proc.log_text()
+        );
+    }
+}
+
+#[test]
+fn a_job_goes_on_with_fewer_workers_and_grows_back() {
+    let mut cluster = Cluster::new(3);
+    let limit = Duration::from_secs(600);
+    let reference = cluster.submit("reference", 2);
+    cluster.wait(&reference, "the reference job to complete", limit, |s| {
+        s["state"] == "completed"
+    });
+    let expected = cluster.pull(&reference, "reference-checkpoint");
+
+    let mut rng = Rng::from_time();
+    let job = cluster.submit("shrunk", 2);
+    let target = 3 + rng.below(8);
+    cluster.wait(&job, "the job to reach the kill step", limit, |s| {
+        s["state"] == "running" && s["step"].as_u64().unwrap_or(0) >= target
+    });
+    let victim = rng.below(3) as usize;
+    let addr = cluster.kill(victim);
+    println!("killed {addr} at step >= {target}");
+    // It goes on with the two survivors, without waiting for anyone.
+    let s = cluster.wait(&job, "the job to go on with 2 workers", limit, |s| {
+        s["state"] == "running" && s["workers"].as_array().is_some_and(|w| w.len() == 2)
+    });
+    let resumed_at = s["step"].as_u64().unwrap();
+    cluster.wait(&job, "two steps with 2 workers", limit, |s| {
+        s["step"].as_u64().unwrap_or(0) >= resumed_at + 2 || s["state"] == "completed"
+    });
+    // A new worker joins the running job in a new generation.
+    cluster.add_worker();
+    let done = cluster.wait(&job, "the job to complete", limit, |s| {
+        s["state"] == "completed"
+    });
+    println!("final status: {done}");
+    assert_eq!(done["step"], 40, "{done}");
+    assert_eq!(done["recoveries"], 1, "{done}");
+    let got = cluster.pull(&job, "shrunk-checkpoint");
+    let grew = std::fs::read_to_string(got.join("metrics.jsonl"))
+        .unwrap()
+        .contains("\"event\":\"grow\"");
+    assert!(grew, "no generation added the new worker");
+    let d = max_relative_difference(&got, &expected);
+    println!(
+        "max relative weight difference from the uninterrupted run: {d:.2e} (grew back: {grew})"
+    );
+    assert!(
+        d < 1e-3,
+        "the recovered run drifted from the uninterrupted one: {d:e}"
+    );
+}
