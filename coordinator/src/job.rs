@@ -5,7 +5,7 @@ use keel_proto::rpc::{EvalReport, JobState, JobStatus, StepReport};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 use tokio::sync::watch;
 
 /// What preparation produced: everything needed to assign the job to workers.
@@ -52,19 +52,34 @@ pub struct Job {
     pub last_eval: Option<EvalReport>,
     /// When it was submitted (for elapsed time).
     pub submitted: Instant,
+    /// When it was submitted, wall clock (saved, so elapsed time survives a restart).
+    pub submitted_at: SystemTime,
+    /// Times the ring was re-formed after a loss.
+    pub recoveries: u64,
+    /// Sequences per optimizer step, fixed by the first generation; `None` before it.
+    pub global_batch_size: Option<u64>,
     /// Set once preparation succeeded.
     pub prepared: Option<Arc<PreparedJob>>,
     /// Files workers may fetch: name -> path (filled at assignment).
     pub files: BTreeMap<String, PathBuf>,
     /// Watchers of the job's status (WatchJob streams).
     pub watch: watch::Sender<JobStatus>,
+    /// What of it was last saved to `job-state.json`, and when.
+    pub persisted: crate::persist::Persisted,
 }
 
 impl Job {
-    /// A newly queued job.
+    /// A newly queued job, published (and saved to `dir/job-state.json`).
     pub fn new(id: String, spec: JobSpec, dir: PathBuf) -> Self {
+        let mut job = Job::unpublished(id, spec, dir);
+        job.publish();
+        job
+    }
+
+    /// A queued job neither published nor saved yet: what a restore fills in first.
+    pub fn unpublished(id: String, spec: JobSpec, dir: PathBuf) -> Self {
         let (watch, _) = watch::channel(JobStatus::default());
-        let mut job = Job {
+        Job {
             id,
             spec,
             dir,
@@ -79,12 +94,14 @@ impl Job {
             last_step: None,
             last_eval: None,
             submitted: Instant::now(),
+            submitted_at: SystemTime::now(),
+            recoveries: 0,
+            global_batch_size: None,
             prepared: None,
             files: BTreeMap::new(),
             watch,
-        };
-        job.publish();
-        job
+            persisted: Default::default(),
+        }
     }
 
     /// Whether the job has ended (completed, failed or cancelled).
@@ -114,13 +131,16 @@ impl Job {
             eval_loss: self.last_eval.as_ref().map_or(f64::NAN, |e| e.mlm_loss),
             eval_accuracy: self.last_eval.as_ref().map_or(f64::NAN, |e| e.mlm_accuracy),
             elapsed_seconds: self.submitted.elapsed().as_secs_f64(),
-            ..Default::default()
+            recoveries: self.recoveries,
+            skipped_steps: step.map_or(0, |s| s.skipped_steps),
         }
     }
 
-    /// Sends the current status to watchers.
+    /// Sends the current status to watchers and saves the job's record when due
+    /// (`crate::persist::save_if_due`).
     pub fn publish(&mut self) {
         let status = self.status();
         self.watch.send_replace(status);
+        crate::persist::save_if_due(self);
     }
 }
