@@ -244,6 +244,8 @@ pub fn status_json(s: &JobStatus) -> serde_json::Value {
         "checkpoints": s.checkpoints,
         "error": s.error,
         "elapsed_seconds": s.elapsed_seconds,
+        "recoveries": s.recoveries,
+        "skipped_steps": s.skipped_steps,
     })
 }
 
