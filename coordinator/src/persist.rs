@@ -305,17 +305,33 @@ pub fn flush_pending<'a>(jobs: impl IntoIterator<Item = &'a mut Job>) -> usize {
         .count()
 }
 
-/// [`flush`] for every job (shutdown). Returns `(jobs, written)`.
-pub fn flush_all<'a>(jobs: impl IntoIterator<Item = &'a mut Job>) -> (usize, usize) {
-    let mut total = 0;
-    let mut written = 0;
+/// What [`flush_all`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlushSummary {
+    /// Jobs looked at.
+    pub jobs: usize,
+    /// Records written (the others were already on disk, or failed).
+    pub written: usize,
+    /// Records that could not be written (each logged with its file).
+    pub failed: usize,
+}
+
+/// [`flush`] for every job (shutdown).
+pub fn flush_all<'a>(jobs: impl IntoIterator<Item = &'a mut Job>) -> FlushSummary {
+    let mut summary = FlushSummary {
+        jobs: 0,
+        written: 0,
+        failed: 0,
+    };
     for job in jobs {
-        total += 1;
+        summary.jobs += 1;
         if flush(job) {
-            written += 1;
+            summary.written += 1;
+        } else if job.persisted.pending {
+            summary.failed += 1;
         }
     }
-    (total, written)
+    summary
 }
 
 fn save(job: &mut Job, force_progress: bool) -> bool {
@@ -475,6 +491,22 @@ max_steps = 10
         assert_eq!(flush_pending([&mut job]), 1);
         assert_eq!(read(&job).step, 7);
         assert_eq!(flush_pending([&mut job]), 0);
+    }
+
+    #[test]
+    fn a_failed_write_is_counted_and_retried() {
+        let root = tempfile::tempdir().unwrap();
+        // The folder does not exist yet: the save at submission fails (and is logged).
+        let mut job = Job::new("job-1".into(), spec(), root.path().join("job-1"));
+        assert!(job.persisted.pending);
+        let summary = flush_all([&mut job]);
+        assert_eq!((summary.written, summary.failed), (0, 1));
+        std::fs::create_dir_all(&job.dir).unwrap();
+        let summary = flush_all([&mut job]);
+        assert_eq!((summary.jobs, summary.written, summary.failed), (1, 1, 0));
+        assert_eq!(read(&job).state, "JOB_STATE_QUEUED");
+        let summary = flush_all([&mut job]);
+        assert_eq!((summary.written, summary.failed), (0, 0));
     }
 
     #[test]

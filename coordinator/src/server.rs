@@ -103,6 +103,19 @@ async fn save_progress(shared: Arc<Shared>) {
 /// Saves every job's state (shutdown) and says so.
 fn save_all(shared: &Shared) {
     let mut reg = shared.lock();
-    let (jobs, written) = persist::flush_all(reg.jobs.values_mut());
-    tracing::info!(jobs, written, "job state saved before exit");
+    let s = persist::flush_all(reg.jobs.values_mut());
+    if s.failed == 0 {
+        tracing::info!(
+            jobs = s.jobs,
+            written = s.written,
+            "job state saved before exit"
+        );
+    } else {
+        tracing::error!(
+            jobs = s.jobs,
+            written = s.written,
+            failed = s.failed,
+            "job state not saved for every job before exit"
+        );
+    }
 }
