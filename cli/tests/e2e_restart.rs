@@ -217,6 +217,21 @@ fn sigterm_saves_a_running_job_which_comes_back_recovering() {
     .unwrap();
     println!("saved: {saved}");
     assert_eq!(saved["state"], "JOB_STATE_RUNNING");
+    // Progress held back by the 2 s interval was written at exit: the saved step is the last
+    // one the coordinator logged ("step N | loss ...").
+    let last_logged = log
+        .lines()
+        .filter_map(|l| {
+            l.split(" step ")
+                .nth(1)?
+                .split(" |")
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .max()
+        .unwrap_or_else(|| panic!("no step line in the log:\n{log}"));
+    assert_eq!(saved["step"].as_u64(), Some(last_logged), "{log}");
 
     let (_coord2, addr2) = coordinator(root, "coordinator-2");
     let after = status(&job_id, &addr2, root);
