@@ -19,8 +19,8 @@
 //! # Layout
 //! - [`JobRecord`]: the file's contents (serde), built from and restored into a [`Job`].
 //! - [`Persisted`]: per job, what was last written and when (decides whether to write).
-//! - [`save_if_due`] (called by `Job::publish`), [`flush`] / [`flush_all`] (progress timer,
-//!   shutdown), [`load_jobs`] (start).
+//! - [`save_if_due`] (called by `Job::publish`), [`flush_due`] (progress timer), [`flush`] /
+//!   [`flush_all`] (shutdown), [`load_jobs`] (start).
 
 use crate::job::Job;
 use crate::prepare_job;
@@ -295,11 +295,13 @@ pub fn flush(job: &mut Job) -> bool {
     save(job, true)
 }
 
-/// [`flush`] for every job whose step progress is waiting to be written; returns how many
-/// were written. Cheap when nothing waits (the progress timer calls it).
-pub fn flush_pending<'a>(jobs: impl IntoIterator<Item = &'a mut Job>) -> usize {
+/// [`flush`] for every job whose step progress waits to be written, and every job not
+/// finished yet (which catches a change made without a publish); returns how many were
+/// written. The progress timer calls it every [`PROGRESS_INTERVAL`]; finished jobs with
+/// nothing pending cost nothing.
+pub fn flush_due<'a>(jobs: impl IntoIterator<Item = &'a mut Job>) -> usize {
     jobs.into_iter()
-        .filter(|j| j.persisted.pending)
+        .filter(|j| j.persisted.pending || !j.is_finished())
         .map(flush)
         .filter(|&wrote| wrote)
         .count()
@@ -488,9 +490,13 @@ max_steps = 10
         assert_eq!((r.step, r.checkpoints.clone()), (5, vec![5]));
         job.step = 7;
         job.publish();
-        assert_eq!(flush_pending([&mut job]), 1);
+        assert_eq!(flush_due([&mut job]), 1);
         assert_eq!(read(&job).step, 7);
-        assert_eq!(flush_pending([&mut job]), 0);
+        assert_eq!(flush_due([&mut job]), 0);
+        // A change made without a publish is caught by the timer too.
+        job.generation = 2;
+        assert_eq!(flush_due([&mut job]), 1);
+        assert_eq!(read(&job).generation, 2);
     }
 
     #[test]

@@ -88,15 +88,16 @@ pub async fn run(
     result
 }
 
-/// Writes the step progress that `Job::publish` held back (at most every
-/// [`persist::PROGRESS_INTERVAL`]), so that a job that stops reporting is still saved.
+/// Every [`persist::PROGRESS_INTERVAL`], writes the step progress that `Job::publish` held
+/// back and any unpublished change of an active job, so that a job that stops reporting is
+/// still saved.
 async fn save_progress(shared: Arc<Shared>) {
     let mut tick = tokio::time::interval(persist::PROGRESS_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let mut reg = shared.lock();
-        persist::flush_pending(reg.jobs.values_mut());
+        persist::flush_due(reg.jobs.values_mut());
     }
 }
 
