@@ -304,3 +304,33 @@ fn a_corrupt_job_state_is_skipped_with_an_error_naming_it() {
     let next = submit(&job.write(root), &addr2, root);
     assert_eq!(next, "job-8");
 }
+
+#[test]
+fn a_job_waiting_for_workers_comes_back_after_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (mut coord, addr) = coordinator(root, "coordinator-1");
+    // Prepared, but no worker ever comes.
+    let mut job = JobFile::new(small_corpus(root));
+    job.vocab_size = 500;
+    let job_id = submit(&job.write(root), &addr, root);
+    let waiting = poll(Duration::from_secs(120), || {
+        let s = status(&job_id, &addr, root);
+        (s["state"] == "waiting-for-workers").then_some(s)
+    })
+    .unwrap_or_else(|| panic!("never waited: {}", status(&job_id, &addr, root)));
+    terminate(&mut coord);
+    assert!(coord.log_text().contains("job state saved before exit"));
+
+    let (coord2, addr2) = coordinator(root, "coordinator-2");
+    let after = status(&job_id, &addr2, root);
+    println!("before: {waiting}\nafter:  {after}");
+    assert_eq!(after["state"], "recovering");
+    for key in ["generation", "step", "max_steps", "checkpoints", "workers"] {
+        assert_eq!(after[key], waiting[key], "{key} changed across the restart");
+    }
+    // Its prepared data was found again, not redone.
+    let log = coord2.log_text();
+    assert!(!log.contains("prepared data is incomplete"), "{log}");
+    assert!(!log.contains("cannot be reused"), "{log}");
+}
