@@ -77,6 +77,15 @@ fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
     out
 }
 
+/// The coordinator's "job restored" log line for `job_id` (it names the restored state,
+/// generation, step and checkpoints).
+fn restored_line(log: &str, job_id: &str) -> String {
+    log.lines()
+        .find(|l| l.contains("job restored") && l.contains(&format!("job={job_id} ")))
+        .unwrap_or_else(|| panic!("no 'job restored' line for {job_id}:\n{log}"))
+        .to_string()
+}
+
 /// The first 3000 lines of the KJV in `root`.
 fn small_corpus(root: &Path) -> std::path::PathBuf {
     let text = std::fs::read_to_string(corpus("en-kjv").join("kjv.txt")).unwrap();
@@ -233,12 +242,20 @@ fn sigterm_saves_a_running_job_which_comes_back_recovering() {
         .unwrap_or_else(|| panic!("no step line in the log:\n{log}"));
     assert_eq!(saved["step"].as_u64(), Some(last_logged), "{log}");
 
-    let (_coord2, addr2) = coordinator(root, "coordinator-2");
+    let (coord2, addr2) = coordinator(root, "coordinator-2");
     let after = status(&job_id, &addr2, root);
     println!("before: {running}\nafter:  {after}");
     assert_eq!(after["state"], "recovering");
-    assert_eq!(after["generation"], running["generation"]);
-    assert_eq!(after["generation"], saved["generation"]);
+    assert_eq!(saved["generation"], running["generation"]);
+    // It came back with the saved generation; recovery then starts the next one.
+    let restored = restored_line(&coord2.log_text(), &job_id);
+    let generation = saved["generation"].as_u64().unwrap();
+    assert!(
+        restored.contains(&format!("generation={generation} step={}", saved["step"])),
+        "{restored}"
+    );
+    let now = after["generation"].as_u64().unwrap();
+    assert!(now == generation || now == generation + 1, "{after}");
     assert_eq!(after["step"], saved["step"]);
     assert!(after["step"].as_u64().unwrap() >= running["step"].as_u64().unwrap());
     assert_eq!(after["checkpoints"], saved["checkpoints"]);
@@ -326,7 +343,9 @@ fn a_job_waiting_for_workers_comes_back_after_sigterm() {
     let after = status(&job_id, &addr2, root);
     println!("before: {waiting}\nafter:  {after}");
     assert_eq!(after["state"], "recovering");
-    for key in ["generation", "step", "max_steps", "checkpoints", "workers"] {
+    let restored = restored_line(&coord2.log_text(), &job_id);
+    assert!(restored.contains("generation=0 step=0"), "{restored}");
+    for key in ["step", "max_steps", "checkpoints", "workers"] {
         assert_eq!(after[key], waiting[key], "{key} changed across the restart");
     }
     // Its prepared data was found again, not redone.

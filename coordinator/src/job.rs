@@ -54,16 +54,20 @@ pub struct Job {
     pub submitted: Instant,
     /// When it was submitted, wall clock (saved, so elapsed time survives a restart).
     pub submitted_at: SystemTime,
-    /// Times the ring was re-formed after a loss.
-    pub recoveries: u64,
-    /// Sequences per optimizer step, fixed by the first generation; `None` before it.
-    pub global_batch_size: Option<u64>,
     /// Set once preparation succeeded.
     pub prepared: Option<Arc<PreparedJob>>,
     /// Files workers may fetch: name -> path (filled at assignment).
     pub files: BTreeMap<String, PathBuf>,
     /// Watchers of the job's status (WatchJob streams).
     pub watch: watch::Sender<JobStatus>,
+    /// Sequences per step, fixed by the first generation (0 before it).
+    pub global_batch_size: u64,
+    /// Times the ring was re-formed after a loss.
+    pub recoveries: u64,
+    /// Steps whose update was skipped (non-finite), as rank 0 last reported.
+    pub skipped_steps: u64,
+    /// The new generation being formed, while the job is `RECOVERING`.
+    pub regroup: Option<crate::recovery::Regroup>,
     /// What of it was last saved to `job-state.json`, and when.
     pub persisted: crate::persist::Persisted,
 }
@@ -95,11 +99,13 @@ impl Job {
             last_eval: None,
             submitted: Instant::now(),
             submitted_at: SystemTime::now(),
-            recoveries: 0,
-            global_batch_size: None,
             prepared: None,
             files: BTreeMap::new(),
             watch,
+            global_batch_size: 0,
+            recoveries: 0,
+            skipped_steps: 0,
+            regroup: None,
             persisted: Default::default(),
         }
     }
@@ -132,7 +138,7 @@ impl Job {
             eval_accuracy: self.last_eval.as_ref().map_or(f64::NAN, |e| e.mlm_accuracy),
             elapsed_seconds: self.submitted.elapsed().as_secs_f64(),
             recoveries: self.recoveries,
-            skipped_steps: step.map_or(0, |s| s.skipped_steps),
+            skipped_steps: self.skipped_steps,
         }
     }
 

@@ -9,6 +9,7 @@
 //! - `state`: the registry of workers (membership) and jobs, behind one mutex.
 //! - `job`: one job's record and its `JobStatus` snapshot.
 //! - `scheduler`: the background loop: heartbeat timeouts, preparing queued jobs, forming rings.
+//! - `recovery`: a new generation after a lost worker or a restart (protocol step 14).
 //! - `prepare_job`: a job's data (via `data`), its model config and each rank's files.
 //! - `persist`: each job's record in `job-state.json`, saved on change, restored on start.
 //! - `store`: the checkpoint store (upload, list, pull) in the job's folder.
@@ -22,6 +23,7 @@ pub mod files;
 pub mod job;
 pub mod persist;
 pub mod prepare_job;
+pub mod recovery;
 pub mod scheduler;
 pub mod server;
 pub mod service;

@@ -132,8 +132,8 @@ impl JobRecord {
             error: job.error.clone(),
             worker_names: job.worker_names.clone(),
             recoveries: job.recoveries,
-            skipped_steps: step.map_or(0, |s| s.skipped_steps),
-            global_batch_size: job.global_batch_size,
+            skipped_steps: job.skipped_steps,
+            global_batch_size: (job.global_batch_size > 0).then_some(job.global_batch_size),
             submitted_unix_ms: job
                 .submitted_at
                 .duration_since(UNIX_EPOCH)
@@ -242,7 +242,8 @@ impl JobRecord {
         job.error = self.error;
         job.worker_names = self.worker_names;
         job.recoveries = self.recoveries;
-        job.global_batch_size = self.global_batch_size;
+        job.skipped_steps = self.skipped_steps;
+        job.global_batch_size = self.global_batch_size.unwrap_or(0);
         job.submitted_at = UNIX_EPOCH + Duration::from_millis(self.submitted_unix_ms);
         // Keep elapsed time counting from the real submission.
         let age = SystemTime::now()
@@ -250,7 +251,7 @@ impl JobRecord {
             .unwrap_or_default();
         job.submitted = Instant::now().checked_sub(age).unwrap_or_else(Instant::now);
         let m = &self.metrics;
-        if m.loss.is_some() || self.skipped_steps > 0 {
+        if m.loss.is_some() {
             job.last_step = Some(StepReport {
                 loss: m.loss.unwrap_or(f64::NAN),
                 learning_rate: m.learning_rate.unwrap_or(f64::NAN),
@@ -538,7 +539,8 @@ max_steps = 10
             job.workers = vec!["w-1".into()];
             job.worker_names = vec!["w-1 (127.0.0.1:1)".into()];
             job.recoveries = 2;
-            job.global_batch_size = Some(16);
+            job.global_batch_size = 16;
+            job.skipped_steps = 1;
             job.last_step = Some(StepReport {
                 loss: 3.5,
                 learning_rate: 1e-3,
@@ -561,11 +563,12 @@ max_steps = 10
             assert!(job.workers.is_empty());
             assert_eq!(job.worker_names, vec!["w-1 (127.0.0.1:1)".to_string()]);
             assert_eq!(job.recoveries, 2);
-            assert_eq!(job.global_batch_size, Some(16));
+            assert_eq!(job.global_batch_size, 16);
             let status = job.status();
             assert_eq!(status.loss, 3.5);
             assert!(status.eval_loss.is_nan());
-            assert_eq!(job.last_step.as_ref().unwrap().skipped_steps, 1);
+            assert_eq!(job.skipped_steps, 1);
+            assert_eq!(status.skipped_steps, 1);
             // The state it resumes in is what the file says now.
             assert_eq!(read(job).state, expected.as_str_name());
         }

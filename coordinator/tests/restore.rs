@@ -65,7 +65,7 @@ fn restored_jobs_keep_their_prepared_data() {
     job.generation = 1;
     job.step = 7;
     job.checkpoints = vec![5];
-    job.global_batch_size = Some(8);
+    job.global_batch_size = 8;
     job.publish();
     drop(job);
 
@@ -76,7 +76,7 @@ fn restored_jobs_keep_their_prepared_data() {
     assert_eq!(job.state, JobState::Recovering);
     assert_eq!((job.generation, job.step), (1, 7));
     assert_eq!(job.checkpoints, vec![5]);
-    assert_eq!(job.global_batch_size, Some(8));
+    assert_eq!(job.global_batch_size, 8);
     let again = job.prepared.as_ref().expect("prepared data restored");
     assert_eq!(again.total_sequences, prepared.total_sequences);
     assert_eq!(again.model_config_json, prepared.model_config_json);
