@@ -5,7 +5,7 @@ use keel_proto::rpc::{EvalReport, JobState, JobStatus, StepReport};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 use tokio::sync::watch;
 
 /// What preparation produced: everything needed to assign the job to workers.
@@ -52,6 +52,8 @@ pub struct Job {
     pub last_eval: Option<EvalReport>,
     /// When it was submitted (for elapsed time).
     pub submitted: Instant,
+    /// When it was submitted, wall clock (saved, so elapsed time survives a restart).
+    pub submitted_at: SystemTime,
     /// Set once preparation succeeded.
     pub prepared: Option<Arc<PreparedJob>>,
     /// Files workers may fetch: name -> path (filled at assignment).
@@ -66,13 +68,22 @@ pub struct Job {
     pub skipped_steps: u64,
     /// The new generation being formed, while the job is `RECOVERING`.
     pub regroup: Option<crate::recovery::Regroup>,
+    /// What of it was last saved to `job-state.json`, and when.
+    pub persisted: crate::persist::Persisted,
 }
 
 impl Job {
-    /// A newly queued job.
+    /// A newly queued job, published (and saved to `dir/job-state.json`).
     pub fn new(id: String, spec: JobSpec, dir: PathBuf) -> Self {
+        let mut job = Job::unpublished(id, spec, dir);
+        job.publish();
+        job
+    }
+
+    /// A queued job neither published nor saved yet: what a restore fills in first.
+    pub fn unpublished(id: String, spec: JobSpec, dir: PathBuf) -> Self {
         let (watch, _) = watch::channel(JobStatus::default());
-        let mut job = Job {
+        Job {
             id,
             spec,
             dir,
@@ -87,6 +98,7 @@ impl Job {
             last_step: None,
             last_eval: None,
             submitted: Instant::now(),
+            submitted_at: SystemTime::now(),
             prepared: None,
             files: BTreeMap::new(),
             watch,
@@ -94,9 +106,8 @@ impl Job {
             recoveries: 0,
             skipped_steps: 0,
             regroup: None,
-        };
-        job.publish();
-        job
+            persisted: Default::default(),
+        }
     }
 
     /// Whether the job has ended (completed, failed or cancelled).
@@ -131,9 +142,11 @@ impl Job {
         }
     }
 
-    /// Sends the current status to watchers.
+    /// Sends the current status to watchers and saves the job's record when due
+    /// (`crate::persist::save_if_due`).
     pub fn publish(&mut self) {
         let status = self.status();
         self.watch.send_replace(status);
+        crate::persist::save_if_due(self);
     }
 }

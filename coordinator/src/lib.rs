@@ -11,6 +11,7 @@
 //! - `scheduler`: the background loop: heartbeat timeouts, preparing queued jobs, forming rings.
 //! - `recovery`: a new generation after a lost worker or a restart (protocol step 14).
 //! - `prepare_job`: a job's data (via `data`), its model config and each rank's files.
+//! - `persist`: each job's record in `job-state.json`, saved on change, restored on start.
 //! - `store`: the checkpoint store (upload, list, pull) in the job's folder.
 //! - `files`: streams a file as checksummed chunks.
 //! - `error`: [`CoordinatorError`].
@@ -20,6 +21,7 @@ pub mod data;
 pub mod error;
 pub mod files;
 pub mod job;
+pub mod persist;
 pub mod prepare_job;
 pub mod recovery;
 pub mod scheduler;

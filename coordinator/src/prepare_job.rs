@@ -20,7 +20,9 @@ use std::path::{Path, PathBuf};
 pub const JOB_CONFIG_FILE: &str = "config.json";
 
 /// Prepares a job: tokenizes and shards the corpus into `job_dir/data`, builds the model
-/// config (`job_dir/config.json`) and lists the files every rank fetches.
+/// config (`job_dir/config.json`) and lists the files every rank fetches. A data folder that
+/// an earlier run of the same job completed (its manifest is written last) is reused as it
+/// is: after a coordinator restart the job keeps the very data (and vocabulary) it had.
 ///
 /// Errors: [`CoordinatorError::Prepare`] naming what failed (corpus, vocabulary, config).
 pub fn prepare(
@@ -28,6 +30,14 @@ pub fn prepare(
     spec: &JobSpec,
     job_dir: &Path,
 ) -> Result<PreparedJob, CoordinatorError> {
+    match reuse(job_id, spec, job_dir) {
+        Ok(Some(prepared)) => {
+            tracing::info!(job = job_id, data = %prepared.data_dir.display(), "reusing the prepared data");
+            return Ok(prepared);
+        }
+        Ok(None) => {}
+        Err(e) => tracing::warn!(job = job_id, "preparing again: {e}"),
+    }
     let fail = |message: String| CoordinatorError::Prepare {
         job_id: job_id.to_string(),
         message,
@@ -57,8 +67,45 @@ pub fn prepare(
     options.heldout_fraction = spec.data.heldout_fraction;
     options.threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let manifest = crate::data::prepare(&options).map_err(|e| fail(format!("data: {e}")))?;
-    let total_sequences = manifest.total_sequences;
+    finish(job_id, spec, job_dir, manifest.total_sequences)
+}
 
+/// The job's preparation from its existing `job_dir/data` when that folder is complete (its
+/// manifest, tokenizer and shards check out), with the model config rebuilt; `None` when
+/// there is no manifest (never prepared, or interrupted).
+///
+/// Errors: [`CoordinatorError::Prepare`] if the folder has a manifest but does not open, or
+/// the model config cannot be built.
+pub fn reuse(
+    job_id: &str,
+    spec: &JobSpec,
+    job_dir: &Path,
+) -> Result<Option<PreparedJob>, CoordinatorError> {
+    let data_dir = job_dir.join("data");
+    if !data_dir.join(crate::data::prepare::MANIFEST_FILE).is_file() {
+        return Ok(None);
+    }
+    let data =
+        crate::data::PreparedData::open(&data_dir).map_err(|e| CoordinatorError::Prepare {
+            job_id: job_id.to_string(),
+            message: format!("{}: {e}", data_dir.display()),
+        })?;
+    finish(job_id, spec, job_dir, data.total_sequences()).map(Some)
+}
+
+/// What follows the data: the model config (written to `job_dir/config.json`) and the files
+/// every rank fetches.
+fn finish(
+    job_id: &str,
+    spec: &JobSpec,
+    job_dir: &Path,
+    total_sequences: u64,
+) -> Result<PreparedJob, CoordinatorError> {
+    let fail = |message: String| CoordinatorError::Prepare {
+        job_id: job_id.to_string(),
+        message,
+    };
+    let data_dir = job_dir.join("data");
     let vocab_path = data_dir.join("vocab.txt");
     let tokenizer_path = data_dir.join("tokenizer.json");
     let tokenizer = KeelTokenizer::from_tokenizer_json(&tokenizer_path)

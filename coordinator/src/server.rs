@@ -1,6 +1,7 @@
 //! Runs a coordinator: the gRPC service plus the scheduler loop, until shutdown.
 
 use crate::CoordinatorError;
+use crate::persist;
 use crate::scheduler;
 use crate::service::CoordinatorService;
 use crate::state::Shared;
@@ -8,6 +9,7 @@ use keel_proto::protocol::MAX_MESSAGE_BYTES;
 use keel_proto::rpc::coordinator_server::CoordinatorServer;
 use std::future::Future;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -20,7 +22,9 @@ pub struct Config {
 }
 
 /// Serves the coordinator on `listener` until `shutdown` resolves, then stops within ~2 s
-/// (open watch and attach streams are closed rather than waited for).
+/// (open watch and attach streams are closed rather than waited for) and saves every job's
+/// state (`JOB_DIR/job-state.json`) before returning. Jobs saved in `config.data_dir` by an
+/// earlier run come back first (`crate::persist`).
 ///
 /// Errors: [`CoordinatorError::Io`] if the data folder cannot be created,
 /// [`CoordinatorError::Transport`] if the server fails.
@@ -36,6 +40,7 @@ pub async fn run(
     let scheduler = tokio::spawn(scheduler::run(shared.clone(), async move {
         let _ = stop_rx.await;
     }));
+    let progress = tokio::spawn(save_progress(shared.clone()));
     let service = CoordinatorServer::new(CoordinatorService::new(shared.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -57,6 +62,8 @@ pub async fn run(
         result = &mut server => {
             let _ = stop_tx.send(());
             let _ = scheduler.await;
+            progress.abort();
+            save_all(&shared);
             return result.map_err(CoordinatorError::from);
         }
         _ = shutdown => {}
@@ -72,8 +79,44 @@ pub async fn run(
         }
     }
     let _ = scheduler.await;
-    match tokio::time::timeout(Duration::from_secs(2), server).await {
+    let result = match tokio::time::timeout(Duration::from_secs(2), server).await {
         Ok(result) => result.map_err(CoordinatorError::from),
         Err(_) => Ok(()),
+    };
+    progress.abort();
+    save_all(&shared);
+    result
+}
+
+/// Every [`persist::PROGRESS_INTERVAL`], writes the step progress that `Job::publish` held
+/// back and any unpublished change of an active job, so that a job that stops reporting is
+/// still saved.
+async fn save_progress(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(persist::PROGRESS_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let mut reg = shared.lock();
+        persist::flush_due(reg.jobs.values_mut());
+    }
+}
+
+/// Saves every job's state (shutdown) and says so.
+fn save_all(shared: &Shared) {
+    let mut reg = shared.lock();
+    let s = persist::flush_all(reg.jobs.values_mut());
+    if s.failed == 0 {
+        tracing::info!(
+            jobs = s.jobs,
+            written = s.written,
+            "job state saved before exit"
+        );
+    } else {
+        tracing::error!(
+            jobs = s.jobs,
+            written = s.written,
+            failed = s.failed,
+            "job state not saved for every job before exit"
+        );
     }
 }

@@ -91,8 +91,8 @@ pub struct Shared {
 }
 
 impl Shared {
-    /// A fresh coordinator state over `data_dir`; job numbers continue after the folders
-    /// already there.
+    /// The coordinator state over `data_dir`: the jobs saved there come back
+    /// (`crate::persist::load_jobs`), and job numbers continue after the folders already there.
     pub fn new(data_dir: PathBuf) -> Arc<Self> {
         let mut registry = Registry::default();
         if let Ok(entries) = std::fs::read_dir(data_dir.join("jobs")) {
@@ -105,6 +105,10 @@ impl Shared {
                     registry.next_job = registry.next_job.max(n);
                 }
             }
+        }
+        for job in crate::persist::load_jobs(&data_dir.join("jobs")) {
+            registry.order.push(job.id.clone());
+            registry.jobs.insert(job.id.clone(), job);
         }
         Arc::new(Shared {
             registry: Mutex::new(registry),

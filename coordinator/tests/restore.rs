@@ -1,0 +1,102 @@
+//! Restoring jobs from `job-state.json` over a real prepared data folder: a job that was
+//! running comes back recovering with its prepared data; one that was preparing comes back
+//! queued and its preparation reuses the complete folder instead of redoing it.
+
+use keel_coordinator::job::Job;
+use keel_coordinator::persist::{self, JOB_STATE_FILE, JobRecord};
+use keel_coordinator::prepare_job;
+use keel_proto::jobspec::JobSpec;
+use keel_proto::rpc::JobState;
+use std::path::Path;
+
+fn corpus_part(root: &Path) -> std::path::PathBuf {
+    let src = Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/corpus/en-fortunes/fortunes.txt"
+    ));
+    let text = std::fs::read_to_string(src).unwrap();
+    let part: Vec<&str> = text.lines().take(1500).collect();
+    let path = root.join("part.txt");
+    std::fs::write(&path, part.join("\n") + "\n").unwrap();
+    path
+}
+
+fn spec(corpus: &Path) -> JobSpec {
+    JobSpec::from_toml_str(
+        &format!(
+            r#"[data]
+corpus = ["{}"]
+vocab_size = 300
+max_seq_length = 64
+max_predictions_per_seq = 10
+[model]
+preset = "tiny"
+[train]
+micro_batch_size = 4
+max_steps = 50
+"#,
+            corpus.display()
+        ),
+        "test",
+    )
+    .unwrap()
+}
+
+/// Rewrites the saved state of the job in `dir` as `state`.
+fn set_saved_state(dir: &Path, state: JobState) {
+    let path = dir.join(JOB_STATE_FILE);
+    let mut record = JobRecord::read(&path).unwrap();
+    record.state = state.as_str_name().to_string();
+    record.write(dir).unwrap();
+}
+
+#[test]
+fn restored_jobs_keep_their_prepared_data() {
+    let root = tempfile::tempdir().unwrap();
+    let jobs_dir = root.path().join("jobs");
+    let dir = jobs_dir.join("job-1");
+    std::fs::create_dir_all(&dir).unwrap();
+    let spec = spec(&corpus_part(root.path()));
+    let prepared = prepare_job::prepare("job-1", &spec, &dir).unwrap();
+    let manifest = std::fs::read(dir.join("data/manifest.json")).unwrap();
+
+    let mut job = Job::new("job-1".into(), spec.clone(), dir.clone());
+    job.state = JobState::Running;
+    job.generation = 1;
+    job.step = 7;
+    job.checkpoints = vec![5];
+    job.global_batch_size = 8;
+    job.publish();
+    drop(job);
+
+    // Running -> recovering, with the prepared data found again.
+    let jobs = persist::load_jobs(&jobs_dir);
+    assert_eq!(jobs.len(), 1);
+    let job = &jobs[0];
+    assert_eq!(job.state, JobState::Recovering);
+    assert_eq!((job.generation, job.step), (1, 7));
+    assert_eq!(job.checkpoints, vec![5]);
+    assert_eq!(job.global_batch_size, 8);
+    let again = job.prepared.as_ref().expect("prepared data restored");
+    assert_eq!(again.total_sequences, prepared.total_sequences);
+    assert_eq!(again.model_config_json, prepared.model_config_json);
+    assert_eq!(again.shared_files, prepared.shared_files);
+    drop(jobs);
+
+    // Preparing -> queued; preparing again reuses the folder (the manifest, which records
+    // the preparation's timings, is untouched).
+    set_saved_state(&dir, JobState::Preparing);
+    let jobs = persist::load_jobs(&jobs_dir);
+    assert_eq!(jobs[0].state, JobState::Queued);
+    assert!(jobs[0].prepared.is_none());
+    let reused = prepare_job::prepare("job-1", &spec, &dir).unwrap();
+    assert_eq!(reused.total_sequences, prepared.total_sequences);
+    assert_eq!(
+        std::fs::read(dir.join("data/manifest.json")).unwrap(),
+        manifest
+    );
+
+    // Without its manifest the folder is not reused.
+    std::fs::remove_file(dir.join("data/manifest.json")).unwrap();
+    assert!(prepare_job::reuse("job-1", &spec, &dir).unwrap().is_none());
+}
