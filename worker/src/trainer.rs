@@ -6,6 +6,7 @@ use crate::allreduce::{Mailbox, Ring, RingConfig};
 use crate::client::{TransferError, fetch_cached, upload_dir};
 use crate::ringlink::RingLink;
 use crate::step::{Event, TrainError, TrainSetup};
+use keel_proto::auth::AuthChannel;
 use keel_proto::config::BertConfig;
 use keel_proto::jobspec::JobSpec;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
@@ -14,13 +15,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::time::Duration;
-use tonic::transport::Channel;
 
 /// What a job needs from the worker process.
 #[derive(Clone)]
 pub struct JobContext {
     /// The coordinator.
-    pub client: CoordinatorClient<Channel>,
+    pub client: CoordinatorClient<AuthChannel>,
     /// This worker's id.
     pub worker_id: String,
     /// Where files are cached and checkpoints staged.
@@ -145,7 +145,7 @@ pub async fn run_job(ctx: JobContext, start: StartJob) -> Result<(), JobError> {
 /// them. Report failures are logged (the coordinator may have ended the job); a failed
 /// checkpoint upload ends the job.
 async fn report_events(
-    mut client: CoordinatorClient<Channel>,
+    mut client: CoordinatorClient<AuthChannel>,
     key: TrainingKey,
     mut events: tokio::sync::mpsc::UnboundedReceiver<Event>,
 ) -> Result<(), JobError> {
