@@ -162,24 +162,25 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
     }
 }
 
-/// Turns "the coordinator is not there" (gRPC UNAVAILABLE from a failed connect) into one
-/// plain sentence naming the address; other errors pass through unchanged.
+/// Turns "the coordinator is not there" (gRPC UNAVAILABLE from a failed connect) and "the
+/// coordinator refused our token" (UNAUTHENTICATED) into one plain sentence naming the
+/// address; other errors pass through unchanged.
 fn explain_unreachable(e: anyhow::Error, addr: &str) -> anyhow::Error {
     let unavailable = e.chain().any(|cause| {
         cause
             .downcast_ref::<tonic::Status>()
             .is_some_and(|s| s.code() == tonic::Code::Unavailable)
     });
-    let unauthenticated = e.chain().any(|cause| {
+    let refusal = e.chain().find_map(|cause| {
         cause
             .downcast_ref::<tonic::Status>()
-            .is_some_and(|s| s.code() == tonic::Code::Unauthenticated)
+            .filter(|s| s.code() == tonic::Code::Unauthenticated)
     });
-    if unauthenticated {
+    if let Some(status) = refusal {
         return anyhow::anyhow!(
-            "the coordinator at {addr} refused the cluster token ({}): give the cluster's token \
-             file with --token-file or KEEL_TOKEN_FILE",
-            e.root_cause()
+            "the coordinator at {addr} refused the cluster token (Unauthenticated: {}); give \
+             the cluster's token file with --token-file or KEEL_TOKEN_FILE",
+            status.message()
         );
     }
     if unavailable {
