@@ -178,9 +178,22 @@ fn explain_unreachable(e: anyhow::Error, addr: &str) -> anyhow::Error {
     });
     if let Some(status) = refusal {
         return anyhow::anyhow!(
-            "the coordinator at {addr} refused the cluster token (Unauthenticated: {}); give \
-             the cluster's token file with --token-file or KEEL_TOKEN_FILE",
+            "the coordinator at {addr} refused the cluster token: {}; give the cluster's token \
+             file with --token-file or KEEL_TOKEN_FILE",
             status.message()
+        );
+    }
+    // A plaintext call to a TLS server ends in an HTTP/2 framing error: say what it means.
+    let tls_mismatch = e.chain().any(|cause| {
+        cause
+            .downcast_ref::<tonic::Status>()
+            .is_some_and(|s| s.message().contains("h2 protocol error"))
+    });
+    if tls_mismatch {
+        return anyhow::anyhow!(
+            "the coordinator at {addr} broke off the connection ({}): if it serves TLS, pass \
+             --tls-ca (or KEEL_TLS_CA) with the CA that signed its certificate",
+            e.root_cause()
         );
     }
     if unavailable {

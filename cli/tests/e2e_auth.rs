@@ -212,9 +212,11 @@ fn a_small_cluster_trains_over_tls_and_plaintext_clients_are_refused() {
 
     // A plaintext client (right token, no --tls-ca) gets nowhere.
     let out = keel_with_token(&["jobs", "--coordinator", &addr], root, Some(token_file()));
+    let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
+    assert!(err.contains("--tls-ca"), "{err}");
 }

@@ -293,7 +293,7 @@ where
                     remote_addr(&req).map_or_else(|| "unknown".to_string(), |a| a.to_string());
                 tracing::warn!(path = %req.uri().path(), remote = %remote, "refused: {reason}");
                 let status = Status::unauthenticated(format!(
-                    "{reason}: this Keel cluster requires its token (--token-file or KEEL_TOKEN_FILE)"
+                    "{reason} (every call to this Keel cluster needs its token)"
                 ));
                 let response = status.into_http::<()>().map(|()| Body::empty());
                 Box::pin(async move { Ok(response) })
