@@ -110,6 +110,9 @@ CREATED_NS=()
 PIDS=()
 WORK="$(mktemp -d /tmp/keel-multihost.XXXXXX)"
 mkdir -p "$WORK/logs"
+# The cluster token: one file every program on every "host" reads (namespaces share files).
+TOKEN_FILE="$WORK/keel.token"
+(umask 077 && head -c 32 /dev/urandom | base64 >"$TOKEN_FILE")
 
 ns_of() { echo "$PREFIX-$1"; }
 
@@ -373,18 +376,18 @@ EOF
 
 keel_user() { # keel CLI from the user's host, bounded
   local t="$1"; shift
-  in_ns user env KEEL_COORDINATOR="${ADDR[coord]}:7070" NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" \
+  in_ns user env KEEL_COORDINATOR="${ADDR[coord]}:7070" KEEL_TOKEN_FILE="$TOKEN_FILE" NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" \
     timeout "$t" "$BIN_DIR/keel" "$@"
 }
 
 start_cluster() { # start_cluster TAG: coordinator + three workers, each on its own host
   local tag="$1" w
   declare -A wpid=()
-  start_in coord "$tag-coordinator" env NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" \
+  start_in coord "$tag-coordinator" env NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" KEEL_TOKEN_FILE="$TOKEN_FILE" \
     "$BIN_DIR/keel-coordinator" --listen 0.0.0.0:7070 --data-dir "$WORK/$tag/coord-data"
   wait_listening user "${ADDR[coord]}" 7070 "$LAST_PID" "keel-coordinator"
   for w in w1 w2 w3; do
-    start_in "$w" "$tag-worker-$w" env NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" \
+    start_in "$w" "$tag-worker-$w" env NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" KEEL_TOKEN_FILE="$TOKEN_FILE" \
       "$BIN_DIR/keel-worker" --coordinator "${ADDR[coord]}:7070" --listen 0.0.0.0:7071 \
       --advertise-addr "${ADDR[$w]}:7071" --threads "$THREADS" --cache-dir "$WORK/$tag/cache-$w"
     wpid[$w]=$LAST_PID

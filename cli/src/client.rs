@@ -3,20 +3,26 @@
 
 use crate::{fill_mask, local, pull, watch};
 use anyhow::Context;
+use keel_proto::auth::{AuthChannel, TokenArgs};
 use keel_proto::jobspec::JobSpec;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{
     CancelJobRequest, GetJobRequest, JobState, JobStatus, ListJobsRequest, SubmitJobRequest,
 };
+use keel_proto::security::ClientSecurity;
+use keel_proto::tls::ClientTlsArgs;
 use std::path::{Path, PathBuf};
-use tonic::transport::Channel;
 
-/// Where the coordinator is.
+/// Where the coordinator is and how to prove membership of its cluster.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Conn {
     /// The coordinator, host:port.
     #[arg(long, env = "KEEL_COORDINATOR", default_value = "127.0.0.1:7070")]
     pub coordinator: String,
+    #[command(flatten)]
+    pub token: TokenArgs,
+    #[command(flatten)]
+    pub tls: ClientTlsArgs,
 }
 
 /// A job id argument.
@@ -76,13 +82,13 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
     let result = runtime.block_on(async {
         match cmd {
             Command::Submit { job_file, conn } => {
-                let mut client = connect(&conn.coordinator)?;
+                let mut client = connect(&conn)?;
                 let id = submit(&mut client, &job_file).await?;
                 println!("{id}");
                 Ok(())
             }
             Command::Jobs { conn } => {
-                let mut client = connect(&conn.coordinator)?;
+                let mut client = connect(&conn)?;
                 let jobs = client
                     .list_jobs(ListJobsRequest {})
                     .await
@@ -112,7 +118,7 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
                 Ok(())
             }
             Command::Status(a) => {
-                let mut client = connect(&a.conn.coordinator)?;
+                let mut client = connect(&a.conn)?;
                 let s = client
                     .get_job(GetJobRequest {
                         job_id: a.job.clone(),
@@ -124,12 +130,12 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
                 Ok(())
             }
             Command::Watch(a) => {
-                let mut client = connect(&a.conn.coordinator)?;
+                let mut client = connect(&a.conn)?;
                 let s = watch::watch(&mut client, &a.job, true).await?;
                 finished_ok(&s)
             }
             Command::Cancel(a) => {
-                let mut client = connect(&a.conn.coordinator)?;
+                let mut client = connect(&a.conn)?;
                 let s = client
                     .cancel_job(CancelJobRequest {
                         job_id: a.job.clone(),
@@ -141,7 +147,7 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
                 Ok(())
             }
             Command::Pull(args) => {
-                let mut client = connect(&args.conn.coordinator)?;
+                let mut client = connect(&args.conn)?;
                 let dir = pull::pull(&mut client, &args.job, args.step, &args.out).await?;
                 println!("{}", dir.display());
                 Ok(())
@@ -156,14 +162,40 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
     }
 }
 
-/// Turns "the coordinator is not there" (gRPC UNAVAILABLE from a failed connect) into one
-/// plain sentence naming the address; other errors pass through unchanged.
+/// Turns "the coordinator is not there" (gRPC UNAVAILABLE from a failed connect) and "the
+/// coordinator refused our token" (UNAUTHENTICATED) into one plain sentence naming the
+/// address; other errors pass through unchanged.
 fn explain_unreachable(e: anyhow::Error, addr: &str) -> anyhow::Error {
     let unavailable = e.chain().any(|cause| {
         cause
             .downcast_ref::<tonic::Status>()
             .is_some_and(|s| s.code() == tonic::Code::Unavailable)
     });
+    let refusal = e.chain().find_map(|cause| {
+        cause
+            .downcast_ref::<tonic::Status>()
+            .filter(|s| s.code() == tonic::Code::Unauthenticated)
+    });
+    if let Some(status) = refusal {
+        return anyhow::anyhow!(
+            "the coordinator at {addr} refused the cluster token: {}; give the cluster's token \
+             file with --token-file or KEEL_TOKEN_FILE",
+            status.message()
+        );
+    }
+    // A plaintext call to a TLS server ends in an HTTP/2 framing error: say what it means.
+    let tls_mismatch = e.chain().any(|cause| {
+        cause
+            .downcast_ref::<tonic::Status>()
+            .is_some_and(|s| s.message().contains("h2 protocol error"))
+    });
+    if tls_mismatch {
+        return anyhow::anyhow!(
+            "the coordinator at {addr} broke off the connection ({}): if it serves TLS, pass \
+             --tls-ca (or KEEL_TLS_CA) with the CA that signed its certificate",
+            e.root_cause()
+        );
+    }
     if unavailable {
         anyhow::anyhow!(
             "cannot reach the coordinator at {addr} ({}): is keel-coordinator running there? \
@@ -175,11 +207,22 @@ fn explain_unreachable(e: anyhow::Error, addr: &str) -> anyhow::Error {
     }
 }
 
-/// A client for the coordinator at `addr`.
+/// A client for the coordinator `conn` names, with its token and TLS settings.
+///
+/// Errors: no or a bad token file, a bad TLS file, a malformed address.
+pub fn connect(conn: &Conn) -> anyhow::Result<CoordinatorClient<AuthChannel>> {
+    let security = ClientSecurity::new(&conn.token.load()?, conn.tls.load()?);
+    connect_with(&conn.coordinator, &security)
+}
+
+/// A client for the coordinator at `addr` calling with `security`.
 ///
 /// Errors: a malformed address.
-pub fn connect(addr: &str) -> anyhow::Result<CoordinatorClient<Channel>> {
-    Ok(keel_worker::client::coordinator_client(addr)?)
+pub fn connect_with(
+    addr: &str,
+    security: &ClientSecurity,
+) -> anyhow::Result<CoordinatorClient<AuthChannel>> {
+    Ok(keel_worker::client::coordinator_client(addr, security)?)
 }
 
 /// Reads and validates a job file, makes its paths absolute against the current directory,
@@ -187,7 +230,7 @@ pub fn connect(addr: &str) -> anyhow::Result<CoordinatorClient<Channel>> {
 ///
 /// Errors: the job file's own error (naming the key), or the coordinator's refusal.
 pub async fn submit(
-    client: &mut CoordinatorClient<Channel>,
+    client: &mut CoordinatorClient<AuthChannel>,
     job_file: &Path,
 ) -> anyhow::Result<String> {
     let mut spec = JobSpec::from_file(job_file)?;

@@ -1,7 +1,8 @@
 //! `keel local`: a whole Keel cluster of real processes on this machine. Starts
 //! `keel-coordinator` and N `keel-worker`s (found next to this executable) on 127.0.0.1 with
 //! free ports, submits the job, shows its progress, pulls the final checkpoint, and stops the
-//! processes, also on error or Ctrl-C.
+//! processes, also on error or Ctrl-C. The cluster gets a fresh random token, written to
+//! `keel.token` (mode 600) in the work folder and given to every process.
 
 use crate::client::{finished_ok, submit};
 use crate::{pull, watch};
@@ -108,6 +109,11 @@ fn spawn(
     let log = std::fs::File::create(logs.join(format!("{name}.log")))?;
     let child = Command::new(exe)
         .args(args)
+        // The local cluster is plaintext on 127.0.0.1: TLS settings meant for another
+        // cluster must not leak into its processes.
+        .env_remove("KEEL_TLS_CERT")
+        .env_remove("KEEL_TLS_KEY")
+        .env_remove("KEEL_TLS_CA")
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -147,6 +153,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     let logs = root.join("logs");
     std::fs::create_dir_all(&logs)?;
+    let token_path = root.join("keel.token");
+    // A token left by an earlier run in a reused --work-dir is replaced: each cluster its own.
+    match std::fs::remove_file(&token_path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(e).with_context(|| format!("removing {}", token_path.display()));
+        }
+        _ => {}
+    }
+    let token = keel_proto::auth::ClusterToken::create_file(&token_path)?;
+    let security = keel_proto::security::ClientSecurity::new(&token, None);
     let job_path = root.join("job.toml");
     std::fs::write(&job_path, spec.to_toml_string()?)?;
 
@@ -168,10 +184,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             coord_addr.clone(),
             "--data-dir".into(),
             root.join("coordinator").display().to_string(),
+            "--token-file".into(),
+            token_path.display().to_string(),
         ],
         &logs,
     )?;
-    let mut client = crate::client::connect(&coord_addr)?;
+    let mut client = crate::client::connect_with(&coord_addr, &security)?;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         cluster.check_alive(&logs)?;
@@ -203,6 +221,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 threads.to_string(),
                 "--cache-dir".into(),
                 root.join(format!("worker-{i}")).display().to_string(),
+                "--token-file".into(),
+                token_path.display().to_string(),
             ],
             &logs,
         )?;

@@ -35,6 +35,13 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // Warnings only (e.g. a token file others can read); progress is the commands' own output.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("warn"))
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .init();
     match cli.command {
         Command::Prepare(args) => prepare::run(args),
         Command::Inspect(args) => inspect::run(args),

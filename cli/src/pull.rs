@@ -9,7 +9,6 @@ use keel_proto::rpc::{FileChunk, GetJobRequest, PullCheckpointRequest};
 use sha2::{Digest, Sha256};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use tonic::transport::Channel;
 
 /// Arguments of `keel pull`.
 #[derive(clap::Args, Debug)]
@@ -31,7 +30,7 @@ pub struct Args {
 /// Errors: no such job or checkpoint, a checksum mismatch, or `out` exists and is not an
 /// earlier pull (no manifest.json in it).
 pub async fn pull(
-    client: &mut CoordinatorClient<Channel>,
+    client: &mut CoordinatorClient<keel_proto::auth::AuthChannel>,
     job: &str,
     step: Option<u64>,
     out: &Path,

@@ -6,14 +6,13 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{GetJobRequest, JobState, JobStatus};
-use tonic::transport::Channel;
 
 /// Follows `job` until it ends and returns its last status. With `bar`, draws a progress bar
 /// on stderr (hidden when stderr is not a terminal); without, prints nothing.
 ///
 /// Errors: the job is unknown or the stream breaks.
 pub async fn watch(
-    client: &mut CoordinatorClient<Channel>,
+    client: &mut CoordinatorClient<keel_proto::auth::AuthChannel>,
     job: &str,
     bar: bool,
 ) -> anyhow::Result<JobStatus> {

@@ -19,6 +19,10 @@ struct Args {
     /// Log filter (tracing `EnvFilter` syntax).
     #[arg(long, env = "KEEL_LOG", default_value = "info")]
     log: String,
+    #[command(flatten)]
+    token: keel_proto::auth::TokenArgs,
+    #[command(flatten)]
+    tls: keel_proto::tls::ServerTlsArgs,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -28,14 +32,16 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    let security = keel_proto::security::ServerSecurity::new(args.token.load()?, args.tls.load()?);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind(&args.listen)
             .await
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
-        tracing::info!(addr = %listener.local_addr()?, data_dir = %args.data_dir.display(), "coordinator listening");
+        tracing::info!(addr = %listener.local_addr()?, data_dir = %args.data_dir.display(), tls = security.is_tls(), "coordinator listening");
         let config = keel_coordinator::Config {
             data_dir: args.data_dir,
+            security,
         };
         keel_coordinator::run(config, listener, keel_proto::admin::shutdown_signal()).await?;
         Ok(())

@@ -7,6 +7,7 @@ use crate::service::CoordinatorService;
 use crate::state::Shared;
 use keel_proto::protocol::MAX_MESSAGE_BYTES;
 use keel_proto::rpc::coordinator_server::CoordinatorServer;
+use keel_proto::security::ServerSecurity;
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,6 +20,8 @@ use tokio_stream::wrappers::TcpListenerStream;
 pub struct Config {
     /// Folder for jobs (`jobs/job-N/`: prepared data, shards, metrics, checkpoints).
     pub data_dir: PathBuf,
+    /// The cluster token every call but health must carry, and TLS when configured.
+    pub security: ServerSecurity,
 }
 
 /// Serves the coordinator on `listener` until `shutdown` resolves, then stops within ~2 s
@@ -47,13 +50,16 @@ pub async fn run(
     let (health_reporter, health, reflection) =
         keel_proto::admin::admin_services::<CoordinatorServer<CoordinatorService>>().await?;
     let (server_stop_tx, server_stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tonic::transport::Server::builder()
+    let server = config
+        .security
+        .server()?
         .initial_stream_window_size(Some(16 << 20))
         .initial_connection_window_size(Some(32 << 20))
         .max_frame_size(Some(1 << 20))
+        // Health stays open (probes cannot send a token; it reveals and does nothing).
         .add_service(health)
-        .add_service(reflection)
-        .add_service(service)
+        .add_service(config.security.require(reflection))
+        .add_service(config.security.require(service))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
             let _ = server_stop_rx.await;
         });

@@ -1,14 +1,16 @@
 //! The coordinator's gRPC service in-process on 127.0.0.1: job submission and validation,
 //! cancellation ending a watch, worker registration and heartbeats.
 
+use keel_proto::auth::{AuthChannel, ClusterToken};
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::*;
+use keel_proto::security::{ClientSecurity, ServerSecurity};
 use std::time::Duration;
 use tonic::transport::Channel;
 
 /// A coordinator on a free port over a temporary data folder; stopped when the sender drops.
 async fn start() -> (
-    CoordinatorClient<Channel>,
+    CoordinatorClient<AuthChannel>,
     tokio::sync::oneshot::Sender<()>,
     tempfile::TempDir,
 ) {
@@ -16,8 +18,10 @@ async fn start() -> (
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let token = ClusterToken::create_file(&dir.path().join("keel.token")).unwrap();
     let config = keel_coordinator::Config {
         data_dir: dir.path().to_path_buf(),
+        security: ServerSecurity::new(token.clone(), None),
     };
     tokio::spawn(keel_coordinator::run(config, listener, async move {
         let _ = rx.await;
@@ -27,7 +31,8 @@ async fn start() -> (
         .connect()
         .await
         .unwrap();
-    (CoordinatorClient::new(channel), tx, dir)
+    let client = ClientSecurity::new(&token, None).wrap(channel);
+    (CoordinatorClient::new(client), tx, dir)
 }
 
 fn job_toml(extra_train: &str) -> String {

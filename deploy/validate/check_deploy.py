@@ -32,7 +32,7 @@ import yaml
 
 # The programs' documented command lines (issue 5); `keel` is keyed by subcommand.
 CONTRACT_FLAGS: dict[str, set[str]] = {
-    "keel-coordinator": {"--listen", "--data-dir", "--token-file", "--log"},
+    "keel-coordinator": {"--listen", "--data-dir", "--token-file", "--tls-cert", "--tls-key", "--log"},
     "keel-worker": {
         "--coordinator",
         "--listen",
@@ -40,6 +40,9 @@ CONTRACT_FLAGS: dict[str, set[str]] = {
         "--threads",
         "--cache-dir",
         "--token-file",
+        "--tls-cert",
+        "--tls-key",
+        "--tls-ca",
         "--log",
     },
     "keel submit": set(),
@@ -59,6 +62,9 @@ CONTRACT_ENV = {
     "KEEL_THREADS",
     "KEEL_CACHE_DIR",
     "KEEL_TOKEN_FILE",
+    "KEEL_TLS_CERT",  # optional TLS: server certificate chain (PEM)
+    "KEEL_TLS_KEY",  # its private key
+    "KEEL_TLS_CA",  # the CA clients trust
     "KEEL_LOG",  # the log filter (tracing EnvFilter syntax)
 }
 # KEEL_* names the deployment files define for themselves, never read by a binary.
@@ -705,8 +711,9 @@ def free_port() -> int:
 
 
 def check_health(bin_dir: Path, rep: Report) -> None:
-    """Kubernetes' grpc probes (deploy/k8s) call grpc.health.v1.Health/Check: both servers must
-    answer SERVING. Starts a coordinator and a worker on 127.0.0.1 and asks them."""
+    """Kubernetes' grpc probes (deploy/k8s) call grpc.health.v1.Health/Check without a token: both
+    servers must answer SERVING, and refuse Keel's own calls without the cluster token. Starts a
+    coordinator and a worker on 127.0.0.1 (with a fresh token) and asks them."""
     import tempfile
     import time
 
@@ -715,15 +722,20 @@ def check_health(bin_dir: Path, rep: Report) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         cport, wport = free_port(), free_port()
+        token = os.path.join(tmp, "keel.token")
+        with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(os.urandom(32).hex() + "\n")
         logs = {n: open(os.path.join(tmp, f"{n}.log"), "w") for n in ("coordinator", "worker")}
         procs = {
             "coordinator": subprocess.Popen(
-                [str(bin_dir / "keel-coordinator"), "--listen", f"127.0.0.1:{cport}", "--data-dir", f"{tmp}/data"],
+                [str(bin_dir / "keel-coordinator"), "--listen", f"127.0.0.1:{cport}", "--data-dir", f"{tmp}/data",
+                 "--token-file", token],
                 stdout=logs["coordinator"], stderr=subprocess.STDOUT,
             ),
             "worker": subprocess.Popen(
                 [str(bin_dir / "keel-worker"), "--coordinator", f"127.0.0.1:{cport}", "--listen", f"127.0.0.1:{wport}",
-                 "--advertise-addr", f"127.0.0.1:{wport}", "--threads", "1", "--cache-dir", f"{tmp}/cache"],
+                 "--advertise-addr", f"127.0.0.1:{wport}", "--threads", "1", "--cache-dir", f"{tmp}/cache",
+                 "--token-file", token],
                 stdout=logs["worker"], stderr=subprocess.STDOUT,
             ),
         }  # fmt: skip
@@ -745,6 +757,22 @@ def check_health(bin_dir: Path, rep: Report) -> None:
                     status == "SERVING",
                     f"keel-{name} answers grpc.health.v1.Health/Check with SERVING (Kubernetes' grpc probes)",
                     f"got {status}",
+                )
+            # Everything but health needs the token: a Keel call without one is refused.
+            for name, port, method in (
+                ("coordinator", cport, "/keel.v1.Coordinator/Ping"),
+                ("worker", wport, "/keel.ring.v1.Ring/Push"),
+            ):
+                try:
+                    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                        ch.unary_unary(method)(b"", timeout=3)
+                    code = "OK"
+                except grpc.RpcError as e:
+                    code = e.code().name
+                rep.check(
+                    code == "UNAUTHENTICATED",
+                    f"keel-{name} refuses {method} without the cluster token (UNAUTHENTICATED)",
+                    f"got {code}",
                 )
         finally:
             for p in procs.values():

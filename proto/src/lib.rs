@@ -10,6 +10,8 @@
 //!   sequences are split among workers.
 //! - `jobspec`, `checkpoint`: the job file (TOML) and the checkpoint folder.
 //! - `protocol`: the control-plane protocol as numbered steps, and its timeouts.
+//! - `auth`, `tls`, `security`: the cluster token every call carries, optional TLS, and both
+//!   bundled for servers and clients.
 
 /// gRPC messages and services generated from `proto/keel.proto` (control plane).
 pub mod rpc {
@@ -26,12 +28,15 @@ pub mod ring_rpc {
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("keel_descriptor");
 
 pub mod admin;
+pub mod auth;
 pub mod checkpoint;
 pub mod config;
 pub mod jobspec;
 pub mod params;
 pub mod protocol;
+pub mod security;
 pub mod shard;
 pub mod split;
+pub mod tls;
 pub mod tokenizer;
 pub mod weights;

@@ -1,15 +1,16 @@
 //! The worker's calls to the coordinator that move files: fetching its shard and the job's
 //! files into the cache (verified by sha256), and uploading a checkpoint folder.
 
+use keel_proto::auth::AuthChannel;
 use keel_proto::checkpoint::{check_plain_name, sha256_file};
 use keel_proto::protocol::{FILE_CHUNK_BYTES, MAX_MESSAGE_BYTES};
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{FetchFileRequest, FileChunk, JobFile, TrainingKey};
+use keel_proto::security::ClientSecurity;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tonic::transport::{Channel, Endpoint};
 
 /// Errors moving files between the worker and the coordinator.
 #[derive(Debug, thiserror::Error)]
@@ -60,28 +61,30 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TransferError + '_ {
     }
 }
 
-/// A client for `addr` (host:port) with Keel's message limits and HTTP/2 windows. Connects
-/// lazily; calls fail with `UNAVAILABLE` while the coordinator is down.
+/// A client for `addr` (host:port) with Keel's message limits and HTTP/2 windows, sending the
+/// cluster token on every call, over TLS when `security` says so. Connects lazily; calls fail
+/// with `UNAVAILABLE` while the coordinator is down, `UNAUTHENTICATED` with a wrong token.
 ///
 /// Errors: [`TransferError::Connect`] for a malformed address.
-pub fn coordinator_client(addr: &str) -> Result<CoordinatorClient<Channel>, TransferError> {
-    let url = if addr.starts_with("http://") || addr.starts_with("https://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
-    };
-    let endpoint = Endpoint::from_shared(url)
+pub fn coordinator_client(
+    addr: &str,
+    security: &ClientSecurity,
+) -> Result<CoordinatorClient<AuthChannel>, TransferError> {
+    let endpoint = security
+        .endpoint(addr)
         .map_err(|e| TransferError::Connect {
             addr: addr.to_string(),
-            reason: e.to_string(),
+            reason: e.reason,
         })?
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true)
         .initial_stream_window_size(Some(16 << 20))
         .initial_connection_window_size(Some(32 << 20));
-    Ok(CoordinatorClient::new(endpoint.connect_lazy())
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES))
+    Ok(
+        CoordinatorClient::new(security.wrap(endpoint.connect_lazy()))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+    )
 }
 
 /// Fetches `file` into `cache_dir/files/<sha256>` unless it is already there with the right
@@ -91,7 +94,7 @@ pub fn coordinator_client(addr: &str) -> Result<CoordinatorClient<Channel>, Tran
 /// Errors: [`TransferError::Rpc`], [`TransferError::Checksum`], [`TransferError::Io`],
 /// [`TransferError::Protocol`].
 pub async fn fetch_cached(
-    client: &mut CoordinatorClient<Channel>,
+    client: &mut CoordinatorClient<AuthChannel>,
     key: &TrainingKey,
     worker_id: &str,
     file: &JobFile,
@@ -180,7 +183,7 @@ use keel_proto::checkpoint::hex;
 /// Errors: [`TransferError::Io`] reading the files, [`TransferError::Rpc`] if the coordinator
 /// refuses or the stream breaks.
 pub async fn upload_dir(
-    client: &mut CoordinatorClient<Channel>,
+    client: &mut CoordinatorClient<AuthChannel>,
     key: &TrainingKey,
     dir: &Path,
 ) -> Result<(), TransferError> {

@@ -6,12 +6,14 @@ use crate::client::coordinator_client;
 use crate::control::{JobControl, StopReason};
 use crate::replica::HeldReplica;
 use crate::trainer::{self, JobContext};
+use keel_proto::auth::AuthChannel;
 use keel_proto::ring_rpc::ring_server::RingServer;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{
     AttachRequest, DoneReport, FailureReport, HeartbeatRequest, HeldReport, RegisterRequest,
     StartJob, TrainingKey, worker_command,
 };
+use keel_proto::security::{ClientSecurity, ServerSecurity};
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,7 +21,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
-use tonic::transport::Channel;
 
 /// Settings of a worker process.
 #[derive(clap::Args, Debug, Clone)]
@@ -42,6 +43,12 @@ pub struct Args {
     /// Log filter (tracing `EnvFilter` syntax).
     #[arg(long, env = "KEEL_LOG", default_value = "info")]
     pub log: String,
+    #[command(flatten)]
+    pub token: keel_proto::auth::TokenArgs,
+    #[command(flatten)]
+    pub server_tls: keel_proto::tls::ServerTlsArgs,
+    #[command(flatten)]
+    pub client_tls: keel_proto::tls::ClientTlsArgs,
     /// Fault injection for tests: this worker's loss is NaN at this 0-based step of every job.
     #[arg(long, hide = true)]
     pub fault_nan_at_step: Option<u64>,
@@ -58,6 +65,10 @@ pub struct Config {
     pub threads: usize,
     /// Cache folder.
     pub cache_dir: PathBuf,
+    /// What the ring server requires (token, TLS).
+    pub server_security: ServerSecurity,
+    /// How this worker calls the coordinator and its ring peers (token, TLS).
+    pub client_security: ClientSecurity,
     /// Fault injection for tests (see [`Args::fault_nan_at_step`]).
     pub fault_nan_at_step: Option<u64>,
 }
@@ -96,6 +107,8 @@ pub fn main(args: Args) -> anyhow::Result<()> {
             "--advertise-addr (or KEEL_ADVERTISE_ADDR) is required: the host:port other workers reach this one at"
         );
     };
+    let (server_security, client_security) =
+        keel_proto::security::worker_security(&args.token, &args.server_tls, &args.client_tls)?;
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
@@ -111,6 +124,8 @@ pub fn main(args: Args) -> anyhow::Result<()> {
             advertise_addr,
             threads,
             cache_dir: args.cache_dir.clone(),
+            server_security,
+            client_security,
             fault_nan_at_step: args.fault_nan_at_step,
         };
         run(config, listener, keel_proto::admin::shutdown_signal()).await?;
@@ -132,20 +147,22 @@ pub async fn run(
         source,
     })?;
     crate::model::set_blas_threads(config.threads);
-    let mailbox = Mailbox::new();
+    let mailbox = Mailbox::with_peer_security(config.client_security.clone());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut server_stop = stop_rx.clone();
     let (health_reporter, health, reflection) =
         keel_proto::admin::admin_services::<RingServer<RingService>>().await?;
-    let server = tune_server(tonic::transport::Server::builder())
+    let security = &config.server_security;
+    let server = tune_server(security.server()?)
+        // Health stays open (probes cannot send a token; it reveals and does nothing).
         .add_service(health)
-        .add_service(reflection)
-        .add_service(ring_service(mailbox.clone()))
+        .add_service(security.require(reflection))
+        .add_service(security.require(ring_service(mailbox.clone())))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
             let _ = server_stop.wait_for(|s| *s).await;
         });
     let server = tokio::spawn(server);
-    let client = coordinator_client(&config.coordinator)?;
+    let client = coordinator_client(&config.coordinator, &config.client_security)?;
     let sessions = tokio::spawn(sessions(config, client, mailbox, stop_rx));
     shutdown.await;
     keel_proto::admin::mark_not_serving(&health_reporter).await;
@@ -238,7 +255,7 @@ impl WorkerState {
 /// Registers and serves one coordinator session after another until stopped.
 async fn sessions(
     config: Config,
-    client: CoordinatorClient<Channel>,
+    client: CoordinatorClient<AuthChannel>,
     mailbox: Arc<Mailbox>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -252,6 +269,14 @@ async fn sessions(
             result = session(&config, client.clone(), mailbox.clone(), state.clone()) => {
                 match result {
                     Ok(()) => backoff = Duration::from_millis(100),
+                    Err(e) if e.code() == tonic::Code::Unauthenticated => {
+                        // A wrong token will not fix itself quickly: retry, but rarely.
+                        tracing::error!(
+                            "coordinator {} refused this worker: {}; check --token-file (KEEL_TOKEN_FILE); retrying in {:?}",
+                            config.coordinator, e.message(), backoff
+                        );
+                        backoff = (backoff * 2).min(Duration::from_secs(30));
+                    }
                     Err(e) => {
                         tracing::warn!("coordinator {}: {e}; retrying", config.coordinator);
                         backoff = (backoff * 2).min(Duration::from_secs(2));
@@ -279,7 +304,7 @@ async fn sessions(
 /// One registration: heartbeats plus the attach stream, until either fails.
 async fn session(
     config: &Config,
-    mut client: CoordinatorClient<Channel>,
+    mut client: CoordinatorClient<AuthChannel>,
     mailbox: Arc<Mailbox>,
     state: Arc<WorkerState>,
 ) -> Result<(), tonic::Status> {
@@ -364,7 +389,7 @@ async fn session(
 /// Starts the job of `start` on its own task (stopping any other job first: one at a time).
 fn start_job(
     config: &Config,
-    client: &CoordinatorClient<Channel>,
+    client: &CoordinatorClient<AuthChannel>,
     mailbox: &Arc<Mailbox>,
     state: &Arc<WorkerState>,
     start: StartJob,
@@ -405,7 +430,7 @@ fn start_job(
 
 /// Sends `ReportHeld` for `job_id` at `generation` (protocol step 14).
 async fn report_held(
-    client: &mut CoordinatorClient<Channel>,
+    client: &mut CoordinatorClient<AuthChannel>,
     state: &WorkerState,
     job_id: &str,
     generation: u64,
@@ -428,7 +453,7 @@ async fn report_held(
 
 /// Heartbeats every `interval`; returns when the coordinator no longer knows this worker.
 async fn heartbeat_loop(
-    mut client: CoordinatorClient<Channel>,
+    mut client: CoordinatorClient<AuthChannel>,
     worker_id: String,
     state: Arc<WorkerState>,
     interval: Duration,

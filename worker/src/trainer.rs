@@ -8,6 +8,7 @@ use crate::control::JobControl;
 use crate::replica::Replica;
 use crate::ringlink::RingLink;
 use crate::step::{Event, InitialState, TrainError, TrainSetup};
+use keel_proto::auth::AuthChannel;
 use keel_proto::config::BertConfig;
 use keel_proto::jobspec::JobSpec;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
@@ -16,13 +17,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
-use tonic::transport::Channel;
 
 /// What a job needs from the worker process.
 #[derive(Clone)]
 pub struct JobContext {
     /// The coordinator.
-    pub client: CoordinatorClient<Channel>,
+    pub client: CoordinatorClient<AuthChannel>,
     /// This worker's id.
     pub worker_id: String,
     /// Where files are cached and checkpoints staged.
@@ -257,7 +257,7 @@ async fn prepare_and_train(
 /// (the final one) could not be uploaded, that is the job's error: the next generation
 /// uploads it again (`StartJob.checkpoint_first`).
 async fn report_events(
-    mut client: CoordinatorClient<Channel>,
+    mut client: CoordinatorClient<AuthChannel>,
     key: TrainingKey,
     mut events: tokio::sync::mpsc::UnboundedReceiver<Event>,
 ) -> Result<(), JobError> {

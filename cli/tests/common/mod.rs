@@ -1,11 +1,36 @@
 //! Helpers shared by the end-to-end tests: the built binaries, job files, real processes on
-//! 127.0.0.1 that are killed when dropped.
+//! 127.0.0.1 that are killed when dropped. Every process started here gets the test cluster
+//! token ([`token_file`]) through `KEEL_TOKEN_FILE`.
 
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+
+/// The token file every process of the tests' clusters uses (mode 600), made once per test
+/// binary in a temporary folder that lives as long as the process.
+pub fn token_file() -> &'static Path {
+    static TOKEN: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    let (_dir, path) = TOKEN.get_or_init(|| {
+        let dir = tempfile::Builder::new()
+            .prefix("keel-e2e-token-")
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join("keel.token");
+        keel_proto::auth::ClusterToken::create_file(&path).unwrap();
+        (dir, path)
+    });
+    path
+}
+
+/// A `Command` for `exe` with the test cluster token in its environment.
+pub fn command(exe: &Path) -> Command {
+    let mut c = Command::new(exe);
+    c.env("KEEL_TOKEN_FILE", token_file());
+    c
+}
 
 /// The `keel` binary under test.
 pub fn keel() -> PathBuf {
@@ -144,7 +169,7 @@ peer_timeout_seconds = {timeout}
 
 /// Runs `keel ARGS` to completion (with a generous bound) and returns its output.
 pub fn run_keel(args: &[&str], cwd: &Path) -> Output {
-    let out = Command::new(keel())
+    let out = command(&keel())
         .args(args)
         .current_dir(cwd)
         .stdin(Stdio::null())
@@ -199,7 +224,7 @@ impl Proc {
     pub fn spawn(name: &str, exe: &Path, args: &[String], logs: &Path) -> Proc {
         let log = logs.join(format!("{name}.log"));
         let file = std::fs::File::create(&log).unwrap();
-        let child = Command::new(exe)
+        let child = command(exe)
             .args(args)
             .stdin(Stdio::null())
             .stdout(file.try_clone().unwrap())
@@ -229,6 +254,11 @@ pub fn free_port() -> u16 {
 
 /// A coordinator process on a free port; returns it and its address.
 pub fn start_coordinator(root: &Path) -> (Proc, String) {
+    start_coordinator_with(root, &[])
+}
+
+/// A coordinator process on a free port with `extra` flags (TLS); returns it and its address.
+pub fn start_coordinator_with(root: &Path, extra: &[String]) -> (Proc, String) {
     let addr = format!("127.0.0.1:{}", free_port());
     let logs = root.join("logs");
     std::fs::create_dir_all(&logs).unwrap();
@@ -236,11 +266,15 @@ pub fn start_coordinator(root: &Path) -> (Proc, String) {
         "coordinator",
         &sibling("keel-coordinator"),
         &[
-            "--listen".into(),
+            "--listen".to_string(),
             addr.clone(),
             "--data-dir".into(),
             root.join("coordinator").display().to_string(),
-        ],
+        ]
+        .iter()
+        .cloned()
+        .chain(extra.iter().cloned())
+        .collect::<Vec<String>>(),
         &logs,
     );
     (p, addr)
@@ -248,12 +282,23 @@ pub fn start_coordinator(root: &Path) -> (Proc, String) {
 
 /// A worker process on a free port, 1 thread; returns it and its advertise address.
 pub fn start_worker(root: &Path, coordinator: &str, i: usize) -> (Proc, String) {
+    start_worker_with(root, coordinator, i, &[])
+}
+
+/// A worker process on a free port, 1 thread, with `extra` flags (TLS, another token file);
+/// returns it and its advertise address.
+pub fn start_worker_with(
+    root: &Path,
+    coordinator: &str,
+    i: usize,
+    extra: &[String],
+) -> (Proc, String) {
     let addr = format!("127.0.0.1:{}", free_port());
     let p = Proc::spawn(
         &format!("worker-{i}"),
         &sibling("keel-worker"),
         &[
-            "--coordinator".into(),
+            "--coordinator".to_string(),
             coordinator.into(),
             "--listen".into(),
             addr.clone(),
@@ -263,7 +308,11 @@ pub fn start_worker(root: &Path, coordinator: &str, i: usize) -> (Proc, String) 
             "1".into(),
             "--cache-dir".into(),
             root.join(format!("worker-{i}")).display().to_string(),
-        ],
+        ]
+        .iter()
+        .cloned()
+        .chain(extra.iter().cloned())
+        .collect::<Vec<String>>(),
         &root.join("logs"),
     );
     (p, addr)

@@ -8,11 +8,11 @@
 
 use std::collections::VecDeque;
 
+use keel_proto::auth::AuthChannel;
 use keel_proto::ring_rpc::ring_client::RingClient;
 use keel_proto::ring_rpc::{PushAck, RingFrame};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 /// Result of pushing one frame: accepted, or the receiver's (or transport's) status.
@@ -32,7 +32,7 @@ pub(crate) struct LinkStream {
 
 impl LinkStream {
     /// Starts the background task for `client` (one connection). Needs a tokio runtime.
-    pub(crate) fn spawn(client: RingClient<Channel>) -> LinkStream {
+    pub(crate) fn spawn(client: RingClient<AuthChannel>) -> LinkStream {
         let (tx, rx) = mpsc::unbounded_channel();
         tokio::spawn(run(client, rx));
         LinkStream { tx }
@@ -61,7 +61,7 @@ fn ack_to_result(ack: PushAck) -> Ack {
 }
 
 /// The background task: one call at a time, re-opened after a failure when a frame comes.
-async fn run(mut client: RingClient<Channel>, mut rx: mpsc::UnboundedReceiver<Outbound>) {
+async fn run(mut client: RingClient<AuthChannel>, mut rx: mpsc::UnboundedReceiver<Outbound>) {
     let mut next: Option<Outbound> = None;
     loop {
         let first = match next.take() {

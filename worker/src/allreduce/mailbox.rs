@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use keel_proto::ring_rpc::RingFrame;
+use keel_proto::security::ClientSecurity;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use super::error::{AllReduceError, FrameRejected};
@@ -36,6 +37,9 @@ pub struct Mailbox {
     budget: Arc<Semaphore>,
     /// Total of `budget`, bytes.
     capacity_bytes: usize,
+    /// How [`super::Ring::connect`] calls the right neighbour (cluster token, TLS): the
+    /// worker's ring identity, set once when the worker starts.
+    peer_security: ClientSecurity,
 }
 
 /// What the mailbox knows, behind its lock.
@@ -116,12 +120,29 @@ impl Mailbox {
     /// A mailbox holding at most `capacity_bytes` of frames (raised to [`MAX_FRAME_BYTES`] if
     /// smaller, so any valid frame fits).
     pub fn with_capacity(capacity_bytes: usize) -> Arc<Mailbox> {
+        Self::build(capacity_bytes, ClientSecurity::without_token())
+    }
+
+    /// A mailbox of [`DEFAULT_CAPACITY_BYTES`] whose rings call the right neighbour with
+    /// `peer_security` (the cluster token, TLS): what a worker process uses. [`Mailbox::new`]
+    /// and [`Mailbox::with_capacity`] call without a token, for servers that ask none.
+    pub fn with_peer_security(peer_security: ClientSecurity) -> Arc<Mailbox> {
+        Self::build(DEFAULT_CAPACITY_BYTES, peer_security)
+    }
+
+    fn build(capacity_bytes: usize, peer_security: ClientSecurity) -> Arc<Mailbox> {
         let capacity_bytes = capacity_bytes.clamp(MAX_FRAME_BYTES, Semaphore::MAX_PERMITS);
         Arc::new(Mailbox {
             state: Mutex::new(State::default()),
             budget: Arc::new(Semaphore::new(capacity_bytes)),
             capacity_bytes,
+            peer_security,
         })
+    }
+
+    /// How rings joined through this mailbox call their right neighbour.
+    pub fn peer_security(&self) -> &ClientSecurity {
+        &self.peer_security
     }
 
     /// Bytes of frames currently held (buffered or not yet consumed).

@@ -25,7 +25,6 @@ use keel_proto::ring_rpc::ring_client::RingClient;
 use super::link::LinkStream;
 use tokio::time::{Instant, sleep, sleep_until, timeout_at};
 use tonic::Code;
-use tonic::transport::Endpoint;
 
 use super::error::AllReduceError;
 use super::mailbox::{InboundFrame, MAX_FRAME_BYTES, Mailbox};
@@ -153,8 +152,10 @@ impl Ring {
                 bucket: 0,
                 reason,
             };
-            let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-                .map_err(|e| unreachable(format!("bad address: {e}")))?
+            let security = mailbox.peer_security().clone();
+            let endpoint = security
+                .endpoint(addr)
+                .map_err(|e| unreachable(format!("bad address: {}", e.reason)))?
                 .connect_timeout(cfg.timeout)
                 .tcp_nodelay(true)
                 .initial_stream_window_size(STREAM_WINDOW_BYTES)
@@ -181,7 +182,7 @@ impl Ring {
                     }
                 };
                 right.push(LinkStream::spawn(
-                    RingClient::new(channel)
+                    RingClient::new(security.wrap(channel))
                         .max_decoding_message_size(MAX_MESSAGE_BYTES)
                         .max_encoding_message_size(MAX_MESSAGE_BYTES),
                 ));
