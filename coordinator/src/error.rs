@@ -91,6 +91,10 @@ impl From<CoordinatorError> for tonic::Status {
             | CoordinatorError::BadRequest(_)
             | CoordinatorError::Weights(_) => Status::invalid_argument(msg),
             CoordinatorError::Stale { .. } => Status::failed_precondition(msg),
+            // A file name with a directory part is a malformed request, not lost data.
+            CoordinatorError::Checkpoint(keel_proto::checkpoint::CheckpointError::BadName {
+                ..
+            }) => Status::invalid_argument(msg),
             CoordinatorError::Checkpoint(_) => Status::data_loss(msg),
             CoordinatorError::Io { .. }
             | CoordinatorError::Prepare { .. }

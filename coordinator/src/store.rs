@@ -54,6 +54,13 @@ where
             {
                 let mut reg = shared.lock();
                 let job = reg.check_key(Some(&k))?;
+                if job.is_finished() {
+                    // A finished job's checkpoints are final: nothing may replace them.
+                    return Err(CoordinatorError::Stale {
+                        job_id: k.job_id.clone(),
+                        message: "the job has ended: it takes no more checkpoints".into(),
+                    });
+                }
                 job_dir = job.dir.clone();
             }
             let parent = job_dir.join("checkpoints");
