@@ -549,7 +549,7 @@ async fn rpcs_on_a_waiting_job(client: &mut Coord, root: &Path, corpus: &Path) {
             result,
             Code::InvalidArgument,
             &[
-                MODEL_FILE,
+                &format!("checkpoint upload of step {step}: {MODEL_FILE}: "),
                 "bert.encoder.layer.1.output.dense.weight has 3 non-finite values",
             ],
         );
@@ -565,7 +565,10 @@ async fn rpcs_on_a_waiting_job(client: &mut Coord, root: &Path, corpus: &Path) {
             &format!("upload with NaN optimizer state at step {step}"),
             result,
             Code::InvalidArgument,
-            &["optimizer.safetensors", "non-finite"],
+            &[
+                &format!("step {step}: optimizer.safetensors: "),
+                "non-finite",
+            ],
         );
     }
     assert_eq!(job_status(client, &id).await.checkpoints, vec![1]);
@@ -820,6 +823,25 @@ async fn ring_frames(addr: &str, id: &str, generation: u64) {
             frame(id, generation, 16, 4, 2),
             Code::InvalidArgument,
             "outside",
+        ),
+        (
+            "unknown bucket of a past step",
+            RingFrame {
+                step: 0,
+                bucket: 777,
+                ..frame(id, generation, 16, 4, 0)
+            },
+            Code::InvalidArgument,
+            "bucket 777",
+        ),
+        (
+            "a step out of reach",
+            RingFrame {
+                step: 1000,
+                ..frame(id, generation, 16, 4, 0)
+            },
+            Code::InvalidArgument,
+            "step 1000",
         ),
         (
             "finished all-reduce",

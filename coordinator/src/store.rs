@@ -14,7 +14,7 @@ use futures::{Stream, StreamExt};
 use keel_proto::checkpoint::{MODEL_FILE, OPTIMIZER_FILE, check_plain_name, commit_dir};
 use keel_proto::rpc::{FileChunk, TrainingKey};
 use keel_proto::tokenizer::KeelTokenizer;
-use keel_proto::weights::check_finite;
+use keel_proto::weights::check_finite_bytes;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -141,7 +141,9 @@ where
         for name in [MODEL_FILE, OPTIMIZER_FILE] {
             let path = dir.join(name);
             if path.is_file() {
-                check_finite(&path).map_err(|e| {
+                let bytes = std::fs::read(&path).map_err(CoordinatorError::io(&path))?;
+                let origin = format!("checkpoint upload of step {step}: {name}");
+                check_finite_bytes(&bytes, &origin).map_err(|e| {
                     tracing::warn!(job = %job_id, step, "checkpoint refused: {e}");
                     e
                 })?;
