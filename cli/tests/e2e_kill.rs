@@ -1,5 +1,6 @@
-//! A worker killed mid-job: the job fails within the peer timeout with an error naming the
-//! dead worker and the step; nothing hangs. A worker stopped by SIGTERM says so itself.
+//! A worker killed mid-job, with recovery off (`max_recoveries = 0`): the job fails within
+//! the peer timeout with an error naming the dead worker and the step; nothing hangs. A worker
+//! stopped by SIGTERM says so itself. (Recovery is tested in `recovery.rs`.)
 
 mod common;
 
@@ -33,6 +34,8 @@ fn start_running_job(peer_timeout_seconds: f64) -> RunningJob {
     job.checkpoint_every = 0;
     job.eval_every = 0;
     job.peer_timeout_seconds = peer_timeout_seconds;
+    // Recovery off: these tests are about detection and the failure message.
+    job.cluster_extra = "max_recoveries = 0".into();
     let job_path = job.write(root);
     let out = run_keel(
         &["submit", job_path.to_str().unwrap(), "--coordinator", &addr],

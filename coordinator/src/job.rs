@@ -58,6 +58,14 @@ pub struct Job {
     pub files: BTreeMap<String, PathBuf>,
     /// Watchers of the job's status (WatchJob streams).
     pub watch: watch::Sender<JobStatus>,
+    /// Sequences per step, fixed by the first generation (0 before it).
+    pub global_batch_size: u64,
+    /// Times the ring was re-formed after a loss.
+    pub recoveries: u64,
+    /// Steps whose update was skipped (non-finite), as rank 0 last reported.
+    pub skipped_steps: u64,
+    /// The new generation being formed, while the job is `RECOVERING`.
+    pub regroup: Option<crate::recovery::Regroup>,
 }
 
 impl Job {
@@ -82,6 +90,10 @@ impl Job {
             prepared: None,
             files: BTreeMap::new(),
             watch,
+            global_batch_size: 0,
+            recoveries: 0,
+            skipped_steps: 0,
+            regroup: None,
         };
         job.publish();
         job
@@ -114,7 +126,8 @@ impl Job {
             eval_loss: self.last_eval.as_ref().map_or(f64::NAN, |e| e.mlm_loss),
             eval_accuracy: self.last_eval.as_ref().map_or(f64::NAN, |e| e.mlm_accuracy),
             elapsed_seconds: self.submitted.elapsed().as_secs_f64(),
-            ..Default::default()
+            recoveries: self.recoveries,
+            skipped_steps: self.skipped_steps,
         }
     }
 

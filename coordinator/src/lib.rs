@@ -9,6 +9,7 @@
 //! - `state`: the registry of workers (membership) and jobs, behind one mutex.
 //! - `job`: one job's record and its `JobStatus` snapshot.
 //! - `scheduler`: the background loop: heartbeat timeouts, preparing queued jobs, forming rings.
+//! - `recovery`: a new generation after a lost worker or a restart (protocol step 14).
 //! - `prepare_job`: a job's data (via `data`), its model config and each rank's files.
 //! - `store`: the checkpoint store (upload, list, pull) in the job's folder.
 //! - `files`: streams a file as checksummed chunks.
@@ -20,6 +21,7 @@ pub mod error;
 pub mod files;
 pub mod job;
 pub mod prepare_job;
+pub mod recovery;
 pub mod scheduler;
 pub mod server;
 pub mod service;

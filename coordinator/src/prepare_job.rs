@@ -155,6 +155,7 @@ pub fn rank_files(
     job_dir: &Path,
     world_size: usize,
     rank: usize,
+    global_batch: u64,
 ) -> Result<Vec<(String, PathBuf, JobFile)>, CoordinatorError> {
     let fail = |message: String| CoordinatorError::Prepare {
         job_id: job_id.to_string(),
@@ -162,12 +163,12 @@ pub fn rank_files(
     };
     let data = crate::data::PreparedData::open(&prepared.data_dir)
         .map_err(|e| fail(format!("{}: {e}", prepared.data_dir.display())))?;
-    let plan = WorkerPlan::new(
+    let plan = WorkerPlan::with_global_batch(
         prepared.total_sequences,
+        global_batch,
         world_size as u32,
         rank as u32,
         spec.train.micro_batch_size as u32,
-        spec.train.gradient_accumulation_steps as u32,
     )
     .map_err(|e| fail(format!("data plan for rank {rank} of {world_size}: {e}")))?;
     let ranks_dir = job_dir.join("ranks");
@@ -179,20 +180,28 @@ pub fn rank_files(
     files.extend(prepared.shared_files.iter().cloned());
     files
         .into_iter()
-        .map(|(role, path)| {
-            let sha256 = sha256_file(&path)?;
-            let size = std::fs::metadata(&path)
-                .map_err(CoordinatorError::io(&path))?
-                .len();
-            // Names are unique per content: workers cache by them.
-            let name = format!("{role}-{}", &sha256[..16]);
-            let file = JobFile {
-                name: name.clone(),
-                role,
-                sha256,
-                size,
-            };
-            Ok((name, path, file))
-        })
+        .map(|(role, path)| job_file(role, path))
         .collect()
+}
+
+/// A file a worker fetches, as `(name, path, JobFile)`: its name is the role and the first
+/// 16 hex digits of its sha256 (unique per content: workers cache by it).
+///
+/// Errors: `Io` if unreadable.
+pub fn job_file(
+    role: String,
+    path: PathBuf,
+) -> Result<(String, PathBuf, JobFile), CoordinatorError> {
+    let sha256 = sha256_file(&path)?;
+    let size = std::fs::metadata(&path)
+        .map_err(CoordinatorError::io(&path))?
+        .len();
+    let name = format!("{role}-{}", &sha256[..16]);
+    let file = JobFile {
+        name: name.clone(),
+        role,
+        sha256,
+        size,
+    };
+    Ok((name, path, file))
 }

@@ -1,11 +1,13 @@
-//! The coordinator's background loop: declares silent workers dead, prepares queued jobs,
-//! and forms idle workers into a job's ring.
+//! The coordinator's background loop: declares silent or disconnected workers dead, prepares
+//! queued jobs, forms idle workers into a job's ring, and drives recoveries (`recovery`).
 
 use crate::job::PreparedJob;
 use crate::prepare_job;
+use crate::recovery;
 use crate::state::Shared;
 use keel_proto::protocol::{FILE_CHUNK_BYTES, HEARTBEAT_TIMEOUT};
-use keel_proto::rpc::{JobState, StartJob, TrainingKey, WorkerCommand, worker_command};
+use keel_proto::rpc::{JobState, StartJob, StateSource, TrainingKey, worker_command};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,11 +28,13 @@ pub async fn run(shared: Arc<Shared>, stop: impl std::future::Future<Output = ()
         }
         reap_dead_workers(&shared);
         start_preparing(&shared);
+        recovery::tick(&shared);
         assign_workers(&shared);
     }
 }
 
-/// Removes workers whose heartbeat is older than their timeout; fails the jobs they were in.
+/// Removes workers whose heartbeat is older than their timeout, or whose command stream
+/// closed; a job they were in recovers without them (or fails, see `recovery::begin`).
 fn reap_dead_workers(shared: &Arc<Shared>) {
     let mut reg = shared.lock();
     let mut dead = Vec::new();
@@ -42,19 +46,22 @@ fn reap_dead_workers(shared: &Arc<Shared>) {
             None => HEARTBEAT_TIMEOUT,
         };
         let silent = w.last_seen.elapsed();
-        if silent > timeout {
-            dead.push((w.id.clone(), w.describe(), w.job.clone(), w.step, silent));
+        if silent > timeout || w.disconnected {
+            let why = if w.disconnected {
+                "disconnected (its command stream closed)".to_string()
+            } else {
+                format!("sent no heartbeat for {:.1} s", silent.as_secs_f64())
+            };
+            dead.push((w.id.clone(), w.describe(), w.job.clone(), w.step, why));
         }
     }
-    for (id, describe, job, step, silent) in dead {
-        tracing::warn!(worker = %describe, "no heartbeat for {:.1} s: removing it", silent.as_secs_f64());
+    for (id, describe, job, step, why) in dead {
+        tracing::warn!(worker = %describe, "{why}: removing it");
         reg.workers.remove(&id);
         if let Some((job_id, rank)) = job {
-            let message = format!(
-                "worker {describe}, rank {rank}, sent no heartbeat for {:.1} s; its last reported step was {step}",
-                silent.as_secs_f64()
-            );
-            reg.end_job(&job_id, JobState::Failed, Some(message));
+            let message =
+                format!("worker {describe}, rank {rank}, {why}; its last reported step was {step}");
+            recovery::lost_worker(&mut reg, &job_id, &id, message);
         }
     }
 }
@@ -76,40 +83,55 @@ fn start_preparing(shared: &Arc<Shared>) {
         let Ok(job) = reg.job_mut(&id) else { continue };
         job.state = JobState::Preparing;
         job.publish();
-        let spec = job.spec.clone();
-        let dir = job.dir.clone();
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            tracing::info!(job = %id, "preparing data and model");
-            let id2 = id.clone();
-            let result =
-                tokio::task::spawn_blocking(move || prepare_job::prepare(&id2, &spec, &dir)).await;
-            let mut reg = shared.lock();
-            match result {
-                Ok(Ok(prepared)) => {
-                    if let Ok(job) = reg.job_mut(&id)
-                        && job.state == JobState::Preparing
-                    {
-                        tracing::info!(job = %id, sequences = prepared.total_sequences, "prepared");
-                        job.prepared = Some(Arc::new(prepared));
-                        job.state = JobState::WaitingForWorkers;
-                        job.publish();
-                    }
-                }
-                Ok(Err(e)) => reg.end_job(&id, JobState::Failed, Some(e.to_string())),
-                Err(e) => reg.end_job(
-                    &id,
-                    JobState::Failed,
-                    Some(format!("preparation panicked: {e}")),
-                ),
-            }
-            drop(reg);
-            shared.wake.notify_one();
-        });
+        spawn_prepare(shared, id, JobState::WaitingForWorkers);
     }
 }
 
-/// Gives waiting jobs (in submission order) idle, attached workers once `min_workers` are free.
+/// Prepares a job's data on a blocking thread; on success the job goes to `then` (from
+/// `PREPARING`, or stays `RECOVERING` for a job restored after a restart).
+pub fn spawn_prepare(shared: &Arc<Shared>, id: String, then: JobState) {
+    let Some((spec, dir)) = shared
+        .lock()
+        .jobs
+        .get(&id)
+        .map(|j| (j.spec.clone(), j.dir.clone()))
+    else {
+        return;
+    };
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        tracing::info!(job = %id, "preparing data and model");
+        let id2 = id.clone();
+        let result =
+            tokio::task::spawn_blocking(move || prepare_job::prepare(&id2, &spec, &dir)).await;
+        let mut reg = shared.lock();
+        match result {
+            Ok(Ok(prepared)) => {
+                if let Ok(job) = reg.job_mut(&id)
+                    && matches!(job.state, JobState::Preparing | JobState::Recovering)
+                {
+                    tracing::info!(job = %id, sequences = prepared.total_sequences, "prepared");
+                    job.prepared = Some(Arc::new(prepared));
+                    if job.state == JobState::Preparing {
+                        job.state = then;
+                    }
+                    job.publish();
+                }
+            }
+            Ok(Err(e)) => reg.end_job(&id, JobState::Failed, Some(e.to_string())),
+            Err(e) => reg.end_job(
+                &id,
+                JobState::Failed,
+                Some(format!("preparation panicked: {e}")),
+            ),
+        }
+        drop(reg);
+        shared.wake.notify_one();
+    });
+}
+
+/// Gives waiting jobs (in submission order) idle, attached workers once `min_workers` are
+/// free; with no job waiting, a running job below `max_workers` grows by a new generation.
 fn assign_workers(shared: &Arc<Shared>) {
     let mut reg = shared.lock();
     let waiting: Vec<String> = reg
@@ -122,79 +144,142 @@ fn assign_workers(shared: &Arc<Shared>) {
         })
         .cloned()
         .collect();
+    if waiting.is_empty() {
+        recovery::grow_running_jobs(&mut reg);
+        return;
+    }
     for id in waiting {
-        let mut idle: Vec<(u64, String)> = reg
-            .workers
-            .values()
-            .filter(|w| w.job.is_none() && w.commands.is_some())
-            .map(|w| (w.number, w.id.clone()))
-            .collect();
-        idle.sort();
+        let idle = recovery::idle_workers(&reg, &id);
         let Ok(job) = reg.job_mut(&id) else { continue };
         let (min, max) = (job.spec.cluster.min_workers, job.spec.cluster.max_workers);
         if idle.len() < min.max(1) {
             continue;
         }
-        let chosen: Vec<String> = idle.into_iter().take(max.max(1)).map(|(_, w)| w).collect();
-        job.generation += 1;
-        job.workers = chosen.clone();
-        job.done.clear();
-        job.state = JobState::Running;
-        let generation = job.generation;
         let Some(prepared) = job.prepared.clone() else {
             continue;
         };
-        let spec = job.spec.clone();
-        let dir = job.dir.clone();
-        let mut names = Vec::new();
-        let mut peers = Vec::new();
-        for (rank, wid) in chosen.iter().enumerate() {
-            if let Some(w) = reg.workers.get_mut(wid) {
-                w.job = Some((id.clone(), rank as u32));
-                w.step = 0;
-                names.push(w.describe());
-                peers.push(w.advertise_addr.clone());
-            }
-        }
-        if let Ok(job) = reg.job_mut(&id) {
-            job.worker_names = names.clone();
-            job.publish();
-        }
-        tracing::info!(job = %id, generation, world_size = chosen.len(), workers = ?names, "forming the ring");
-        let shared = shared.clone();
-        tokio::spawn(start_ranks(
-            shared, id, generation, spec, prepared, dir, chosen, peers,
-        ));
+        let chosen: Vec<String> = idle.into_iter().take(max.max(1)).collect();
+        job.generation += 1;
+        job.global_batch_size = job.spec.global_batch(chosen.len()) as u64;
+        let launch = Launch {
+            job_id: id.clone(),
+            generation: job.generation,
+            prepared,
+            workers: chosen,
+            start_step: 0,
+            source: StateSource::Init,
+            root_rank: 0,
+            global_batch: job.global_batch_size,
+            checkpoint_first: false,
+            state_files: Vec::new(),
+        };
+        launch_generation(shared, &mut reg, launch);
     }
 }
 
+/// One generation of a job to start: who, from which state, with which data split.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    /// The job.
+    pub job_id: String,
+    /// The generation being started.
+    pub generation: u64,
+    /// The job's prepared data.
+    pub prepared: Arc<PreparedJob>,
+    /// Worker ids in rank order.
+    pub workers: Vec<String>,
+    /// Steps already completed.
+    pub start_step: u64,
+    /// Where the ranks take the state from.
+    pub source: StateSource,
+    /// With `Memory`: the rank that broadcasts it.
+    pub root_rank: u32,
+    /// Sequences per step (the job's fixed `B`).
+    pub global_batch: u64,
+    /// Rank 0 uploads a checkpoint of `start_step` first.
+    pub checkpoint_first: bool,
+    /// `(role, path)` of state files (with `Checkpoint`), replacing a prepared file of the
+    /// same role.
+    pub state_files: Vec<(String, PathBuf)>,
+}
+
+/// Marks the job `RUNNING` with `launch.workers` and spawns the task that builds their files
+/// and sends each its `StartJob`. Call with the registry locked.
+pub fn launch_generation(shared: &Arc<Shared>, reg: &mut crate::state::Registry, launch: Launch) {
+    let id = launch.job_id.clone();
+    let mut names = Vec::new();
+    for (rank, wid) in launch.workers.iter().enumerate() {
+        if let Some(w) = reg.workers.get_mut(wid) {
+            w.job = Some((id.clone(), rank as u32));
+            w.step = launch.start_step;
+            w.holds = None;
+            names.push(w.describe());
+        }
+    }
+    let Ok(job) = reg.job_mut(&id) else { return };
+    job.workers = launch.workers.clone();
+    job.worker_names = names.clone();
+    job.done.clear();
+    job.regroup = None;
+    job.state = JobState::Running;
+    job.step = launch.start_step;
+    job.publish();
+    tracing::info!(
+        job = %id,
+        generation = launch.generation,
+        world_size = launch.workers.len(),
+        start_step = launch.start_step,
+        source = ?launch.source,
+        workers = ?names,
+        "forming the ring"
+    );
+    tokio::spawn(start_ranks(shared.clone(), launch));
+}
+
 /// Builds every rank's files, then sends each worker its `StartJob`.
-#[allow(clippy::too_many_arguments)]
-async fn start_ranks(
-    shared: Arc<Shared>,
-    job_id: String,
-    generation: u64,
-    spec: keel_proto::jobspec::JobSpec,
-    prepared: Arc<PreparedJob>,
-    dir: std::path::PathBuf,
-    workers: Vec<String>,
-    peers: Vec<String>,
-) {
-    let world = workers.len();
-    let (id2, spec2, prep2, dir2) = (job_id.clone(), spec.clone(), prepared.clone(), dir.clone());
+async fn start_ranks(shared: Arc<Shared>, launch: Launch) {
+    let Some((spec, dir)) = shared
+        .lock()
+        .jobs
+        .get(&launch.job_id)
+        .map(|j| (j.spec.clone(), j.dir.clone()))
+    else {
+        return;
+    };
+    let world = launch.workers.len();
+    let (l2, spec2, dir2) = (launch.clone(), spec.clone(), dir.clone());
     let built = tokio::task::spawn_blocking(move || {
+        let state_files = l2
+            .state_files
+            .iter()
+            .map(|(role, path)| prepare_job::job_file(role.clone(), path.clone()))
+            .collect::<Result<Vec<_>, _>>()?;
         (0..world)
-            .map(|rank| prepare_job::rank_files(&id2, &spec2, &prep2, &dir2, world, rank))
-            .collect::<Result<Vec<_>, _>>()
+            .map(|rank| {
+                let mut files = prepare_job::rank_files(
+                    &l2.job_id,
+                    &spec2,
+                    &l2.prepared,
+                    &dir2,
+                    world,
+                    rank,
+                    l2.global_batch,
+                )?;
+                files.retain(|(_, _, f)| !state_files.iter().any(|(_, _, s)| s.role == f.role));
+                files.extend(state_files.iter().cloned());
+                Ok(files)
+            })
+            .collect::<Result<Vec<_>, crate::CoordinatorError>>()
     })
     .await;
     let mut reg = shared.lock();
+    let job_id = &launch.job_id;
     let per_rank = match built {
         Ok(Ok(files)) => files,
-        Ok(Err(e)) => return reg.end_job(&job_id, JobState::Failed, Some(e.to_string())),
+        Ok(Err(e)) => return reg.end_job(job_id, JobState::Failed, Some(e.to_string())),
         Err(e) => {
             return reg.end_job(
-                &job_id,
+                job_id,
                 JobState::Failed,
                 Some(format!("shard task panicked: {e}")),
             );
@@ -202,12 +287,22 @@ async fn start_ranks(
     };
     let spec_json = match serde_json::to_string(&spec) {
         Ok(s) => s,
-        Err(e) => return reg.end_job(&job_id, JobState::Failed, Some(format!("spec: {e}"))),
+        Err(e) => return reg.end_job(job_id, JobState::Failed, Some(format!("spec: {e}"))),
     };
-    let Ok(job) = reg.job_mut(&job_id) else {
+    let peers: Vec<String> = launch
+        .workers
+        .iter()
+        .map(|w| {
+            reg.workers
+                .get(w)
+                .map(|w| w.advertise_addr.clone())
+                .unwrap_or_default()
+        })
+        .collect();
+    let Ok(job) = reg.job_mut(job_id) else {
         return;
     };
-    if job.generation != generation || job.state != JobState::Running {
+    if job.generation != launch.generation || job.state != JobState::Running {
         return;
     }
     for files in &per_rank {
@@ -217,43 +312,43 @@ async fn start_ranks(
     }
     let ring_timeout_ms = (spec.cluster.peer_timeout_seconds * 1000.0) as u64;
     let mut failed = None;
-    for (rank, (wid, files)) in workers.iter().zip(per_rank).enumerate() {
+    for (rank, (wid, files)) in launch.workers.iter().zip(per_rank).enumerate() {
         let start = StartJob {
             key: Some(TrainingKey {
                 job_id: job_id.clone(),
-                generation,
-                step: 0,
+                generation: launch.generation,
+                step: launch.start_step,
             }),
             rank: rank as u32,
             world_size: world as u32,
             peers: peers.clone(),
             spec_json: spec_json.clone(),
-            model_config_json: prepared.model_config_json.clone(),
-            total_sequences: prepared.total_sequences,
+            model_config_json: launch.prepared.model_config_json.clone(),
+            total_sequences: launch.prepared.total_sequences,
             files: files.into_iter().map(|(_, _, f)| f).collect(),
             streams_per_link: STREAMS_PER_LINK,
             frame_bytes: FILE_CHUNK_BYTES as u64,
             ring_timeout_ms,
-            ..Default::default()
-        };
-        let cmd = WorkerCommand {
-            command: Some(worker_command::Command::Start(start)),
+            start_step: launch.start_step,
+            state_source: launch.source as i32,
+            state_root_rank: launch.root_rank,
+            global_batch_size: launch.global_batch,
+            checkpoint_first: launch.checkpoint_first && rank == 0,
         };
         let sent = reg
             .workers
             .get(wid)
-            .and_then(|w| w.commands.as_ref())
-            .is_some_and(|tx| tx.try_send(Ok(cmd)).is_ok());
+            .is_some_and(|w| w.send(worker_command::Command::Start(start)));
         if !sent {
-            failed = Some(format!(
-                "worker {wid} (rank {rank}) could not be sent its assignment"
+            failed = Some((
+                wid.clone(),
+                format!("worker {wid} (rank {rank}) could not be sent its assignment"),
             ));
             break;
         }
     }
-    if let Some(message) = failed {
-        reg.end_job(&job_id, JobState::Failed, Some(message));
-    } else {
-        tracing::info!(job = %job_id, generation, "assignments sent");
+    match failed {
+        Some((wid, message)) => recovery::lost_worker(&mut reg, job_id, &wid, message),
+        None => tracing::info!(job = %job_id, generation = launch.generation, "assignments sent"),
     }
 }

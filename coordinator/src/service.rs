@@ -35,7 +35,7 @@ impl CoordinatorService {
 }
 
 /// Appends one JSON line to the job's `metrics.jsonl`.
-fn append_metrics(job: &Job, value: serde_json::Value) {
+pub(crate) fn append_metrics(job: &Job, value: serde_json::Value) {
     let path = job.dir.join("metrics.jsonl");
     let result = std::fs::OpenOptions::new()
         .create(true)
@@ -262,8 +262,10 @@ impl Coordinator for CoordinatorService {
             job: None,
             step: 0,
             commands: None,
+            disconnected: false,
+            holds: req.held.filter(|k| !k.job_id.is_empty()),
         };
-        tracing::info!(worker = %entry.describe(), threads = entry.threads, host = %entry.hostname, "worker registered");
+        tracing::info!(worker = %entry.describe(), threads = entry.threads, host = %entry.hostname, holds = ?entry.holds, "worker registered");
         reg.workers.insert(id.clone(), entry);
         Ok(Response::new(RegisterReply {
             worker_id: id,
@@ -306,9 +308,24 @@ impl Coordinator for CoordinatorService {
                 .ok_or(CoordinatorError::UnknownWorker {
                     worker_id: id.clone(),
                 })?;
-            w.commands = Some(tx);
+            w.commands = Some(tx.clone());
             w.last_seen = Instant::now();
         }
+        // The stream closes when the worker process dies or its connection breaks: treat it
+        // as dead at once rather than after the heartbeat timeout.
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            tx.closed().await;
+            let mut reg = shared.lock();
+            if let Some(w) = reg.workers.get_mut(&id)
+                && w.commands.as_ref().is_some_and(|c| c.same_channel(&tx))
+            {
+                tracing::warn!(worker = %w.describe(), "command stream closed");
+                w.disconnected = true;
+            }
+            drop(reg);
+            shared.wake.notify_one();
+        });
         self.shared.wake.notify_one();
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -354,6 +371,7 @@ impl Coordinator for CoordinatorService {
                     "step_seconds": r.step_seconds,
                     "allreduce_seconds": r.allreduce_seconds,
                     "tokens": r.tokens,
+                    "skipped": r.skipped,
                 }),
             );
             tracing::info!(
@@ -365,6 +383,10 @@ impl Coordinator for CoordinatorService {
                 human(r.tokens_per_second),
                 r.allreduce_seconds * 1e3
             );
+            job.skipped_steps = job.skipped_steps.max(r.skipped_steps);
+            if r.skipped {
+                tracing::warn!(job = %job.id, step, "non-finite loss or gradient: the update was skipped ({} so far)", r.skipped_steps);
+            }
             job.last_step = Some(r);
             job.publish();
         }
@@ -450,11 +472,21 @@ impl Coordinator for CoordinatorService {
             "rank {} {who} failed at step {step}: {} [ring: {ranks}]",
             r.rank, r.error
         );
-        reg.end_job(&id, JobState::Failed, Some(message));
+        if r.recoverable {
+            crate::recovery::begin(&mut reg, &id, message, &[], true);
+        } else {
+            reg.end_job(&id, JobState::Failed, Some(message));
+        }
+        drop(reg);
+        self.shared.wake.notify_one();
         Ok(Response::new(Ack {}))
     }
 
-    async fn report_held(&self, _request: Request<HeldReport>) -> Result<Response<Ack>, Status> {
-        Err(Status::unimplemented("recovery is not built yet"))
+    async fn report_held(&self, request: Request<HeldReport>) -> Result<Response<Ack>, Status> {
+        let mut reg = self.shared.lock();
+        crate::recovery::held_reported(&mut reg, request.into_inner())?;
+        drop(reg);
+        self.shared.wake.notify_one();
+        Ok(Response::new(Ack {}))
     }
 }

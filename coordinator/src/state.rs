@@ -35,12 +35,32 @@ pub struct WorkerEntry {
     pub step: u64,
     /// Its open `Attach` stream; `None` until attached.
     pub commands: Option<CommandSender>,
+    /// Set when its `Attach` stream closed (the process died or the link broke): it is
+    /// treated as dead at the next scheduler tick.
+    pub disconnected: bool,
+    /// What it said at registration that it holds in memory: `(job, generation, step)`.
+    pub holds: Option<TrainingKey>,
 }
 
 impl WorkerEntry {
     /// `w-2 (127.0.0.1:7072)`: how errors name a worker.
     pub fn describe(&self) -> String {
         format!("{} ({})", self.id, self.advertise_addr)
+    }
+
+    /// Whether it can take a command now (attached, not known to be gone).
+    pub fn reachable(&self) -> bool {
+        self.commands.is_some() && !self.disconnected
+    }
+
+    /// Sends it a command; false if its stream is full or closed.
+    pub fn send(&self, command: worker_command::Command) -> bool {
+        self.commands.as_ref().is_some_and(|tx| {
+            tx.try_send(Ok(WorkerCommand {
+                command: Some(command),
+            }))
+            .is_ok()
+        })
     }
 }
 

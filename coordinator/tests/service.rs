@@ -139,6 +139,7 @@ async fn workers_register_with_an_explicit_address_and_heartbeat() {
             advertise_addr: String::new(),
             threads: 1,
             hostname: "h".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -148,6 +149,7 @@ async fn workers_register_with_an_explicit_address_and_heartbeat() {
             advertise_addr: "127.0.0.1:9".into(),
             threads: 1,
             hostname: "h".into(),
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -113,6 +113,9 @@ pub struct TrainerState {
     pub loss: f64,
     /// The optimizer name (`adamw` or `lamb`).
     pub optimizer: String,
+    /// Steps whose update was skipped (non-finite loss or gradient) up to here.
+    #[serde(default)]
+    pub skipped_steps: u64,
 }
 
 impl TrainerState {

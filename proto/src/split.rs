@@ -10,6 +10,9 @@
 //!   the global batch is sequences `[p*B, (p+1)*B)`.
 //! - Rank `r` takes rows `[r*b*k, (r+1)*b*k)` of it; its micro-batch `j` (0..k) is rows
 //!   `[r*b*k + j*b, r*b*k + (j+1)*b)`.
+//! - After a recovery the job keeps its first `B` whatever the new `W`
+//!   ([`WorkerPlan::with_global_batch`]): rank `r` takes rows `[floor(r*B/W), floor((r+1)*B/W))`
+//!   in micro-batches of at most `b` rows.
 //! - The sample id of a row (keys dropout) is `s * B + row`, `row` its position in the global
 //!   batch: the same sample gets the same id whatever `W`, `b`, `k` split `B`.
 //!
@@ -90,12 +93,13 @@ pub struct WorkerPlan {
     rank: u32,
     /// Micro-batch size `b` (sequences).
     micro_batch_size: u32,
-    /// Gradient accumulation steps `k`.
-    grad_accum: u32,
+    /// Global batch `B` (sequences per optimizer step).
+    global_batch: u64,
 }
 
 impl WorkerPlan {
-    /// The plan of `rank` among `world_size` ranks over `total_sequences` training sequences.
+    /// The plan of `rank` among `world_size` ranks over `total_sequences` training sequences,
+    /// with global batch `B = W * b * k`.
     ///
     /// Errors: `Zero` (any size 0), `RankOutOfRange`, `CorpusTooSmall` (fewer sequences than
     /// one global batch, saying how many are missing).
@@ -106,14 +110,43 @@ impl WorkerPlan {
         micro_batch_size: u32,
         grad_accum: u32,
     ) -> Result<WorkerPlan, SplitError> {
+        if grad_accum == 0 {
+            return Err(SplitError::Zero {
+                field: "gradient_accumulation_steps",
+            });
+        }
+        let global = u64::from(world_size) * u64::from(micro_batch_size) * u64::from(grad_accum);
+        Self::with_global_batch(total_sequences, global, world_size, rank, micro_batch_size)
+    }
+
+    /// The plan of `rank` among `world_size` ranks with a given global batch `B` (sequences
+    /// per step), as after a recovery: the job keeps the `B` of its first generation, and a
+    /// smaller (or larger) world splits the same rows differently. Rank `r` takes rows
+    /// `[floor(r*B/W), floor((r+1)*B/W))`, in micro-batches of `b` rows (the last one may be
+    /// shorter). With `B = W * b * k` this is exactly [`WorkerPlan::new`].
+    ///
+    /// Errors: `Zero` (any size 0, or `B < W`: a rank with no rows), `RankOutOfRange`,
+    /// `CorpusTooSmall`.
+    pub fn with_global_batch(
+        total_sequences: u64,
+        global_batch: u64,
+        world_size: u32,
+        rank: u32,
+        micro_batch_size: u32,
+    ) -> Result<WorkerPlan, SplitError> {
         for (field, v) in [
-            ("world_size", world_size),
-            ("micro_batch_size", micro_batch_size),
-            ("gradient_accumulation_steps", grad_accum),
+            ("world_size", u64::from(world_size)),
+            ("micro_batch_size", u64::from(micro_batch_size)),
+            ("global_batch_size", global_batch),
         ] {
             if v == 0 {
                 return Err(SplitError::Zero { field });
             }
+        }
+        if global_batch < u64::from(world_size) {
+            return Err(SplitError::Zero {
+                field: "rows per rank (global batch smaller than the world size)",
+            });
         }
         if rank >= world_size {
             return Err(SplitError::RankOutOfRange { rank, world_size });
@@ -123,9 +156,8 @@ impl WorkerPlan {
             world_size,
             rank,
             micro_batch_size,
-            grad_accum,
+            global_batch,
         };
-        let global_batch = plan.global_batch_size();
         if total_sequences < global_batch {
             return Err(SplitError::CorpusTooSmall {
                 total_sequences,
@@ -133,20 +165,28 @@ impl WorkerPlan {
                 missing: global_batch - total_sequences,
                 world_size,
                 micro_batch_size,
-                grad_accum,
+                grad_accum: plan.grad_accum(),
             });
         }
         Ok(plan)
     }
 
-    /// Global batch `B = W * b * k` (sequences per optimizer step).
+    /// Global batch `B` (sequences per optimizer step).
     pub fn global_batch_size(&self) -> u64 {
-        u64::from(self.world_size) * u64::from(self.micro_batch_size) * u64::from(self.grad_accum)
+        self.global_batch
     }
 
-    /// Rows of the global batch this rank processes per step (`b * k`).
+    /// This rank's rows of the global batch, `[first, end)`.
+    fn rows(&self) -> (u64, u64) {
+        let w = u64::from(self.world_size);
+        let r = u64::from(self.rank);
+        (r * self.global_batch / w, (r + 1) * self.global_batch / w)
+    }
+
+    /// Rows of the global batch this rank processes per step (`b * k` when `B = W * b * k`).
     pub fn rows_per_rank(&self) -> u64 {
-        u64::from(self.micro_batch_size) * u64::from(self.grad_accum)
+        let (first, end) = self.rows();
+        end - first
     }
 
     /// Optimizer steps per epoch, `floor(N / B)` (at least 1).
@@ -174,22 +214,24 @@ impl WorkerPlan {
         self.micro_batch_size
     }
 
-    /// Gradient accumulation steps `k`.
+    /// Micro-batches this rank runs per step: `ceil(rows_per_rank / b)` (`k` when
+    /// `B = W * b * k`).
     pub fn grad_accum(&self) -> u32 {
-        self.grad_accum
+        self.rows_per_rank()
+            .div_ceil(u64::from(self.micro_batch_size))
+            .try_into()
+            .unwrap_or(u32::MAX)
     }
 
-    /// All global sequence indices this rank reads in an epoch, ascending (`steps_per_epoch *
-    /// b * k` of them): the sequences the coordinator streams to it. Across ranks these are
-    /// disjoint and cover `[0, steps_per_epoch * B)` exactly.
+    /// All global sequence indices this rank reads in an epoch, ascending
+    /// (`steps_per_epoch * rows_per_rank` of them): the sequences the coordinator streams to
+    /// it. Across ranks these are disjoint and cover `[0, steps_per_epoch * B)` exactly.
     pub fn sequence_indices(&self) -> Vec<u64> {
-        let rows = self.rows_per_rank();
+        let (first, end) = self.rows();
         let global = self.global_batch_size();
-        let first = u64::from(self.rank) * rows;
-        let mut out = Vec::with_capacity((self.steps_per_epoch() * rows) as usize);
+        let mut out = Vec::with_capacity((self.steps_per_epoch() * (end - first)) as usize);
         for p in 0..self.steps_per_epoch() {
-            let start = p * global + first;
-            out.extend(start..start + rows);
+            out.extend(p * global + first..p * global + end);
         }
         out
     }
@@ -198,19 +240,18 @@ impl WorkerPlan {
     ///
     /// Errors: `MicroBatchOutOfRange` if `j >= k`.
     pub fn micro_batch(&self, step: u64, j: u32) -> Result<MicroBatchPlan, SplitError> {
-        if j >= self.grad_accum {
-            return Err(SplitError::MicroBatchOutOfRange {
-                j,
-                grad_accum: self.grad_accum,
-            });
+        let k = self.grad_accum();
+        if j >= k {
+            return Err(SplitError::MicroBatchOutOfRange { j, grad_accum: k });
         }
         let spe = self.steps_per_epoch();
         let global = self.global_batch_size();
         let epoch = step / spe;
         let p = step % spe;
         let b = u64::from(self.micro_batch_size);
-        let first_row = u64::from(self.rank) * self.rows_per_rank() + u64::from(j) * b;
-        let rows = first_row..first_row + b;
+        let (first, end) = self.rows();
+        let first_row = first + u64::from(j) * b;
+        let rows = first_row..(first_row + b).min(end);
         Ok(MicroBatchPlan {
             epoch,
             sequence_indices: rows.clone().map(|row| p * global + row).collect(),

@@ -114,3 +114,49 @@ fn invalid_plans_are_errors() {
     let plan = WorkerPlan::new(10, 1, 0, 2, 2).unwrap();
     assert!(plan.micro_batch(0, 2).is_err());
 }
+
+/// A recovered job keeps its global batch: any world size splits the same rows with the same
+/// sample ids, and `with_global_batch(W*b*k)` is exactly `new(W, b, k)`.
+#[test]
+fn fixed_global_batch_splits_the_same_rows_for_any_world_size() {
+    let (n, b, k) = (1000u64, 3u32, 2u32);
+    let global = 3 * u64::from(b * k); // first generation: 3 workers
+    let rows_of = |world: u32, step: u64| {
+        let mut all = Vec::new();
+        for r in 0..world {
+            let plan = WorkerPlan::with_global_batch(n, global, world, r, b).unwrap();
+            for j in 0..plan.grad_accum() {
+                let mb = plan.micro_batch(step, j).unwrap();
+                assert!(mb.sequence_indices.len() <= b as usize && !mb.sequence_indices.is_empty());
+                all.extend(mb.sequence_indices.into_iter().zip(mb.sample_ids));
+            }
+        }
+        all
+    };
+    for step in [0, 7, 55, 56, 200] {
+        let reference = rows_of(3, step);
+        assert_eq!(reference.len() as u64, global);
+        for world in [1, 2, 4, 5, 18] {
+            assert_eq!(rows_of(world, step), reference, "world {world} step {step}");
+        }
+    }
+    for r in 0..3 {
+        let a = WorkerPlan::new(n, 3, r, b, k).unwrap();
+        let c = WorkerPlan::with_global_batch(n, global, 3, r, b).unwrap();
+        assert_eq!(a, c);
+        assert_eq!(c.grad_accum(), k);
+        assert_eq!(a.sequence_indices(), c.sequence_indices());
+    }
+    // Each rank's shard holds exactly the rows its micro-batches read.
+    for world in [2u32, 4, 5] {
+        let mut union = Vec::new();
+        for r in 0..world {
+            let plan = WorkerPlan::with_global_batch(n, global, world, r, b).unwrap();
+            union.extend(plan.sequence_indices());
+        }
+        union.sort_unstable();
+        let spe = n / global;
+        assert_eq!(union, (0..spe * global).collect::<Vec<_>>());
+    }
+    assert!(WorkerPlan::with_global_batch(n, 2, 3, 0, b).is_err());
+}

@@ -12,6 +12,9 @@
 //! - `step`: the training loop of one rank; `buckets`: gradient buckets overlapped with
 //!   backward; `ringlink`: the bridge from the math thread to the async ring.
 //! - `bench`: `keel-worker bench`, the training-step benchmark.
+//! - `control`: stopping a job from outside (cancel, suspend, shutdown).
+//! - `replica`: one rank's weights and optimizer state, held across generations, and the
+//!   broadcast that gives them to ranks that lack them.
 
 // Link OpenBLAS (Debian's system library) as ndarray's BLAS backend.
 extern crate blas_src;
@@ -21,10 +24,12 @@ pub mod batch;
 pub mod bench;
 pub mod buckets;
 pub mod client;
+pub mod control;
 pub mod data;
 pub mod model;
 pub mod optim;
 pub mod optim_state;
+pub mod replica;
 pub mod ringlink;
 pub mod serve;
 pub mod step;

@@ -18,6 +18,22 @@ pub enum OptimStateError {
     /// The file could not be written.
     #[error(transparent)]
     Io(#[from] keel_proto::checkpoint::CheckpointError),
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// The file is not optimizer state for this optimizer and layout.
+    #[error("{path}: {message}")]
+    Invalid {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong.
+        message: String,
+    },
 }
 
 /// Writes the optimizer's state to `path` atomically.
@@ -57,4 +73,71 @@ pub fn save(
         .map_err(|e| OptimStateError::Format(e.to_string()))?;
     keel_proto::checkpoint::write_file_atomic(path, &out)?;
     Ok(())
+}
+
+/// Reads `optimizer.safetensors` written by [`save`] into `optimizer` (a fresh one of the same
+/// kind over the same layout): its buffers and `steps_taken`.
+///
+/// Errors: [`OptimStateError::Read`]; [`OptimStateError::Invalid`] naming what is wrong (not
+/// safetensors, another optimizer, a missing buffer, a buffer of the wrong length or dtype).
+pub fn load(
+    path: &Path,
+    optimizer: &mut dyn Optimizer,
+    kind: &OptimizerKind,
+) -> Result<(), OptimStateError> {
+    let invalid = |message: String| OptimStateError::Invalid {
+        path: path.to_path_buf(),
+        message,
+    };
+    let bytes = std::fs::read(path).map_err(|source| OptimStateError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+        .map_err(|e| invalid(format!("not a safetensors file: {e}")))?;
+    let info = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("keel"))
+        .ok_or_else(|| invalid("no `keel` metadata (not written by Keel)".into()))?;
+    let info: serde_json::Value =
+        serde_json::from_str(info).map_err(|e| invalid(format!("`keel` metadata: {e}")))?;
+    let want = match kind {
+        OptimizerKind::Adamw => "adamw",
+        OptimizerKind::Lamb => "lamb",
+    };
+    let got = info.get("optimizer").and_then(|v| v.as_str()).unwrap_or("");
+    if got != want {
+        return Err(invalid(format!(
+            "holds {got:?} state, the job's optimizer is {want:?}"
+        )));
+    }
+    let steps_taken = info
+        .get("steps_taken")
+        .and_then(serde_json::Value::as_u64)
+        .ok_or_else(|| invalid("`keel` metadata has no steps_taken".into()))?;
+    let tensors = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| invalid(format!("not a safetensors file: {e}")))?;
+    let mut buffers: Vec<(String, Vec<f32>)> = Vec::new();
+    for (name, view) in tensors.tensors() {
+        if view.dtype() != Dtype::F32 {
+            return Err(invalid(format!(
+                "tensor {name} is {:?}, expected F32",
+                view.dtype()
+            )));
+        }
+        let data = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        buffers.push((name, data));
+    }
+    let views: Vec<(&str, &[f32])> = buffers
+        .iter()
+        .map(|(n, d)| (n.as_str(), d.as_slice()))
+        .collect();
+    optimizer
+        .load_state(steps_taken, &views)
+        .map_err(|e| invalid(e.to_string()))
 }

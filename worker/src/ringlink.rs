@@ -3,6 +3,7 @@
 //! all-reduces one after another in submission order, which is the same order on every rank.
 
 use crate::allreduce::{AllReduceError, Ring};
+use crate::control::JobControl;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
@@ -16,6 +17,10 @@ pub enum RingLinkError {
     /// The ring task is gone (the job is being torn down).
     #[error("the ring task stopped")]
     Closed,
+    /// The job was stopped from outside (cancelled, suspended or shutting down) while this
+    /// all-reduce was pending.
+    #[error("the all-reduce was abandoned: the job was stopped")]
+    Aborted,
 }
 
 /// One buffer to sum across ranks.
@@ -23,7 +28,7 @@ struct Request {
     step: u64,
     bucket: u32,
     data: Vec<f32>,
-    reply: oneshot::Sender<Result<(Vec<f32>, Duration), AllReduceError>>,
+    reply: oneshot::Sender<Result<(Vec<f32>, Duration), RingLinkError>>,
 }
 
 /// The math thread's handle on the ring.
@@ -47,7 +52,7 @@ impl std::fmt::Debug for Request {
 /// A pending sum.
 #[derive(Debug)]
 pub struct RingReply {
-    rx: oneshot::Receiver<Result<(Vec<f32>, Duration), AllReduceError>>,
+    rx: oneshot::Receiver<Result<(Vec<f32>, Duration), RingLinkError>>,
 }
 
 impl RingReply {
@@ -57,7 +62,7 @@ impl RingReply {
     pub fn wait(self) -> Result<Vec<f32>, RingLinkError> {
         match self.rx.blocking_recv() {
             Ok(Ok((data, _))) => Ok(data),
-            Ok(Err(e)) => Err(e.into()),
+            Ok(Err(e)) => Err(e),
             Err(_) => Err(RingLinkError::Closed),
         }
     }
@@ -66,14 +71,27 @@ impl RingReply {
 impl RingLink {
     /// Starts the ring task on the current runtime; it ends when every `RingLink` is dropped.
     /// `busy` accumulates the seconds the ring spent in all-reduces (for metrics), in µs.
-    pub fn spawn(ring: Arc<Ring>, busy: Arc<std::sync::atomic::AtomicU64>) -> RingLink {
+    /// Once `control` is stopped, the pending all-reduce and every later one fail at once with
+    /// [`RingLinkError::Aborted`].
+    pub fn spawn(
+        ring: Arc<Ring>,
+        busy: Arc<std::sync::atomic::AtomicU64>,
+        control: Arc<JobControl>,
+    ) -> RingLink {
         let (tx, mut rx) = mpsc::unbounded_channel::<Request>();
         tokio::spawn(async move {
             while let Some(mut req) = rx.recv().await {
                 let t0 = Instant::now();
-                let result = ring
-                    .all_reduce_sum(req.step, req.bucket, &mut req.data)
-                    .await;
+                let result = if control.is_stopped() {
+                    Err(RingLinkError::Aborted)
+                } else {
+                    tokio::select! {
+                        r = ring.all_reduce_sum(req.step, req.bucket, &mut req.data) => {
+                            r.map_err(RingLinkError::from)
+                        }
+                        () = control.stopped() => Err(RingLinkError::Aborted),
+                    }
+                };
                 let took = t0.elapsed();
                 busy.fetch_add(
                     took.as_micros() as u64,

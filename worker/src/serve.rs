@@ -3,17 +3,18 @@
 
 use crate::allreduce::{Mailbox, RingService, ring_service, tune_server};
 use crate::client::coordinator_client;
+use crate::control::{JobControl, StopReason};
+use crate::replica::HeldReplica;
 use crate::trainer::{self, JobContext};
 use keel_proto::ring_rpc::ring_server::RingServer;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{
-    AttachRequest, DoneReport, FailureReport, HeartbeatRequest, RegisterRequest, TrainingKey,
-    worker_command,
+    AttachRequest, DoneReport, FailureReport, HeartbeatRequest, HeldReport, RegisterRequest,
+    StartJob, TrainingKey, worker_command,
 };
-use std::collections::HashMap;
 use std::future::Future;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -41,6 +42,9 @@ pub struct Args {
     /// Log filter (tracing `EnvFilter` syntax).
     #[arg(long, env = "KEEL_LOG", default_value = "info")]
     pub log: String,
+    /// Fault injection for tests: this worker's loss is NaN at this 0-based step of every job.
+    #[arg(long, hide = true)]
+    pub fault_nan_at_step: Option<u64>,
 }
 
 /// What [`run`] needs.
@@ -54,6 +58,8 @@ pub struct Config {
     pub threads: usize,
     /// Cache folder.
     pub cache_dir: PathBuf,
+    /// Fault injection for tests (see [`Args::fault_nan_at_step`]).
+    pub fault_nan_at_step: Option<u64>,
 }
 
 /// Errors that stop a worker process.
@@ -105,19 +111,11 @@ pub fn main(args: Args) -> anyhow::Result<()> {
             advertise_addr,
             threads,
             cache_dir: args.cache_dir.clone(),
+            fault_nan_at_step: args.fault_nan_at_step,
         };
         run(config, listener, keel_proto::admin::shutdown_signal()).await?;
         Ok(())
     })
-}
-
-/// The job the worker is in, for heartbeats; `step` is advanced by the trainer.
-#[derive(Debug, Default)]
-struct Current {
-    /// Job id and generation, when in a job.
-    job: Mutex<Option<(String, u64)>>,
-    /// Steps completed in it.
-    step: Arc<AtomicU64>,
 }
 
 /// Runs a worker on `listener` until `shutdown` resolves: serves the ring, registers with the
@@ -159,6 +157,84 @@ pub async fn run(
     }
 }
 
+/// The job running on this worker now.
+#[derive(Debug)]
+struct Running {
+    job_id: String,
+    generation: u64,
+    control: Arc<JobControl>,
+    /// Steps completed (advanced by the training loop).
+    progress: Arc<AtomicU64>,
+}
+
+/// What this worker process is doing, across coordinator sessions (a coordinator restart
+/// ends a session; the job and the held replica outlive it).
+#[derive(Debug, Default)]
+struct WorkerState {
+    /// The worker id of the current registration (reports are sent under it).
+    worker_id: Mutex<String>,
+    /// The job running now (one at a time).
+    running: Mutex<Option<Running>>,
+    /// What the worker holds of a job between generations (protocol step 14).
+    held: Mutex<Option<HeldReplica>>,
+}
+
+impl WorkerState {
+    fn worker_id(&self) -> String {
+        self.worker_id.lock().map(|w| w.clone()).unwrap_or_default()
+    }
+
+    /// `(job, generation, step)` of the job running or held, for registration.
+    fn held_key(&self) -> Option<TrainingKey> {
+        if let Ok(r) = self.running.lock()
+            && let Some(r) = r.as_ref()
+        {
+            return Some(TrainingKey {
+                job_id: r.job_id.clone(),
+                generation: r.generation,
+                step: r.progress.load(Ordering::SeqCst),
+            });
+        }
+        let held = self.held.lock().ok()?;
+        held.as_ref().map(|h| TrainingKey {
+            job_id: h.job_id.clone(),
+            generation: h.generation,
+            step: h.replica.step,
+        })
+    }
+
+    /// The steps held of `job_id` (empty if none).
+    fn held_steps(&self, job_id: &str) -> Vec<u64> {
+        self.held
+            .lock()
+            .ok()
+            .and_then(|h| {
+                h.as_ref()
+                    .filter(|h| h.job_id == job_id)
+                    .map(|h| vec![h.replica.step])
+            })
+            .unwrap_or_default()
+    }
+
+    /// Stops the running job if it is `job_id` (any job if `None`); whether one was running.
+    fn stop_running(&self, job_id: Option<&str>, reason: StopReason) -> bool {
+        let Ok(r) = self.running.lock() else {
+            return false;
+        };
+        match r.as_ref() {
+            Some(run) if job_id.is_none_or(|j| j == run.job_id) => {
+                run.control.stop(reason);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn is_running(&self) -> bool {
+        self.running.lock().is_ok_and(|r| r.is_some())
+    }
+}
+
 /// Registers and serves one coordinator session after another until stopped.
 async fn sessions(
     config: Config,
@@ -166,15 +242,14 @@ async fn sessions(
     mailbox: Arc<Mailbox>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let jobs: RunningJobs = Arc::default();
-    let shutting_down = Arc::new(AtomicBool::new(false));
+    let state = Arc::new(WorkerState::default());
     let mut backoff = Duration::from_millis(100);
     loop {
         if *stop.borrow() {
             break;
         }
         tokio::select! {
-            result = session(&config, client.clone(), mailbox.clone(), jobs.clone(), shutting_down.clone()) => {
+            result = session(&config, client.clone(), mailbox.clone(), state.clone()) => {
                 match result {
                     Ok(()) => backoff = Duration::from_millis(100),
                     Err(e) => {
@@ -190,48 +265,47 @@ async fn sessions(
             _ = stop.wait_for(|s| *s) => break,
         }
     }
-    // Stop running jobs: their next step sees the flag, and each tells the coordinator that
-    // this worker is going away (run_and_report). Wait a bounded while for those reports.
-    shutting_down.store(true, Ordering::SeqCst);
-    if let Ok(jobs) = jobs.lock() {
-        for flag in jobs.values() {
-            flag.store(true, Ordering::SeqCst);
-        }
-    }
+    // Stop the running job: its ring calls are abandoned at once, and it tells the
+    // coordinator that this worker is going away (run_and_report). Wait a bounded while.
+    state.stop_running(None, StopReason::Shutdown);
     for _ in 0..25 {
-        if jobs.lock().map_or(true, |j| j.is_empty()) {
+        if !state.is_running() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
-/// Jobs running on this worker: job id -> its cancel flag.
-type RunningJobs = Arc<Mutex<HashMap<String, Arc<AtomicBool>>>>;
-
 /// One registration: heartbeats plus the attach stream, until either fails.
 async fn session(
     config: &Config,
     mut client: CoordinatorClient<Channel>,
     mailbox: Arc<Mailbox>,
-    jobs: RunningJobs,
-    shutting_down: Arc<AtomicBool>,
+    state: Arc<WorkerState>,
 ) -> Result<(), tonic::Status> {
     let hostname = std::env::var("HOSTNAME").unwrap_or_default();
+    let held = state.held_key();
+    let held_steps = held
+        .as_ref()
+        .map(|k| state.held_steps(&k.job_id))
+        .unwrap_or_default();
     let reply = client
         .register(RegisterRequest {
             advertise_addr: config.advertise_addr.clone(),
             threads: config.threads as u32,
             hostname,
-            ..Default::default()
+            held,
+            held_steps,
         })
         .await?
         .into_inner();
     let worker_id = reply.worker_id;
+    if let Ok(mut w) = state.worker_id.lock() {
+        *w = worker_id.clone();
+    }
     tracing::info!(worker = %worker_id, coordinator = %config.coordinator, "registered");
-    let current = Arc::new(Current::default());
     let interval = Duration::from_millis(reply.heartbeat_interval_ms.max(100));
-    let heartbeat = heartbeat_loop(client.clone(), worker_id.clone(), current.clone(), interval);
+    let heartbeat = heartbeat_loop(client.clone(), worker_id.clone(), state.clone(), interval);
     let mut commands = client
         .attach(AttachRequest {
             worker_id: worker_id.clone(),
@@ -242,51 +316,41 @@ async fn session(
         while let Some(cmd) = commands.message().await? {
             match cmd.command {
                 Some(worker_command::Command::Start(start)) => {
-                    let Some(key) = start.key.clone() else {
-                        continue;
-                    };
-                    let cancel = Arc::new(AtomicBool::new(false));
-                    if let Ok(mut map) = jobs.lock() {
-                        map.insert(key.job_id.clone(), cancel.clone());
-                    }
-                    if let Ok(mut job) = current.job.lock() {
-                        *job = Some((key.job_id.clone(), key.generation));
-                    }
-                    current.step.store(0, Ordering::SeqCst);
-                    let ctx = JobContext {
-                        client: client.clone(),
-                        worker_id: worker_id.clone(),
-                        cache_dir: config.cache_dir.clone(),
-                        mailbox: mailbox.clone(),
-                        cancel,
-                        progress: current.step.clone(),
-                    };
-                    let (jobs, current) = (jobs.clone(), current.clone());
-                    let shutting_down = shutting_down.clone();
-                    tokio::spawn(async move {
-                        run_and_report(ctx, start, &shutting_down).await;
-                        if let Ok(mut map) = jobs.lock() {
-                            map.remove(&key.job_id);
-                        }
-                        if let Ok(mut job) = current.job.lock()
-                            && job
-                                .as_ref()
-                                .is_some_and(|(j, g)| *j == key.job_id && *g == key.generation)
-                        {
-                            *job = None;
-                        }
-                    });
+                    start_job(config, &client, &mailbox, &state, start);
                 }
                 Some(worker_command::Command::Cancel(cancel)) => {
                     let Some(key) = cancel.key else { continue };
                     tracing::warn!(job = %key.job_id, reason = %cancel.reason, "job cancelled by the coordinator");
-                    if let Ok(map) = jobs.lock()
-                        && let Some(flag) = map.get(&key.job_id)
+                    state.stop_running(Some(&key.job_id), StopReason::Cancel);
+                    if let Ok(mut held) = state.held.lock()
+                        && held.as_ref().is_some_and(|h| h.job_id == key.job_id)
                     {
-                        flag.store(true, Ordering::SeqCst);
+                        *held = None;
                     }
                 }
-                Some(worker_command::Command::Suspend(_)) | None => {}
+                Some(worker_command::Command::Suspend(suspend)) => {
+                    let Some(key) = suspend.key else { continue };
+                    tracing::warn!(job = %key.job_id, generation = key.generation, reason = %suspend.reason, "suspending: a new generation is forming");
+                    let stopping = state.stop_running(
+                        Some(&key.job_id),
+                        StopReason::Suspend {
+                            generation: key.generation,
+                        },
+                    );
+                    if !stopping {
+                        // Not training it: answer now with what is held.
+                        let steps = state.held_steps(&key.job_id);
+                        report_held(
+                            &mut client.clone(),
+                            &state,
+                            &key.job_id,
+                            key.generation,
+                            steps,
+                        )
+                        .await;
+                    }
+                }
+                None => {}
             }
         }
         Ok::<(), tonic::Status>(())
@@ -297,26 +361,88 @@ async fn session(
     }
 }
 
+/// Starts the job of `start` on its own task (stopping any other job first: one at a time).
+fn start_job(
+    config: &Config,
+    client: &CoordinatorClient<Channel>,
+    mailbox: &Arc<Mailbox>,
+    state: &Arc<WorkerState>,
+    start: StartJob,
+) {
+    let Some(key) = start.key.clone() else {
+        return;
+    };
+    state.stop_running(None, StopReason::Cancel);
+    let held = match state.held.lock() {
+        Ok(mut h) => match h.take() {
+            Some(h) if h.job_id == key.job_id => Some(h.replica),
+            // A different job: the coordinator moved on; free the memory.
+            _ => None,
+        },
+        Err(_) => None,
+    };
+    let control = Arc::new(JobControl::new());
+    let progress = Arc::new(AtomicU64::new(start.start_step));
+    if let Ok(mut running) = state.running.lock() {
+        *running = Some(Running {
+            job_id: key.job_id.clone(),
+            generation: key.generation,
+            control: control.clone(),
+            progress: progress.clone(),
+        });
+    }
+    let ctx = JobContext {
+        client: client.clone(),
+        worker_id: state.worker_id(),
+        cache_dir: config.cache_dir.clone(),
+        mailbox: mailbox.clone(),
+        control,
+        progress,
+        fault_nan_at_step: config.fault_nan_at_step,
+    };
+    tokio::spawn(run_and_report(ctx, start, held, state.clone()));
+}
+
+/// Sends `ReportHeld` for `job_id` at `generation` (protocol step 14).
+async fn report_held(
+    client: &mut CoordinatorClient<Channel>,
+    state: &WorkerState,
+    job_id: &str,
+    generation: u64,
+    held_steps: Vec<u64>,
+) {
+    let report = HeldReport {
+        key: Some(TrainingKey {
+            job_id: job_id.to_string(),
+            generation,
+            step: held_steps.iter().copied().max().unwrap_or(0),
+        }),
+        worker_id: state.worker_id(),
+        held_steps,
+    };
+    tracing::info!(job = %job_id, generation, held = ?report.held_steps, "reporting what this worker holds");
+    if let Err(e) = client.report_held(report).await {
+        tracing::warn!("reporting held state: {e}");
+    }
+}
+
 /// Heartbeats every `interval`; returns when the coordinator no longer knows this worker.
 async fn heartbeat_loop(
     mut client: CoordinatorClient<Channel>,
     worker_id: String,
-    current: Arc<Current>,
+    state: Arc<WorkerState>,
     interval: Duration,
 ) -> Result<(), tonic::Status> {
     let mut failures = 0u32;
     loop {
         tokio::time::sleep(interval).await;
-        let key = current
-            .job
-            .lock()
-            .ok()
-            .and_then(|j| j.clone())
-            .map(|(job_id, generation)| TrainingKey {
-                job_id,
-                generation,
-                step: current.step.load(Ordering::SeqCst),
-            });
+        let key = state.running.lock().ok().and_then(|r| {
+            r.as_ref().map(|r| TrainingKey {
+                job_id: r.job_id.clone(),
+                generation: r.generation,
+                step: r.progress.load(Ordering::SeqCst),
+            })
+        });
         match client
             .heartbeat(HeartbeatRequest {
                 worker_id: worker_id.clone(),
@@ -340,27 +466,56 @@ async fn heartbeat_loop(
     }
 }
 
-/// Runs one job and tells the coordinator how it ended.
+/// Runs one job's generation and tells the coordinator how it ended; keeps the replica for
+/// the next generation unless the job was cancelled.
 async fn run_and_report(
     ctx: JobContext,
-    start: keel_proto::rpc::StartJob,
-    shutting_down: &AtomicBool,
+    start: StartJob,
+    held: Option<crate::replica::Replica>,
+    state: Arc<WorkerState>,
 ) {
     let mut client = ctx.client.clone();
-    let worker_id = ctx.worker_id.clone();
     let rank = start.rank;
     let Some(key) = start.key.clone() else { return };
+    let control = ctx.control.clone();
     let progress = ctx.progress.clone();
-    let cancel = ctx.cancel.clone();
-    tracing::info!(job = %key.job_id, generation = key.generation, rank, world_size = start.world_size, "starting job");
-    let result = trainer::run_job(ctx, start).await;
-    let key = TrainingKey {
-        step: progress.load(Ordering::SeqCst),
-        ..key
-    };
-    match result {
-        Ok(()) => {
-            tracing::info!(job = %key.job_id, step = key.step, "job finished");
+    tracing::info!(job = %key.job_id, generation = key.generation, rank, world_size = start.world_size, start_step = start.start_step, "starting job");
+    let (result, replica) = trainer::run_job(ctx, start, held).await;
+    let reason = control.reason();
+    let step = replica
+        .as_ref()
+        .map_or_else(|| progress.load(Ordering::SeqCst), |r| r.step);
+    // Hold the replica before saying anything: the coordinator may answer a report with the
+    // next generation's StartJob at once.
+    if let Ok(mut h) = state.held.lock() {
+        *h = match (reason, replica) {
+            (Some(StopReason::Cancel), _) | (_, None) => None,
+            (_, Some(replica)) => Some(HeldReplica {
+                job_id: key.job_id.clone(),
+                generation: key.generation,
+                replica,
+            }),
+        };
+    }
+    if let Ok(mut running) = state.running.lock()
+        && running
+            .as_ref()
+            .is_some_and(|r| r.job_id == key.job_id && r.generation == key.generation)
+    {
+        *running = None;
+    }
+    let worker_id = state.worker_id();
+    let held_steps = state.held_steps(&key.job_id);
+    let key = TrainingKey { step, ..key };
+    match (result, reason) {
+        (_, Some(StopReason::Suspend { generation })) => {
+            report_held(&mut client, &state, &key.job_id, generation, held_steps).await;
+        }
+        (_, Some(StopReason::Cancel)) => {
+            tracing::warn!(job = %key.job_id, step, "job stopped: cancelled");
+        }
+        (Ok(()), _) => {
+            tracing::info!(job = %key.job_id, step, "job finished");
             let report = DoneReport {
                 key: Some(key),
                 rank,
@@ -370,34 +525,33 @@ async fn run_and_report(
                 tracing::error!("reporting done: {e}");
             }
         }
-        Err(e) if cancel.load(Ordering::SeqCst) && !shutting_down.load(Ordering::SeqCst) => {
-            tracing::warn!(job = %key.job_id, "job stopped: {e}");
-        }
-        Err(_) if shutting_down.load(Ordering::SeqCst) => {
+        (Err(_), Some(StopReason::Shutdown)) => {
             // SIGTERM/SIGINT: the step in flight is abandoned; say so rather than go silent.
-            tracing::warn!(job = %key.job_id, step = key.step, "shutting down: leaving the job");
+            tracing::warn!(job = %key.job_id, step, "shutting down: leaving the job");
             let report = FailureReport {
-                key: Some(key.clone()),
+                key: Some(key),
                 rank,
-                worker_id: worker_id.clone(),
                 error: format!(
-                    "worker {worker_id} (rank {rank}) was shut down by a signal after step {}",
-                    key.step
+                    "worker {worker_id} (rank {rank}) was shut down by a signal after step {step}"
                 ),
-                ..Default::default()
+                worker_id,
+                recoverable: true,
+                held_steps: Vec::new(),
             };
             if let Err(e) = client.report_failure(report).await {
                 tracing::error!("reporting shutdown: {e}");
             }
         }
-        Err(e) => {
-            tracing::error!(job = %key.job_id, step = key.step, "job failed: {e}");
+        (Err(e), None) => {
+            let recoverable = e.is_recoverable();
+            tracing::error!(job = %key.job_id, step, recoverable, "job failed: {e}");
             let report = FailureReport {
                 key: Some(key),
                 rank,
                 worker_id,
                 error: e.to_string(),
-                ..Default::default()
+                recoverable,
+                held_steps,
             };
             if let Err(e) = client.report_failure(report).await {
                 tracing::error!("reporting failure: {e}");

@@ -11,12 +11,14 @@
 
 use crate::batch::Batch;
 use crate::buckets::{BUCKET_ELEMS, Buckets, FIRST_SPECIAL_BUCKET};
+use crate::control::JobControl;
 use crate::data::{MaskingConfig, MaskingMode, MaskingVocab, collate, mask_sequence};
 use crate::model::{Bert, DropoutKey, ModelError, StepOptions, init_params};
 use crate::optim::{
     AdamW, AdamWConfig, Lamb, LambConfig, LrSchedule, Optimizer, ScheduleKind, clip_grad_norm,
     global_norm,
 };
+use crate::replica::{BroadcastError, Replica, broadcast};
 use crate::ringlink::{RingLink, RingLinkError};
 use keel_proto::checkpoint::{OPTIMIZER_FILE, TRAINER_STATE_FILE, TrainerState, write_file_atomic};
 use keel_proto::config::BertConfig;
@@ -27,7 +29,7 @@ use keel_proto::shard::ShardReader;
 use keel_proto::split::WorkerPlan;
 use keel_proto::tokenizer::KeelTokenizer;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -42,8 +44,34 @@ pub const EVAL_MAX_SEQUENCES: usize = 1024;
 /// Mixed into the job seed for the held-out masks, so they differ from training masks.
 pub const EVAL_SEED_SALT: u64 = 0x5eed_e7a1;
 
+/// Where a generation's starting state comes from (`StartJob.state_source`).
+#[derive(Debug)]
+pub enum InitialState {
+    /// Step 0: from the job seed, or from HF weights (`init_checkpoint`).
+    Init {
+        /// HF `model.safetensors`, or `None` for the seed.
+        weights: Option<PathBuf>,
+    },
+    /// A stored checkpoint of `start_step`.
+    Checkpoint {
+        /// Its `model.safetensors`.
+        weights: PathBuf,
+        /// Its `optimizer.safetensors`.
+        optimizer: PathBuf,
+        /// Its `trainer_state.json` (skipped-step count), if sent.
+        state: Option<PathBuf>,
+    },
+    /// Memory: this rank's held replica (if it has one), then a broadcast from `root_rank`.
+    Memory {
+        /// What this worker holds of the job, at any step.
+        held: Option<Replica>,
+        /// The rank whose replica everyone takes.
+        root_rank: u32,
+    },
+}
+
 /// Everything the loop needs, prepared by `trainer`.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct TrainSetup {
     /// The job.
     pub job_id: String,
@@ -65,8 +93,16 @@ pub struct TrainSetup {
     pub heldout: PathBuf,
     /// The tokenizer (tokenizer.json), for the special ids and vocabulary of masking.
     pub tokenizer: PathBuf,
-    /// Initial weights (HF model.safetensors), or `None` to initialise from the seed.
-    pub init_weights: Option<PathBuf>,
+    /// Where the starting weights and optimizer state come from.
+    pub initial: InitialState,
+    /// Steps already completed: the loop runs `start_step..max_steps`.
+    pub start_step: u64,
+    /// Sequences per step, fixed for the job's life (`B`; 0 = `W * b * k`).
+    pub global_batch_size: u64,
+    /// Stage a checkpoint of `start_step` before the first step (rank 0).
+    pub checkpoint_first: bool,
+    /// Fault injection for tests: make this rank's loss at this 0-based step NaN.
+    pub fault_nan_at_step: Option<u64>,
     /// Scratch folder for staging checkpoints.
     pub work_dir: PathBuf,
 }
@@ -122,12 +158,51 @@ pub enum TrainError {
         /// What failed.
         message: String,
     },
-    /// The job was cancelled.
-    #[error("cancelled at step {step}")]
-    Cancelled {
+    /// The job was stopped from outside (cancelled, suspended, shutting down).
+    #[error("stopped at step {step}")]
+    Stopped {
         /// 0-based step.
         step: u64,
     },
+    /// Too many steps had a non-finite loss or gradient.
+    #[error(
+        "step {step}: the loss or gradient was not finite in {skipped} steps, more than \
+         [train] max_skipped_steps = {max}: lower the learning rate or check the data"
+    )]
+    NonFinite {
+        /// 0-based step.
+        step: u64,
+        /// Steps skipped so far, this one included.
+        skipped: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The state broadcast that starts a generation failed.
+    #[error("step {step}: receiving the state from rank {root}: {source}")]
+    Broadcast {
+        /// The step being resumed.
+        step: u64,
+        /// The broadcasting rank.
+        root: u32,
+        /// What failed.
+        source: BroadcastError,
+    },
+}
+
+impl TrainError {
+    /// Whether a new generation can go on after this error (a ring peer was lost or the job
+    /// was stopped from outside) rather than the job itself being broken.
+    pub fn is_recoverable(&self) -> bool {
+        matches!(
+            self,
+            TrainError::AllReduce { .. }
+                | TrainError::Stopped { .. }
+                | TrainError::Broadcast {
+                    source: BroadcastError::Ring(_),
+                    ..
+                }
+        )
+    }
 }
 
 fn data_err(step: u64) -> impl Fn(String) -> TrainError {
@@ -167,50 +242,172 @@ impl Pipeline {
     }
 }
 
-/// Runs the job's steps on this rank.
+/// Builds this rank's starting replica (protocol steps 7 and 14): from the seed or HF weights,
+/// from a checkpoint, or from memory plus a broadcast from the root rank.
 ///
-/// Errors: [`TrainError`] with the step it happened at.
+/// Errors: [`TrainError::Io`] for unreadable weights or optimizer state,
+/// [`TrainError::Broadcast`], [`TrainError::Data`] when no rank can be the root.
+fn starting_replica(
+    setup: &mut TrainSetup,
+    layout: &ParamLayout,
+    ring: &RingLink,
+) -> Result<Replica, TrainError> {
+    let t = &setup.spec.train;
+    let step = setup.start_step;
+    let io = |message: String| TrainError::Io { step, message };
+    let fresh_optimizer = || optimizer_for(t, layout);
+    match std::mem::replace(&mut setup.initial, InitialState::Init { weights: None }) {
+        InitialState::Init { weights } => {
+            let params = match &weights {
+                Some(path) => keel_proto::weights::load_safetensors(path, layout)
+                    .map_err(|e| io(format!("{}: {e}", path.display())))?,
+                None => init_params(&setup.config, layout, t.seed),
+            };
+            Ok(Replica {
+                step: 0,
+                params,
+                optimizer: fresh_optimizer(),
+                skipped_steps: 0,
+            })
+        }
+        InitialState::Checkpoint {
+            weights,
+            optimizer,
+            state,
+        } => {
+            let params = keel_proto::weights::load_safetensors(&weights, layout)
+                .map_err(|e| io(format!("{}: {e}", weights.display())))?;
+            let mut opt = fresh_optimizer();
+            crate::optim_state::load(&optimizer, opt.as_mut(), &t.optimizer)
+                .map_err(|e| io(e.to_string()))?;
+            let skipped_steps = match &state {
+                Some(path) => {
+                    let text = std::fs::read_to_string(path)
+                        .map_err(|e| io(format!("{}: {e}", path.display())))?;
+                    serde_json::from_str::<TrainerState>(&text)
+                        .map_err(|e| io(format!("{}: {e}", path.display())))?
+                        .skipped_steps
+                }
+                None => 0,
+            };
+            Ok(Replica {
+                step,
+                params,
+                optimizer: opt,
+                skipped_steps,
+            })
+        }
+        InitialState::Memory { held, root_rank } => {
+            let is_root = setup.rank == root_rank;
+            let mut replica = match held {
+                Some(r) if r.step == step => r,
+                other => {
+                    if is_root {
+                        return Err(TrainError::Data {
+                            step,
+                            message: format!(
+                                "this rank was named to broadcast step {step} but holds {}",
+                                other.map_or("nothing".to_string(), |r| format!("step {}", r.step))
+                            ),
+                        });
+                    }
+                    Replica {
+                        step,
+                        params: vec![0.0; layout.total_len()],
+                        optimizer: fresh_optimizer(),
+                        skipped_steps: 0,
+                    }
+                }
+            };
+            if setup.world_size > 1 {
+                broadcast(ring, step, is_root, &mut replica).map_err(|source| {
+                    TrainError::Broadcast {
+                        step,
+                        root: root_rank,
+                        source,
+                    }
+                })?;
+            }
+            Ok(replica)
+        }
+    }
+}
+
+/// Runs the job's steps `start_step..max_steps` on this rank. Returns how it ended and the
+/// rank's replica, which is always consistent (a whole number of steps) when it exists: the
+/// optimizer update is the last thing a step does before counting it, and nothing after it
+/// can fail half-way.
+///
+/// Errors: [`TrainError`] with the step it happened at; see [`TrainError::is_recoverable`].
 pub fn train(
-    setup: TrainSetup,
+    mut setup: TrainSetup,
     ring: RingLink,
     events: UnboundedSender<Event>,
-    cancel: &AtomicBool,
+    control: &JobControl,
+    progress: &AtomicU64,
+    ring_busy_us: &AtomicU64,
+) -> (Result<(), TrainError>, Option<Replica>) {
+    let config = setup.config.clone();
+    let layout = ParamLayout::bert(&config, config.heads());
+    let mut replica = match starting_replica(&mut setup, &layout, &ring) {
+        Ok(r) => r,
+        Err(e) => return (Err(e), None),
+    };
+    progress.store(replica.step, Ordering::SeqCst);
+    let result = run_steps(
+        &setup,
+        &layout,
+        &mut replica,
+        &ring,
+        &events,
+        control,
+        progress,
+        ring_busy_us,
+    );
+    (result, Some(replica))
+}
+
+/// The loop of [`train`] over an initialised replica.
+#[allow(clippy::too_many_arguments)]
+fn run_steps(
+    setup: &TrainSetup,
+    layout: &ParamLayout,
+    replica: &mut Replica,
+    ring: &RingLink,
+    events: &UnboundedSender<Event>,
+    control: &JobControl,
     progress: &AtomicU64,
     ring_busy_us: &AtomicU64,
 ) -> Result<(), TrainError> {
     let spec = &setup.spec;
     let t = &spec.train;
-    let err0 = data_err(0);
+    let err0 = data_err(replica.step);
     let config = &setup.config;
-    let heads = config.heads();
-    let layout = ParamLayout::bert(config, heads);
     let mut model =
-        Bert::<f32>::new(config, heads).map_err(|source| TrainError::Model { step: 0, source })?;
-    let mut params = match &setup.init_weights {
-        Some(path) => {
-            keel_proto::weights::load_safetensors(path, &layout).map_err(|e| TrainError::Io {
-                step: 0,
-                message: format!("{}: {e}", path.display()),
-            })?
-        }
-        None => init_params(config, &layout, t.seed),
-    };
+        Bert::<f32>::new(config, config.heads()).map_err(|source| TrainError::Model {
+            step: replica.step,
+            source,
+        })?;
     let mut grads = vec![0f32; layout.total_len()];
-    let mut optimizer = optimizer_for(t, &layout);
     let schedule = schedule_for(t);
 
     let tokenizer = KeelTokenizer::from_tokenizer_json(&setup.tokenizer)
         .map_err(|e| err0(format!("{}: {e}", setup.tokenizer.display())))?;
     let nsp = spec.data.objective == Objective::MlmNsp;
+    let global_batch = if setup.global_batch_size > 0 {
+        setup.global_batch_size
+    } else {
+        spec.global_batch(setup.world_size as usize) as u64
+    };
     let pipeline = Pipeline {
         shard: ShardReader::open(&setup.shard)
             .map_err(|e| err0(format!("{}: {e}", setup.shard.display())))?,
-        plan: WorkerPlan::new(
+        plan: WorkerPlan::with_global_batch(
             setup.total_sequences,
+            global_batch,
             setup.world_size,
             setup.rank,
             t.micro_batch_size as u32,
-            t.gradient_accumulation_steps as u32,
         )
         .map_err(|e| err0(e.to_string()))?,
         masking: MaskingConfig {
@@ -231,12 +428,20 @@ pub fn train(
     let heldout = ShardReader::open(&setup.heldout)
         .map_err(|e| err0(format!("{}: {e}", setup.heldout.display())))?;
     let mut buckets = Buckets::new(layout.total_len(), BUCKET_ELEMS);
-    let k = t.gradient_accumulation_steps as u32;
-    let global_batch = spec.global_batch(setup.world_size as usize) as u64;
+    let k = pipeline.plan.grad_accum();
 
-    for step in 0..t.max_steps {
-        if cancel.load(Ordering::SeqCst) {
-            return Err(TrainError::Cancelled { step });
+    if setup.rank == 0 && setup.checkpoint_first {
+        let dir = stage_checkpoint(setup, layout, replica, f64::NAN, global_batch)?;
+        let _ = events.send(Event::Checkpoint {
+            step: replica.step,
+            dir,
+        });
+    }
+
+    while replica.step < t.max_steps {
+        let step = replica.step;
+        if control.is_stopped() {
+            return Err(TrainError::Stopped { step });
         }
         let ring_err = |source| TrainError::AllReduce { step, source };
         let model_err = |source| TrainError::Model { step, source };
@@ -282,31 +487,57 @@ pub fn train(
         for (j, batch) in batches.iter().enumerate() {
             let opts = opts_for(j + 1 == batches.len());
             let s = model
-                .forward_backward(&params, &mut grads, batch, &opts, &mut |range, data| {
-                    buckets.ready(range, data, &ring, step)
-                })
+                .forward_backward(
+                    &replica.params,
+                    &mut grads,
+                    batch,
+                    &opts,
+                    &mut |range, data| buckets.ready(range, data, ring, step),
+                )
                 .map_err(model_err)?;
             sums[0] += f64::from(s.mlm_loss_sum);
             sums[1] += s.mlm_correct as f64;
             sums[2] += f64::from(s.nsp_loss_sum);
             sums[3] += s.nsp_correct as f64;
         }
+        if setup.fault_nan_at_step == Some(step) {
+            tracing::warn!(step, "fault injection: this rank's loss is NaN");
+            sums[0] = f64::NAN;
+        }
         let compute_done = Instant::now();
-        buckets.flush(&grads, &ring, step);
+        buckets.flush(&grads, ring, step);
         buckets.finish(&mut grads).map_err(ring_err)?;
         let loss = ring
             .all_reduce(step, LOSS_BUCKET, sums.iter().map(|&x| x as f32).collect())
             .map_err(ring_err)?;
         let allreduce_wait = compute_done.elapsed();
 
-        let grad_norm = if t.max_grad_norm > 0.0 {
-            clip_grad_norm(&mut grads, t.max_grad_norm as f32)
-        } else {
-            global_norm(&grads)
-        };
+        // Every rank holds the same sums, so every rank takes the same decision here.
+        let grad_norm = global_norm(&grads);
+        let finite = grad_norm.is_finite() && loss.iter().all(|x| x.is_finite());
         let lr = schedule.lr(step);
-        optimizer.step(&mut params, &grads, lr);
+        if finite {
+            if t.max_grad_norm > 0.0 {
+                clip_grad_norm(&mut grads, t.max_grad_norm as f32);
+            }
+            replica.optimizer.step(&mut replica.params, &grads, lr);
+        } else {
+            replica.skipped_steps += 1;
+            tracing::warn!(
+                step,
+                skipped = replica.skipped_steps,
+                "non-finite loss or gradient: update skipped"
+            );
+            if replica.skipped_steps > t.max_skipped_steps {
+                return Err(TrainError::NonFinite {
+                    step,
+                    skipped: replica.skipped_steps,
+                    max: t.max_skipped_steps,
+                });
+            }
+        }
         let done = step + 1;
+        replica.step = done;
         progress.store(done, Ordering::SeqCst);
 
         let step_seconds = started.elapsed().as_secs_f64();
@@ -336,7 +567,8 @@ pub fn train(
                 step_seconds,
                 allreduce_seconds: ring_seconds,
                 tokens: global_tokens as u64,
-                ..Default::default()
+                skipped: !finite,
+                skipped_steps: replica.skipped_steps,
             };
             tracing::info!(
                 "step {done} | loss {:.4} | lr {:.1e} | {:.0} ms | {:.1}k tok/s | allreduce {:.0} ms (waited {:.0} ms)",
@@ -350,9 +582,15 @@ pub fn train(
             let _ = events.send(Event::Step(report));
         }
         let last = done == t.max_steps;
-        if (t.eval_every > 0 && done % t.eval_every == 0) || last {
+        if (t.eval_every > 0 && done.is_multiple_of(t.eval_every)) || last {
             let report = evaluate(
-                &setup, &mut model, &params, &heldout, &pipeline, &ring, done,
+                setup,
+                &mut model,
+                &replica.params,
+                &heldout,
+                &pipeline,
+                ring,
+                done,
             )?;
             if setup.rank == 0 {
                 tracing::info!(
@@ -367,16 +605,10 @@ pub fn train(
                 }));
             }
         }
-        if setup.rank == 0 && ((t.checkpoint_every > 0 && done % t.checkpoint_every == 0) || last) {
-            let dir = stage_checkpoint(
-                &setup,
-                &layout,
-                &params,
-                optimizer.as_ref(),
-                done,
-                mlm_loss + nsp_loss,
-                global_batch,
-            )?;
+        if setup.rank == 0
+            && ((t.checkpoint_every > 0 && done.is_multiple_of(t.checkpoint_every)) || last)
+        {
+            let dir = stage_checkpoint(setup, layout, replica, mlm_loss + nsp_loss, global_batch)?;
             let _ = events.send(Event::Checkpoint { step: done, dir });
         }
     }
@@ -489,12 +721,17 @@ fn evaluate(
 fn stage_checkpoint(
     setup: &TrainSetup,
     layout: &ParamLayout,
-    params: &[f32],
-    optimizer: &dyn Optimizer,
-    step: u64,
+    replica: &Replica,
     loss: f64,
     global_batch: u64,
 ) -> Result<PathBuf, TrainError> {
+    let step = replica.step;
+    if let Some(name) = first_non_finite(layout, &replica.params) {
+        return Err(TrainError::Io {
+            step,
+            message: format!("refusing to checkpoint: {name} holds a non-finite value"),
+        });
+    }
     let io = |message: String| TrainError::Io { step, message };
     let dir = setup.work_dir.join(format!("checkpoint-{step}"));
     if dir.exists() {
@@ -504,12 +741,12 @@ fn stage_checkpoint(
     keel_proto::weights::save_safetensors(
         dir.join(keel_proto::checkpoint::MODEL_FILE),
         layout,
-        params,
+        &replica.params,
     )
     .map_err(|e| io(format!("saving weights: {e}")))?;
     crate::optim_state::save(
         &dir.join(OPTIMIZER_FILE),
-        optimizer,
+        replica.optimizer.as_ref(),
         &setup.spec.train.optimizer,
     )
     .map_err(|e| io(format!("saving optimizer state: {e}")))?;
@@ -526,9 +763,19 @@ fn stage_checkpoint(
             OptimizerKind::Adamw => "adamw".into(),
             OptimizerKind::Lamb => "lamb".into(),
         },
+        skipped_steps: replica.skipped_steps,
     };
     let text = serde_json::to_string_pretty(&state).map_err(|e| io(e.to_string()))?;
     write_file_atomic(&dir.join(TRAINER_STATE_FILE), text.as_bytes())
         .map_err(|e| io(e.to_string()))?;
     Ok(dir)
+}
+
+/// The name of the first parameter tensor holding a NaN or an infinity, if any.
+fn first_non_finite(layout: &ParamLayout, params: &[f32]) -> Option<String> {
+    layout
+        .entries()
+        .iter()
+        .find(|e| params[e.range()].iter().any(|x| !x.is_finite()))
+        .map(|e| e.name.clone())
 }

@@ -4,15 +4,17 @@
 
 use crate::allreduce::{Mailbox, Ring, RingConfig};
 use crate::client::{TransferError, fetch_cached, upload_dir};
+use crate::control::JobControl;
+use crate::replica::Replica;
 use crate::ringlink::RingLink;
-use crate::step::{Event, TrainError, TrainSetup};
+use crate::step::{Event, InitialState, TrainError, TrainSetup};
 use keel_proto::config::BertConfig;
 use keel_proto::jobspec::JobSpec;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
-use keel_proto::rpc::{StartJob, TrainingKey};
+use keel_proto::rpc::{StartJob, StateSource, TrainingKey};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 use tonic::transport::Channel;
 
@@ -27,10 +29,12 @@ pub struct JobContext {
     pub cache_dir: PathBuf,
     /// The ring service's mailbox (shared with the worker's server).
     pub mailbox: Arc<Mailbox>,
-    /// Set when the coordinator cancels the job or the worker stops.
-    pub cancel: Arc<AtomicBool>,
+    /// Stops the job from outside (cancel, suspend, shutdown).
+    pub control: Arc<JobControl>,
     /// Steps completed (read by heartbeats).
     pub progress: Arc<AtomicU64>,
+    /// Fault injection for tests: NaN loss on this rank at this 0-based step.
+    pub fault_nan_at_step: Option<u64>,
 }
 
 /// Why a job stopped on this worker.
@@ -53,24 +57,77 @@ pub enum JobError {
     Panic(String),
 }
 
-/// Runs the job `start` to its end on this worker.
+impl JobError {
+    /// Whether a new generation of the job could go on after this error on this worker: a
+    /// lost peer, an unreachable coordinator, or a stop from outside, as opposed to a broken
+    /// job (bad data, a non-finite loss past the limit).
+    pub fn is_recoverable(&self) -> bool {
+        match self {
+            JobError::Transfer(TransferError::Io { .. }) => false,
+            JobError::Transfer(_) | JobError::Ring(_) => true,
+            JobError::Train(e) => e.is_recoverable(),
+            JobError::Assignment(_) | JobError::Panic(_) => false,
+        }
+    }
+}
+
+/// Runs the job `start` to its end on this worker. `held` is what this worker holds of the job
+/// from an earlier generation (used with `STATE_SOURCE_MEMORY`).
+///
+/// Returns how it ended and the replica (weights + optimizer state) the training loop ended
+/// with, if it got that far: the worker keeps it for the next generation.
 ///
 /// Errors: [`JobError`] naming what failed; a ring failure names the peer and the step.
-pub async fn run_job(ctx: JobContext, start: StartJob) -> Result<(), JobError> {
-    let key = start
-        .key
-        .clone()
-        .ok_or_else(|| JobError::Assignment("no training key".into()))?;
-    let spec: JobSpec = serde_json::from_str(&start.spec_json)
-        .map_err(|e| JobError::Assignment(format!("job spec: {e}")))?;
-    let config: BertConfig = serde_json::from_str(&start.model_config_json)
-        .map_err(|e| JobError::Assignment(format!("model config: {e}")))?;
+pub async fn run_job(
+    ctx: JobContext,
+    start: StartJob,
+    held: Option<Replica>,
+) -> (Result<(), JobError>, Option<Replica>) {
+    match prepare_and_train(ctx, start, held).await {
+        Ok((result, replica)) => (result, replica),
+        Err((e, held)) => (Err(e), held),
+    }
+}
+
+/// [`run_job`]'s body; errors before training starts hand the held replica back.
+async fn prepare_and_train(
+    ctx: JobContext,
+    start: StartJob,
+    held: Option<Replica>,
+) -> Result<(Result<(), JobError>, Option<Replica>), (JobError, Option<Replica>)> {
+    let mut held = held;
+    macro_rules! early {
+        ($e:expr) => {
+            match $e {
+                Ok(v) => v,
+                Err(e) => return Err((JobError::from(e), held.take())),
+            }
+        };
+    }
+    let key = early!(
+        start
+            .key
+            .clone()
+            .ok_or_else(|| JobError::Assignment("no training key".into()))
+    );
+    let spec: JobSpec = early!(
+        serde_json::from_str(&start.spec_json)
+            .map_err(|e| JobError::Assignment(format!("job spec: {e}")))
+    );
+    let config: BertConfig = early!(
+        serde_json::from_str(&start.model_config_json)
+            .map_err(|e| JobError::Assignment(format!("model config: {e}")))
+    );
 
     // Step 6: files, verified and cached.
     let mut client = ctx.client.clone();
     let mut paths = std::collections::HashMap::new();
     for file in &start.files {
-        let path = fetch_cached(&mut client, &key, &ctx.worker_id, file, &ctx.cache_dir).await?;
+        let path = early!(
+            fetch_cached(&mut client, &key, &ctx.worker_id, file, &ctx.cache_dir)
+                .await
+                .map_err(JobError::from)
+        );
         paths.insert(file.role.clone(), path);
     }
     let role = |r: &str| {
@@ -83,10 +140,45 @@ pub async fn run_job(ctx: JobContext, start: StartJob) -> Result<(), JobError> {
         "{}-g{}-r{}",
         key.job_id, key.generation, start.rank
     ));
-    std::fs::create_dir_all(&work_dir).map_err(|source| TransferError::Io {
-        path: work_dir.clone(),
-        source,
-    })?;
+    early!(
+        std::fs::create_dir_all(&work_dir).map_err(|source| JobError::from(TransferError::Io {
+            path: work_dir.clone(),
+            source,
+        }))
+    );
+    let initial = match StateSource::try_from(start.state_source) {
+        Ok(StateSource::Init) => InitialState::Init {
+            weights: paths.get("init_weights").cloned(),
+        },
+        Ok(StateSource::Checkpoint) => InitialState::Checkpoint {
+            weights: early!(role("init_weights")),
+            optimizer: early!(role("init_optimizer")),
+            state: paths.get("init_state").cloned(),
+        },
+        Ok(StateSource::Memory) => InitialState::Memory {
+            held: held.take(),
+            root_rank: start.state_root_rank,
+        },
+        Err(_) => {
+            return Err((
+                JobError::Assignment(format!("unknown state_source {}", start.state_source)),
+                held.take(),
+            ));
+        }
+    };
+    let shard = role("shard");
+    let heldout = role("heldout");
+    let tokenizer = role("tokenizer");
+    let (shard, heldout, tokenizer) = match (shard, heldout, tokenizer) {
+        (Ok(a), Ok(b), Ok(c)) => (a, b, c),
+        (Err(e), ..) | (_, Err(e), _) | (.., Err(e)) => {
+            let back = match initial {
+                InitialState::Memory { held, .. } => held,
+                _ => None,
+            };
+            return Err((e, back));
+        }
+    };
     let setup = TrainSetup {
         job_id: key.job_id.clone(),
         generation: key.generation,
@@ -95,11 +187,21 @@ pub async fn run_job(ctx: JobContext, start: StartJob) -> Result<(), JobError> {
         spec,
         config,
         total_sequences: start.total_sequences,
-        shard: role("shard")?,
-        heldout: role("heldout")?,
-        tokenizer: role("tokenizer")?,
-        init_weights: paths.get("init_weights").cloned(),
+        shard,
+        heldout,
+        tokenizer,
+        initial,
+        start_step: start.start_step,
+        global_batch_size: start.global_batch_size,
+        checkpoint_first: start.checkpoint_first,
+        fault_nan_at_step: ctx.fault_nan_at_step,
         work_dir,
+    };
+    // From here on the held replica lives in `setup.initial` and comes back from the
+    // training thread; a failure to join the ring gives it back unchanged.
+    let give_back = |setup: TrainSetup| match setup.initial {
+        InitialState::Memory { held, .. } => held,
+        _ => None,
     };
 
     // Step 8: the ring.
@@ -115,40 +217,51 @@ pub async fn run_job(ctx: JobContext, start: StartJob) -> Result<(), JobError> {
             timeout: Duration::from_millis(start.ring_timeout_ms.max(1000)),
         },
         ctx.mailbox.clone(),
-    )
-    .await?;
-    tracing::info!(job = %key.job_id, rank = start.rank, "joined the ring");
+    );
+    let ring = tokio::select! {
+        r = ring => r,
+        () = ctx.control.stopped() => {
+            return Err((JobError::Train(TrainError::Stopped { step: start.start_step }), give_back(setup)));
+        }
+    };
+    let ring = match ring {
+        Ok(r) => r,
+        Err(e) => return Err((JobError::Ring(e), give_back(setup))),
+    };
+    tracing::info!(job = %key.job_id, generation = key.generation, rank = start.rank, start_step = start.start_step, "joined the ring");
     let busy = Arc::new(AtomicU64::new(0));
-    let link = RingLink::spawn(Arc::new(ring), busy.clone());
+    let link = RingLink::spawn(Arc::new(ring), busy.clone(), ctx.control.clone());
 
     let (events_tx, events_rx) = tokio::sync::mpsc::unbounded_channel();
     let reporter = tokio::spawn(report_events(client.clone(), key.clone(), events_rx));
-    let (cancel, progress) = (ctx.cancel.clone(), ctx.progress.clone());
+    let (control, progress) = (ctx.control.clone(), ctx.progress.clone());
     let math = tokio::task::spawn_blocking(move || {
-        crate::step::train(setup, link, events_tx, &cancel, &progress, &busy)
+        crate::step::train(setup, link, events_tx, &control, &progress, &busy)
     });
     let trained = math.await;
     // The events channel is closed now: the reporter drains it (final upload) and ends.
     let reported = reporter
         .await
-        .map_err(|e| JobError::Panic(format!("reporter: {e}")))?;
-    match trained {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => return Err(e.into()),
-        Err(e) => return Err(JobError::Panic(e.to_string())),
-    }
-    reported?;
-    Ok(())
+        .map_err(|e| JobError::Panic(format!("reporter: {e}")))
+        .and_then(|r| r);
+    Ok(match trained {
+        Ok((Ok(()), replica)) => (reported, replica),
+        Ok((Err(e), replica)) => (Err(e.into()), replica),
+        Err(e) => (Err(JobError::Panic(e.to_string())), None),
+    })
 }
 
 /// Sends step and eval reports and uploads checkpoints, in the order the training loop made
-/// them. Report failures are logged (the coordinator may have ended the job); a failed
-/// checkpoint upload ends the job.
+/// them. Report failures are logged (the coordinator may have ended the job, or be
+/// restarting); a failed upload is logged and training goes on, but if the last checkpoint
+/// (the final one) could not be uploaded, that is the job's error: the next generation
+/// uploads it again (`StartJob.checkpoint_first`).
 async fn report_events(
     mut client: CoordinatorClient<Channel>,
     key: TrainingKey,
     mut events: tokio::sync::mpsc::UnboundedReceiver<Event>,
 ) -> Result<(), JobError> {
+    let mut last_upload = Ok(());
     while let Some(event) = events.recv().await {
         match event {
             Event::Step(report) => {
@@ -166,13 +279,16 @@ async fn report_events(
                     step,
                     ..key.clone()
                 };
-                upload_dir(&mut client, &key, &dir).await?;
-                tracing::info!(step, "checkpoint uploaded");
+                last_upload = upload_dir(&mut client, &key, &dir).await;
+                match &last_upload {
+                    Ok(()) => tracing::info!(step, "checkpoint uploaded"),
+                    Err(e) => tracing::warn!(step, "checkpoint upload failed: {e}"),
+                }
                 if let Err(e) = std::fs::remove_dir_all(&dir) {
                     tracing::warn!(dir = %dir.display(), "cannot remove staged checkpoint: {e}");
                 }
             }
         }
     }
-    Ok(())
+    last_upload.map_err(JobError::from)
 }

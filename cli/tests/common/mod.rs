@@ -55,6 +55,10 @@ pub struct JobFile {
     pub peer_timeout_seconds: f64,
     pub objective: &'static str,
     pub lowercase: bool,
+    /// Lines appended to `[cluster]` (e.g. `max_recoveries = 0`).
+    pub cluster_extra: String,
+    /// Lines appended to `[train]`.
+    pub train_extra: String,
 }
 
 impl JobFile {
@@ -74,6 +78,8 @@ impl JobFile {
             peer_timeout_seconds: 30.0,
             objective: "mlm",
             lowercase: true,
+            cluster_extra: String::new(),
+            train_extra: String::new(),
         }
     }
 
@@ -104,11 +110,15 @@ max_grad_norm = 1.0
 seed = 42
 checkpoint_every = {ckpt}
 eval_every = {eval}
+{train_extra}
 [cluster]
 min_workers = {w}
 max_workers = {w}
 peer_timeout_seconds = {timeout}
+{cluster_extra}
 "#,
+            train_extra = self.train_extra,
+            cluster_extra = self.cluster_extra,
             corpus = self.corpus.display(),
             vocab = match &self.vocab {
                 Some(path) => format!("vocab = \"{}\"", path.display()),
