@@ -237,7 +237,7 @@ async fn prepared_inputs(client: &mut Coord, root: &Path, corpus: &Path) {
     std::fs::write(&empty, "").unwrap();
     let binary = dir.join("binary.txt");
     let bytes: Vec<u8> = (0..4096u32)
-        .map(|i| (i * 2654435761u32 >> 24) as u8)
+        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8)
         .collect();
     std::fs::write(&binary, bytes).unwrap();
     let no_specials = dir.join("no-specials.txt");
