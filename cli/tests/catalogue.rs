@@ -897,21 +897,17 @@ fn every_entry_point_refuses_bad_input_clearly_and_the_cluster_stays_healthy() {
     let (coordinator_proc, addr) = start_coordinator(root);
     let workers: Vec<(Proc, String)> = (0..2).map(|i| start_worker(root, &addr, i)).collect();
     let corpus = small_corpus(root);
+    poll(Duration::from_secs(60), || {
+        std::net::TcpStream::connect(&addr).ok()
+    })
+    .expect("the coordinator listens");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
     runtime.block_on(async {
-        let mut client = None;
-        for _ in 0..100 {
-            if let Ok(c) = tokio::time::timeout(Duration::from_secs(2), coordinator(&addr)).await {
-                client = Some(c);
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let mut client = client.expect("the coordinator answers");
+        let mut client = coordinator(&addr).await;
         job_specs(&mut client, &corpus).await;
         coordinator_rpcs(&mut client).await;
         prepared_inputs(&mut client, root, &corpus).await;

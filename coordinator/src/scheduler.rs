@@ -79,10 +79,16 @@ fn start_preparing(shared: &Arc<Shared>) {
         })
         .cloned()
         .collect();
+    let mut preparing = Vec::new();
     for id in queued {
         let Ok(job) = reg.job_mut(&id) else { continue };
         job.state = JobState::Preparing;
         job.publish();
+        preparing.push(id);
+    }
+    // spawn_prepare locks the registry itself: holding it here would deadlock.
+    drop(reg);
+    for id in preparing {
         spawn_prepare(shared, id, JobState::WaitingForWorkers);
     }
 }
