@@ -11,7 +11,8 @@ use std::path::PathBuf;
 /// Arguments of `keel fill-mask`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Checkpoint folder (HF layout: config.json, model.safetensors, tokenizer files).
+    /// Checkpoint folder (HF layout: config.json, model.safetensors, tokenizer files). When it
+    /// holds a manifest.json (Keel wrote it) every file is verified against it first.
     #[arg(long)]
     pub checkpoint: PathBuf,
     /// How many candidates per [MASK].
@@ -60,12 +61,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 /// The top-`k` candidates for each [MASK] of `text`, in order.
 ///
-/// Errors: the checkpoint cannot be loaded, or `text` has no [MASK].
+/// Errors: the folder's `manifest.json` (when it has one) does not match its files (naming
+/// the file: missing, truncated or altered), the checkpoint cannot be loaded, or `text` has
+/// no [MASK].
 pub fn fill_mask(
     dir: &std::path::Path,
     text: &str,
     k: usize,
 ) -> anyhow::Result<Vec<Vec<Candidate>>> {
+    // A folder Keel wrote carries a manifest: refuse it when a file was truncated or altered.
+    // A folder from `save_pretrained` has none and is read as it is.
+    keel_proto::checkpoint::verify_dir(dir)
+        .with_context(|| format!("checking the checkpoint {}", dir.display()))?;
     let tokenizer = KeelTokenizer::from_tokenizer_json(&dir.join("tokenizer.json"))
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     let config = BertConfig::from_json_file(dir.join("config.json"))?;
@@ -110,4 +117,63 @@ pub fn fill_mask(
         out.push(candidates);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_proto::checkpoint::commit_dir;
+
+    const FIXTURE: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/fixtures/bert-micro-mlm"
+    );
+
+    /// The fixture's config and weights committed as Keel commits checkpoints (with a manifest).
+    fn committed_checkpoint(root: &std::path::Path) -> PathBuf {
+        let tmp = root.join(".tmp");
+        std::fs::create_dir(&tmp).unwrap();
+        for name in ["config.json", "model.safetensors"] {
+            std::fs::copy(format!("{FIXTURE}/{name}"), tmp.join(name)).unwrap();
+        }
+        let dir = root.join("ckpt");
+        commit_dir(&tmp, &dir).unwrap();
+        dir
+    }
+
+    fn refusal(dir: &std::path::Path) -> String {
+        format!("{:#}", fill_mask(dir, "a [MASK]", 3).unwrap_err())
+    }
+
+    #[test]
+    fn truncated_altered_or_missing_files_are_refused_naming_the_file() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = committed_checkpoint(root.path());
+        let model = dir.join("model.safetensors");
+        let good = std::fs::read(&model).unwrap();
+
+        std::fs::write(&model, &good[..good.len() / 2]).unwrap();
+        let text = refusal(&dir);
+        assert!(
+            text.contains("model.safetensors") && text.contains("truncated"),
+            "{text}"
+        );
+
+        let mut flipped = good.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 0x40;
+        std::fs::write(&model, &flipped).unwrap();
+        let text = refusal(&dir);
+        assert!(
+            text.contains("model.safetensors") && text.contains("sha256"),
+            "{text}"
+        );
+
+        std::fs::remove_file(dir.join("config.json")).unwrap();
+        let text = refusal(&dir);
+        assert!(
+            text.contains("config.json") && text.contains("missing"),
+            "{text}"
+        );
+    }
 }

@@ -10,6 +10,9 @@ use sha2::{Digest, Sha256};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+/// The job's metrics file, pulled beside the checkpoint.
+const METRICS_FILE: &str = "metrics.jsonl";
+
 /// Arguments of `keel pull`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -58,7 +61,7 @@ pub async fn pull(
         .await
         .map_err(|s| anyhow::anyhow!("pulling {job}: {}", s.message()))?
         .into_inner();
-    let files = receive_files(stream, tmp.path()).await?;
+    let files = receive_files(stream, tmp.path(), None).await?;
     let manifest = Manifest::read(tmp.path())?;
     manifest.verify(tmp.path())?;
     for name in manifest.files.keys() {
@@ -73,8 +76,8 @@ pub async fn pull(
         .await
         .map_err(|s| anyhow::anyhow!("pulling the metrics of {job}: {}", s.message()))?
         .into_inner();
-    receive_files(metrics, tmp.path()).await?;
-    let metrics_path = tmp.path().join("metrics.jsonl");
+    receive_files(metrics, tmp.path(), Some(METRICS_FILE)).await?;
+    let metrics_path = tmp.path().join(METRICS_FILE);
     if let Err(e) = crate::plot::write_loss_png(&metrics_path, &tmp.path().join("loss.png")) {
         eprintln!("warning: no loss.png: {e:#}");
     }
@@ -89,22 +92,40 @@ pub async fn pull(
 }
 
 /// Writes a stream of file chunks into `dir`, checking offsets and each file's sha256, each
-/// file fsynced. Returns the names written.
-async fn receive_files(
-    mut stream: tonic::Streaming<FileChunk>,
+/// file fsynced. Returns the names written. Names come from the server: only plain names
+/// (no directory part, no `..`) are accepted, each once, so nothing is written outside `dir`;
+/// with `only`, that one name alone (so the metrics stream cannot replace a verified file).
+///
+/// Errors: a bad, unexpected or repeated name, a chunk out of order, a checksum mismatch, a stream error.
+async fn receive_files<S>(
+    mut stream: S,
     dir: &Path,
-) -> anyhow::Result<Vec<String>> {
+    only: Option<&str>,
+) -> anyhow::Result<Vec<String>>
+where
+    S: futures::Stream<Item = Result<FileChunk, tonic::Status>> + Unpin,
+{
+    use futures::StreamExt;
     let mut names = Vec::new();
     let mut current: Option<(String, std::fs::File, Sha256, u64)> = None;
-    while let Some(chunk) = stream
-        .message()
-        .await
-        .map_err(|s| anyhow::anyhow!("transfer: {}", s.message()))?
-    {
-        check_plain_name(&chunk.name)?;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|s| anyhow::anyhow!("transfer: {}", s.message()))?;
+        check_plain_name(&chunk.name)
+            .with_context(|| format!("the coordinator sent a file named {:?}", chunk.name))?;
+        if let Some(only) = only
+            && chunk.name != only
+        {
+            anyhow::bail!(
+                "the coordinator sent {:?} where only {only} was expected",
+                chunk.name
+            );
+        }
         if current.as_ref().is_none_or(|(n, ..)| *n != chunk.name) {
             if let Some((n, ..)) = &current {
                 anyhow::bail!("{n}: the stream moved on before its last chunk");
+            }
+            if names.contains(&chunk.name) {
+                anyhow::bail!("{}: the coordinator sent this file twice", chunk.name);
             }
             let path = dir.join(&chunk.name);
             let file = std::fs::File::create(&path)
@@ -140,4 +161,80 @@ async fn receive_files(
         anyhow::bail!("{n}: the stream ended before its last chunk");
     }
     Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn whole_file(name: &str, data: &[u8]) -> Result<FileChunk, tonic::Status> {
+        Ok(FileChunk {
+            key: None,
+            name: name.to_string(),
+            offset: 0,
+            data: data.to_vec().into(),
+            last: true,
+            sha256: keel_proto::checkpoint::sha256_hex(data),
+            size: data.len() as u64,
+        })
+    }
+
+    async fn receive(
+        chunks: Vec<Result<FileChunk, tonic::Status>>,
+        dir: &Path,
+    ) -> anyhow::Result<Vec<String>> {
+        receive_files(futures::stream::iter(chunks), dir, None).await
+    }
+
+    #[tokio::test]
+    async fn names_from_the_server_stay_inside_the_folder() {
+        let root = tempfile::tempdir().unwrap();
+        let out = root.path().join("out");
+        std::fs::create_dir(&out).unwrap();
+        let names = receive(vec![whole_file("config.json", b"{}")], &out)
+            .await
+            .unwrap();
+        assert_eq!(names, ["config.json"]);
+        let bad_names = ["../evil", "/tmp/evil", "a/b", "..", ".", "", "a\\b"];
+        for bad in bad_names {
+            let err = receive(vec![whole_file(bad, b"x")], &out)
+                .await
+                .unwrap_err();
+            let text = format!("{err:#}");
+            assert!(text.contains("plain file name"), "{bad:?}: {text}");
+        }
+        assert!(!root.path().join("evil").exists());
+        let mut left: Vec<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["config.json"]);
+    }
+
+    #[tokio::test]
+    async fn a_repeated_file_or_a_bad_checksum_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let twice = vec![whole_file("a.bin", b"1"), whole_file("a.bin", b"2")];
+        let err = receive(twice, dir.path()).await.unwrap_err();
+        assert!(err.to_string().contains("twice"), "{err}");
+        let mut chunk = whole_file("b.bin", b"data").unwrap();
+        chunk.sha256 = keel_proto::checkpoint::sha256_hex(b"other");
+        let err = receive(vec![Ok(chunk)], dir.path()).await.unwrap_err();
+        assert!(err.to_string().contains("b.bin"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn the_metrics_stream_cannot_replace_a_checkpoint_file() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("model.safetensors"), b"verified").unwrap();
+        let chunks = vec![whole_file("model.safetensors", b"evil")];
+        let stream = futures::stream::iter(chunks);
+        let err = receive_files(stream, dir.path(), Some(METRICS_FILE))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("only metrics.jsonl"), "{err}");
+        let kept = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+        assert_eq!(kept, b"verified");
+    }
 }

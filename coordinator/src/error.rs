@@ -45,6 +45,10 @@ pub enum CoordinatorError {
     /// A checkpoint or transferred file failed verification.
     #[error(transparent)]
     Checkpoint(#[from] keel_proto::checkpoint::CheckpointError),
+    /// Uploaded or referenced weights are unusable (non-finite values, wrong shapes, not
+    /// safetensors).
+    #[error("{0}")]
+    Weights(#[from] keel_proto::weights::WeightsError),
     /// Preparing the job's data or model failed.
     #[error("preparing job {job_id}: {message}")]
     Prepare {
@@ -83,10 +87,14 @@ impl From<CoordinatorError> for tonic::Status {
                 Status::not_found(msg)
             }
             CoordinatorError::UnknownWorker { .. } => Status::failed_precondition(msg),
-            CoordinatorError::InvalidJob(_) | CoordinatorError::BadRequest(_) => {
-                Status::invalid_argument(msg)
-            }
+            CoordinatorError::InvalidJob(_)
+            | CoordinatorError::BadRequest(_)
+            | CoordinatorError::Weights(_) => Status::invalid_argument(msg),
             CoordinatorError::Stale { .. } => Status::failed_precondition(msg),
+            // A file name with a directory part is a malformed request, not lost data.
+            CoordinatorError::Checkpoint(keel_proto::checkpoint::CheckpointError::BadName {
+                ..
+            }) => Status::invalid_argument(msg),
             CoordinatorError::Checkpoint(_) => Status::data_loss(msg),
             CoordinatorError::Io { .. }
             | CoordinatorError::Prepare { .. }

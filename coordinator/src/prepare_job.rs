@@ -161,6 +161,9 @@ fn finish(
     config
         .validate()
         .map_err(|e| fail(format!("model config: {e}")))?;
+    if let Some(dir) = &spec.model.init_checkpoint {
+        check_init_checkpoint(dir, &config, heads).map_err(fail)?;
+    }
     let model_config_json = config.to_json_pretty();
     write_file_atomic(&job_dir.join(JOB_CONFIG_FILE), model_config_json.as_bytes())?;
     Ok(PreparedJob {
@@ -169,6 +172,23 @@ fn finish(
         model_config_json,
         shared_files,
     })
+}
+
+/// Checks `init_checkpoint` before any worker fetches it: the folder's manifest when it has
+/// one (a folder from `save_pretrained` has none and is taken as it is), then every tensor of
+/// the model's layout present with its shape, and no NaN or Inf.
+///
+/// Errors: a message naming the file and what differs (size, sha256, a missing file), or the
+/// tensor (missing, misshaped, non-finite).
+fn check_init_checkpoint(dir: &Path, config: &BertConfig, heads: Heads) -> Result<(), String> {
+    keel_proto::checkpoint::verify_dir(dir).map_err(|e| format!("model.init_checkpoint: {e}"))?;
+    let weights = dir.join(keel_proto::checkpoint::MODEL_FILE);
+    let layout = keel_proto::params::ParamLayout::bert(config, heads);
+    keel_proto::weights::load_safetensors(&weights, &layout)
+        .map_err(|e| format!("model.init_checkpoint: {e}"))?;
+    keel_proto::weights::check_finite(&weights)
+        .map_err(|e| format!("model.init_checkpoint: {e}"))?;
+    Ok(())
 }
 
 /// Builds rank `rank`'s shard (the sequences its plan names) and lists the files it fetches,

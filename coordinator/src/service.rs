@@ -47,6 +47,38 @@ pub(crate) fn append_metrics(job: &Job, value: serde_json::Value) {
     }
 }
 
+/// Refuses a step report that cannot be right: a rank outside the ring, a step outside
+/// `1..=max_steps`, or (from rank 0, whose reports drive the metrics) a step at or before the
+/// one already reported.
+///
+/// Errors: `BadRequest` (InvalidArgument) for the rank or range, `Stale` (FailedPrecondition)
+/// for a report out of order.
+fn check_step_report(job: &Job, step: u64, rank: u32) -> Result<(), CoordinatorError> {
+    if rank as usize >= job.workers.len() {
+        return Err(CoordinatorError::BadRequest(format!(
+            "step report: rank {rank} is not in job {} ({} ranks)",
+            job.id,
+            job.workers.len()
+        )));
+    }
+    if step == 0 || step > job.spec.train.max_steps {
+        return Err(CoordinatorError::BadRequest(format!(
+            "step report: step {step} is outside 1..={} of job {}",
+            job.spec.train.max_steps, job.id
+        )));
+    }
+    if rank == 0 && step <= job.step {
+        return Err(CoordinatorError::Stale {
+            job_id: job.id.clone(),
+            message: format!(
+                "step report for step {step} arrives after step {}: reports must come in order",
+                job.step
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// `18.2k` for 18200.
 fn human(n: f64) -> String {
     if n >= 1e6 {
@@ -322,6 +354,7 @@ impl Coordinator for CoordinatorService {
         let mut reg = self.shared.lock();
         let job = reg.check_key(r.key.as_ref())?;
         let step = r.key.as_ref().map_or(0, |k| k.step);
+        check_step_report(job, step, r.rank)?;
         if r.rank == 0 && step > job.step {
             job.step = step;
             append_metrics(

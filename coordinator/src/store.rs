@@ -2,16 +2,19 @@
 //! the layout of `keel_proto::checkpoint`.
 //!
 //! Rank 0 uploads the weights, optimizer state and trainer state; the store verifies each
-//! file's sha256, adds `config.json` and the tokenizer files, writes the manifest and renames
-//! the folder into place.
+//! file's sha256, refuses weights or optimizer state holding NaN or Inf (the last line of
+//! defence: a checkpoint never contains them, and the previous good one stays the latest),
+//! adds `config.json` and the tokenizer files, writes the manifest and renames the folder
+//! into place.
 
 use crate::CoordinatorError;
 use crate::prepare_job::JOB_CONFIG_FILE;
 use crate::state::Shared;
 use futures::{Stream, StreamExt};
-use keel_proto::checkpoint::{check_plain_name, commit_dir};
+use keel_proto::checkpoint::{MODEL_FILE, OPTIMIZER_FILE, check_plain_name, commit_dir};
 use keel_proto::rpc::{FileChunk, TrainingKey};
 use keel_proto::tokenizer::KeelTokenizer;
+use keel_proto::weights::check_finite_bytes;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -25,7 +28,10 @@ pub fn checkpoint_dir(job_dir: &Path, step: u64) -> PathBuf {
 /// Receives one checkpoint upload and stores it. Returns its key.
 ///
 /// Errors: `BadRequest` for an empty stream, a bad file name or a chunk out of order;
-/// `Checkpoint(ChecksumMismatch)` when a file's bytes do not match its sha256; `Stale` /
+/// `Checkpoint(ChecksumMismatch)` when a file's bytes do not match its sha256;
+/// `Weights(NonFinite)` naming the tensor when `model.safetensors` or
+/// `optimizer.safetensors` holds NaN or Inf (`Weights(Format)` when it is not safetensors);
+/// `Stale` /
 /// `UnknownJob` for a key that is not current; `Io`.
 pub async fn receive_upload<S>(
     shared: Arc<Shared>,
@@ -48,6 +54,13 @@ where
             {
                 let mut reg = shared.lock();
                 let job = reg.check_key(Some(&k))?;
+                if job.is_finished() {
+                    // A finished job's checkpoints are final: nothing may replace them.
+                    return Err(CoordinatorError::Stale {
+                        job_id: k.job_id.clone(),
+                        message: "the job has ended: it takes no more checkpoints".into(),
+                    });
+                }
                 job_dir = job.dir.clone();
             }
             let parent = job_dir.join("checkpoints");
@@ -121,8 +134,21 @@ where
     let step = key.step;
     let final_dir = checkpoint_dir(&job_dir, step);
     let job_dir2 = job_dir.clone();
+    let job_id = key.job_id.clone();
     tokio::task::spawn_blocking(move || -> Result<(), CoordinatorError> {
-        let dir = tmp.keep();
+        // Until the rename, dropping `tmp` (on any error) removes the half-made folder.
+        let dir = tmp.path().to_path_buf();
+        for name in [MODEL_FILE, OPTIMIZER_FILE] {
+            let path = dir.join(name);
+            if path.is_file() {
+                let bytes = std::fs::read(&path).map_err(CoordinatorError::io(&path))?;
+                let origin = format!("checkpoint upload of step {step}: {name}");
+                check_finite_bytes(&bytes, &origin).map_err(|e| {
+                    tracing::warn!(job = %job_id, step, "checkpoint refused: {e}");
+                    e
+                })?;
+            }
+        }
         let config_src = job_dir2.join(JOB_CONFIG_FILE);
         let config_dst = dir.join(JOB_CONFIG_FILE);
         std::fs::copy(&config_src, &config_dst).map_err(CoordinatorError::io(&config_src))?;
@@ -133,6 +159,8 @@ where
             .save(&dir)
             .map_err(|e| CoordinatorError::BadRequest(format!("saving tokenizer: {e}")))?;
         commit_dir(&dir, &final_dir)?;
+        // Renamed into place: nothing left for `tmp` to remove.
+        let _ = tmp.keep();
         Ok(())
     })
     .await
@@ -188,11 +216,11 @@ pub fn checkpoint_files(
     let mut files = Vec::new();
     for entry in std::fs::read_dir(&dir).map_err(CoordinatorError::io(&dir))? {
         let entry = entry.map_err(CoordinatorError::io(&dir))?;
-        if entry.path().is_file() {
-            files.push((
-                entry.file_name().to_string_lossy().into_owned(),
-                entry.path(),
-            ));
+        // Regular files only, never followed links: nothing outside the folder is served.
+        let regular = entry.file_type().is_ok_and(|t| t.is_file());
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if regular && check_plain_name(&name).is_ok() {
+            files.push((name, entry.path()));
         }
     }
     files.sort_by_key(|(name, _)| (name == keel_proto::checkpoint::MANIFEST_FILE, name.clone()));

@@ -59,6 +59,24 @@ pub enum CheckpointError {
         /// The checksum of the bytes on disk (hex).
         got: String,
     },
+    /// A file has another size than the manifest records (truncated or grown).
+    #[error(
+        "{path}: {got} bytes, but manifest.json records {expected}: the file was truncated or altered"
+    )]
+    SizeMismatch {
+        /// The file.
+        path: PathBuf,
+        /// Size the manifest records, bytes.
+        expected: u64,
+        /// Size on disk, bytes.
+        got: u64,
+    },
+    /// A file the manifest lists is not in the folder.
+    #[error("{path}: listed in manifest.json but missing from the folder")]
+    MissingFile {
+        /// The file.
+        path: PathBuf,
+    },
     /// A file name was not a plain name (it had a directory part or was empty).
     #[error("invalid file name {name:?} in a checkpoint: expected a plain file name")]
     BadName {
@@ -111,11 +129,14 @@ impl TrainerState {
     }
 }
 
-/// `manifest.json`: the sha256 (hex) of every file of the folder but itself.
+/// `manifest.json`: the sha256 (hex) and size of every file of the folder but itself.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
     /// File name -> sha256 (lowercase hex).
     pub files: BTreeMap<String, String>,
+    /// File name -> size in bytes (absent in manifests written before sizes were recorded).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sizes: BTreeMap<String, u64>,
 }
 
 impl Manifest {
@@ -124,15 +145,18 @@ impl Manifest {
     /// Errors: [`CheckpointError::Io`].
     pub fn compute(dir: &Path) -> Result<Self, CheckpointError> {
         let mut files = BTreeMap::new();
+        let mut sizes = BTreeMap::new();
         for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
             let entry = entry.map_err(io_err(dir))?;
             let name = entry.file_name().to_string_lossy().into_owned();
             if name == MANIFEST_FILE || !entry.path().is_file() {
                 continue;
             }
-            files.insert(name, sha256_file(&entry.path())?);
+            let size = entry.metadata().map_err(io_err(&entry.path()))?.len();
+            files.insert(name.clone(), sha256_file(&entry.path())?);
+            sizes.insert(name, size);
         }
-        Ok(Self { files })
+        Ok(Self { files, sizes })
     }
 
     /// Reads `manifest.json` from `dir`.
@@ -144,13 +168,32 @@ impl Manifest {
         serde_json::from_str(&text).map_err(|source| CheckpointError::Json { path, source })
     }
 
-    /// Checks every listed file of `dir` against its sha256.
+    /// Checks every listed file of `dir` against its size (when recorded) and sha256.
     ///
-    /// Errors: [`CheckpointError::ChecksumMismatch`] naming the first bad file, or
-    /// [`CheckpointError::Io`] when one is missing.
+    /// Errors, each naming the first bad file: [`CheckpointError::BadName`] for a listed name
+    /// with a directory part, [`CheckpointError::MissingFile`], [`CheckpointError::SizeMismatch`]
+    /// (truncated or grown), [`CheckpointError::ChecksumMismatch`] (altered),
+    /// [`CheckpointError::Io`].
     pub fn verify(&self, dir: &Path) -> Result<(), CheckpointError> {
         for (name, expected) in &self.files {
+            check_plain_name(name)?;
             let path = dir.join(name);
+            let meta = match std::fs::metadata(&path) {
+                Ok(meta) => meta,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(CheckpointError::MissingFile { path });
+                }
+                Err(source) => return Err(CheckpointError::Io { path, source }),
+            };
+            if let Some(&size) = self.sizes.get(name)
+                && meta.len() != size
+            {
+                return Err(CheckpointError::SizeMismatch {
+                    path,
+                    expected: size,
+                    got: meta.len(),
+                });
+            }
             let got = sha256_file(&path)?;
             if &got != expected {
                 return Err(CheckpointError::ChecksumMismatch {
@@ -162,6 +205,20 @@ impl Manifest {
         }
         Ok(())
     }
+}
+
+/// Verifies a checkpoint folder before loading it: when it holds a `manifest.json` (every
+/// folder Keel writes), every listed file must be present with its size and sha256. A folder
+/// without a manifest (one written by `save_pretrained`, say) is accepted as it is: `Ok(None)`.
+///
+/// Errors: as [`Manifest::read`] and [`Manifest::verify`], naming the file and what differs.
+pub fn verify_dir(dir: &Path) -> Result<Option<Manifest>, CheckpointError> {
+    if !dir.join(MANIFEST_FILE).is_file() {
+        return Ok(None);
+    }
+    let manifest = Manifest::read(dir)?;
+    manifest.verify(dir)?;
+    Ok(Some(manifest))
 }
 
 /// Rejects names with a directory part, `..`, or nothing in them.
@@ -284,6 +341,67 @@ mod tests {
             matches!(err, CheckpointError::ChecksumMismatch { .. }),
             "{err}"
         );
+    }
+
+    /// A committed folder, as Keel writes checkpoints.
+    fn committed(root: &Path) -> PathBuf {
+        let tmp = root.join(".tmp");
+        std::fs::create_dir(&tmp).unwrap();
+        write_file_atomic(&tmp.join(MODEL_FILE), &[7u8; 4096]).unwrap();
+        write_file_atomic(&tmp.join(CONFIG_FILE), b"{}").unwrap();
+        let dest = root.join("ckpt");
+        commit_dir(&tmp, &dest).unwrap();
+        dest
+    }
+
+    #[test]
+    fn verify_dir_refuses_truncated_altered_and_missing_files_naming_them() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = committed(root.path());
+        assert!(verify_dir(&dir).unwrap().is_some());
+
+        let model = dir.join(MODEL_FILE);
+        std::fs::write(&model, [7u8; 1000]).unwrap();
+        let err = verify_dir(&dir).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CheckpointError::SizeMismatch {
+                    expected: 4096,
+                    got: 1000,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("model.safetensors"), "{err}");
+        assert!(err.to_string().contains("truncated"), "{err}");
+
+        let mut bytes = vec![7u8; 4096];
+        bytes[100] ^= 1;
+        std::fs::write(&model, &bytes).unwrap();
+        let err = verify_dir(&dir).unwrap_err();
+        assert!(
+            matches!(err, CheckpointError::ChecksumMismatch { .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("model.safetensors"), "{err}");
+
+        std::fs::remove_file(&model).unwrap();
+        let err = verify_dir(&dir).unwrap_err();
+        assert!(matches!(err, CheckpointError::MissingFile { .. }), "{err}");
+        assert!(err.to_string().contains("model.safetensors"), "{err}");
+    }
+
+    #[test]
+    fn verify_dir_accepts_a_folder_without_manifest_and_refuses_escaping_names() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::write(root.path().join(MODEL_FILE), b"x").unwrap();
+        assert!(verify_dir(root.path()).unwrap().is_none());
+        let manifest = r#"{"files": {"../outside": "00"}}"#;
+        std::fs::write(root.path().join(MANIFEST_FILE), manifest).unwrap();
+        let err = verify_dir(root.path()).unwrap_err();
+        assert!(matches!(err, CheckpointError::BadName { .. }), "{err}");
     }
 
     #[test]

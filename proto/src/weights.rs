@@ -8,6 +8,8 @@
 //!   with its shape; the tied decoder tensors and `bert.embeddings.position_ids` may be present
 //!   and are ignored; float32 and float64 files are read.
 //! - [`load_tensors_f64`]: every tensor of a file by name (for tests and tools).
+//! - [`check_finite`] / [`check_finite_bytes`] / [`check_finite_params`]: no NaN or Inf in a
+//!   file (weights or optimizer state) or a flat buffer, else the first tensor that has one.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
@@ -65,6 +67,20 @@ pub enum WeightsError {
         name: String,
         /// The dtype found.
         dtype: String,
+    },
+    /// A tensor holds NaN or infinite values.
+    #[error("{path}: {name} has {count} non-finite values (first at element {first}: {value})")]
+    NonFinite {
+        /// The file (or what the buffer is, for a flat buffer).
+        path: String,
+        /// HF name of the tensor.
+        name: String,
+        /// How many elements are NaN or infinite.
+        count: usize,
+        /// Index of the first one within the tensor (row-major).
+        first: usize,
+        /// Its value (`NaN`, `inf` or `-inf`).
+        value: f64,
     },
     /// The buffer to save does not match the layout.
     #[error("parameter buffer has {got} elements, the layout {expected}")]
@@ -183,6 +199,124 @@ pub fn load_tensors_f64(
     Ok(out)
 }
 
+/// Counts the non-finite values of `values`: `(count, first index, first value)`, `None` when all
+/// are finite.
+fn non_finite(values: impl Iterator<Item = f64>) -> Option<(usize, usize, f64)> {
+    let mut found: Option<(usize, usize, f64)> = None;
+    for (i, v) in values.enumerate() {
+        if !v.is_finite() {
+            match &mut found {
+                Some((count, ..)) => *count += 1,
+                None => found = Some((1, i, v)),
+            }
+        }
+    }
+    found
+}
+
+/// An IEEE half's value as far as finiteness goes: NaN or ±inf when its exponent bits are all
+/// set, else 0 (its finite value does not matter here).
+fn f16_special(bits: u16) -> f64 {
+    if bits & 0x7c00 != 0x7c00 {
+        0.0
+    } else if bits & 0x03ff != 0 {
+        f64::NAN
+    } else if bits & 0x8000 != 0 {
+        f64::NEG_INFINITY
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// Checks that every floating-point tensor (F16, BF16, F32, F64) of a safetensors file holds
+/// only finite values: a checkpoint never contains NaN or Inf. Integer tensors (e.g.
+/// `bert.embeddings.position_ids`) are skipped. Tensors are checked in name order.
+///
+/// Errors: [`WeightsError::NonFinite`] naming the first tensor (by name) with a NaN or Inf and
+/// how many it has; [`WeightsError::Io`], [`WeightsError::Format`].
+pub fn check_finite(path: impl AsRef<Path>) -> Result<(), WeightsError> {
+    let path = path.as_ref();
+    let bytes = read_file(path)?;
+    check_finite_bytes(&bytes, &path.display().to_string())
+}
+
+/// As [`check_finite`], on the bytes of a safetensors file; `origin` names it in errors.
+///
+/// Errors: [`WeightsError::NonFinite`], [`WeightsError::Format`].
+pub fn check_finite_bytes(bytes: &[u8], origin: &str) -> Result<(), WeightsError> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| WeightsError::Format {
+        path: origin.to_string(),
+        reason: e.to_string(),
+    })?;
+    let mut tensors = st.tensors();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, view) in tensors {
+        let data = view.data();
+        let found = match view.dtype() {
+            Dtype::F32 => non_finite(
+                data.chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64),
+            ),
+            Dtype::F64 => non_finite(
+                data.chunks_exact(8)
+                    .map(|b| f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])),
+            ),
+            // Half precision: the value is non-finite exactly when its exponent bits are all set.
+            Dtype::F16 => non_finite(
+                data.chunks_exact(2)
+                    .map(|b| f16_special(u16::from_le_bytes([b[0], b[1]]))),
+            ),
+            Dtype::BF16 => non_finite(data.chunks_exact(2).map(|b| {
+                let bits = u16::from_le_bytes([b[0], b[1]]);
+                f32::from_bits(u32::from(bits) << 16) as f64
+            })),
+            _ => None,
+        };
+        if let Some((count, first, value)) = found {
+            return Err(WeightsError::NonFinite {
+                path: origin.to_string(),
+                name,
+                count,
+                first,
+                value,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Checks a flat parameter (or optimizer moment) buffer laid out as `layout` for NaN and Inf
+/// before it is saved or uploaded; `what` names the buffer in errors ("parameters after step 7").
+///
+/// Errors: [`WeightsError::NonFinite`] naming the first tensor of the layout with a non-finite
+/// value; [`WeightsError::LengthMismatch`] if `params.len() != layout.total_len()`.
+pub fn check_finite_params(
+    layout: &ParamLayout,
+    params: &[f32],
+    what: &str,
+) -> Result<(), WeightsError> {
+    if params.len() != layout.total_len() {
+        return Err(WeightsError::LengthMismatch {
+            expected: layout.total_len(),
+            got: params.len(),
+        });
+    }
+    for entry in layout.entries() {
+        if let Some((count, first, value)) =
+            non_finite(params[entry.range()].iter().map(|&v| f64::from(v)))
+        {
+            return Err(WeightsError::NonFinite {
+                path: what.to_string(),
+                name: entry.name.clone(),
+                count,
+                first,
+                value,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Names of the tensors stored in a safetensors file, sorted.
 ///
 /// Errors: [`WeightsError::Io`], [`WeightsError::Format`].
@@ -252,4 +386,91 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), WeightsError> {
         source: e.error,
     })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::BertConfig;
+    use crate::params::Heads;
+
+    fn file_with(tensors: &[(&str, Vec<f32>)]) -> Vec<u8> {
+        let bytes: Vec<Vec<u8>> = tensors
+            .iter()
+            .map(|(_, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+            .collect();
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .zip(&bytes)
+            .map(|((name, v), b)| {
+                let view = TensorView::new(Dtype::F32, vec![v.len()], b).unwrap();
+                (name.to_string(), view)
+            })
+            .collect();
+        safetensors::tensor::serialize(views, None).unwrap()
+    }
+
+    #[test]
+    fn check_finite_names_the_tensor_and_counts_its_bad_values() {
+        let good = file_with(&[("a.weight", vec![1.0, -2.0]), ("b.bias", vec![0.5])]);
+        check_finite_bytes(&good, "good.safetensors").unwrap();
+        let bad = file_with(&[
+            ("a.weight", vec![1.0, 2.0]),
+            (
+                "bert.encoder.layer.1.output.dense.weight",
+                vec![0.0, f32::NAN, 1.0, f32::INFINITY, f32::NEG_INFINITY],
+            ),
+        ]);
+        let err = check_finite_bytes(&bad, "model.safetensors").unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("bert.encoder.layer.1.output.dense.weight has 3 non-finite values"),
+            "{text}"
+        );
+        assert!(text.starts_with("model.safetensors"), "{text}");
+        assert!(
+            matches!(err, WeightsError::NonFinite { first: 1, .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn check_finite_reads_files_and_refuses_garbage() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("optimizer.safetensors");
+        std::fs::write(&path, file_with(&[("m", vec![f32::NAN])])).unwrap();
+        let err = check_finite(&path).unwrap_err();
+        assert!(err.to_string().contains("optimizer.safetensors"), "{err}");
+        std::fs::write(&path, b"not a safetensors file").unwrap();
+        assert!(matches!(
+            check_finite(&path),
+            Err(WeightsError::Format { .. })
+        ));
+    }
+
+    #[test]
+    fn f16_specials_are_recognised() {
+        assert!(f16_special(0x7c00).is_infinite() && f16_special(0x7c00) > 0.0);
+        assert!(f16_special(0xfc00).is_infinite() && f16_special(0xfc00) < 0.0);
+        assert!(f16_special(0x7e00).is_nan());
+        assert!(f16_special(0x3c00).is_finite());
+    }
+
+    #[test]
+    fn check_finite_params_names_the_layout_tensor() {
+        let config = BertConfig::preset("tiny", 64).unwrap();
+        let layout = ParamLayout::bert(&config, Heads::MaskedLm);
+        let mut params = vec![0.25f32; layout.total_len()];
+        check_finite_params(&layout, &params, "parameters").unwrap();
+        let entry = &layout.entries()[3];
+        params[entry.range().start + 2] = f32::NAN;
+        let err = check_finite_params(&layout, &params, "parameters after step 7").unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("{} has 1 non-finite values", entry.name)),
+            "{text}"
+        );
+        assert!(text.starts_with("parameters after step 7"), "{text}");
+        assert!(check_finite_params(&layout, &params[1..], "p").is_err());
+    }
 }

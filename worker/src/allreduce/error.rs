@@ -159,6 +159,19 @@ pub enum FrameRejected {
         /// The frame's length, f32 elements.
         got: u64,
     },
+    /// No all-reduce with this (step, bucket) runs here or can still start: a bucket unknown
+    /// at a step already past, or a step too far ahead (`INVALID_ARGUMENT`).
+    #[error(
+        "no all-reduce step {step} bucket {bucket} here: this worker is at step {newest} (an unknown bucket, or a step out of reach)"
+    )]
+    UnknownAllReduce {
+        /// The frame's step.
+        step: u64,
+        /// The frame's bucket.
+        bucket: u32,
+        /// The newest step of an all-reduce started on this worker.
+        newest: u64,
+    },
     /// No ring is registered here yet, or only an older generation of this job (`UNAVAILABLE`:
     /// the sender retries until its timeout).
     #[error("this worker has not joined job {job_id} generation {generation} yet")]

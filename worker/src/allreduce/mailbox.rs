@@ -26,6 +26,15 @@ pub const DEFAULT_CAPACITY_BYTES: usize = 256 << 20;
 /// How many finished (generation, step, bucket) keys are remembered, to refuse late frames.
 const FINISHED_MEMORY: usize = 4096;
 
+/// Steps behind the newest local all-reduce for which a frame may still start a slot. Every
+/// all-reduce of step `s` ends before any of step `s + 1` starts, so a frame for a step further
+/// behind with no slot names a bucket that does not exist (or came very late): refused.
+const LATE_STEPS: u64 = 1;
+
+/// Steps ahead of the newest local all-reduce for which a frame may be buffered: the left
+/// neighbour cannot get further ahead, because every step needs this worker's share.
+const EARLY_STEPS: u64 = 2;
+
 /// Receives frames from the left neighbour and routes them to waiting all-reduces.
 ///
 /// One per worker process, shared by the gRPC [`super::RingService`] and every [`super::Ring`]
@@ -53,6 +62,9 @@ struct State {
     finished: HashSet<SlotKey>,
     /// `finished` in insertion order, to forget the oldest first.
     finished_order: VecDeque<SlotKey>,
+    /// The newest step of an all-reduce started here in the current membership (`None` before
+    /// the first): frames far from it are refused rather than buffered.
+    newest_step: Option<u64>,
 }
 
 /// The ring a worker is currently part of.
@@ -181,6 +193,7 @@ impl Mailbox {
             }
         }
         let same_job = st.membership.as_ref().is_some_and(|m| m.job_id == job_id);
+        st.newest_step = None;
         st.membership = Some(Membership {
             job_id: job_id.to_string(),
             generation,
@@ -236,6 +249,17 @@ impl Mailbox {
                 bucket: frame.bucket,
             });
         }
+        if let Some(newest) = st.newest_step
+            && !st.slots.contains_key(&key)
+            && (frame.step.saturating_add(LATE_STEPS) < newest
+                || frame.step > newest.saturating_add(EARLY_STEPS))
+        {
+            return Err(FrameRejected::UnknownAllReduce {
+                step: frame.step,
+                bucket: frame.bucket,
+                newest,
+            });
+        }
         if let Some(expected) = st.slots.get(&key).and_then(|s| s.total_len)
             && expected as u64 != frame.total_len
         {
@@ -253,7 +277,8 @@ impl Mailbox {
     /// and queues it for its all-reduce (started or not).
     ///
     /// Errors: [`FrameRejected`] (malformed, wrong job, stale or future generation, finished
-    /// all-reduce, length mismatch); the service maps them to gRPC codes.
+    /// all-reduce, an all-reduce that cannot exist here (an unknown bucket of a past step, or a
+    /// step out of reach), length mismatch); the service maps them to gRPC codes.
     pub async fn deliver(&self, frame: RingFrame) -> Result<(), FrameRejected> {
         let bytes = frame.data.len();
         if bytes == 0 || !bytes.is_multiple_of(4) || bytes > MAX_FRAME_BYTES {
@@ -345,6 +370,7 @@ impl Mailbox {
             .take()
             .ok_or(AllReduceError::Duplicate { step, bucket })?;
         slot.total_len = Some(total_len);
+        st.newest_step = Some(st.newest_step.map_or(step, |n| n.max(step)));
         Ok(Inbox {
             rx,
             key,
@@ -387,5 +413,50 @@ impl Inbox {
 impl Drop for Inbox {
     fn drop(&mut self) {
         self.mailbox.close(self.key);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(step: u64, bucket: u32) -> RingFrame {
+        RingFrame {
+            job_id: "job-1".into(),
+            generation: 1,
+            step,
+            bucket,
+            sender_rank: 1,
+            ring_step: 0,
+            total_len: 4,
+            offset: 0,
+            data: vec![0u8; 16].into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn frames_of_an_all_reduce_that_cannot_exist_are_refused_not_buffered() {
+        let mailbox = Mailbox::new();
+        mailbox.join("job-1", 1).unwrap();
+        // Before the first local all-reduce any step may come first (a resumed job).
+        mailbox.deliver(frame(40, 0)).await.unwrap();
+        let _inbox = mailbox.open("job-1", 1, 5, 0, 4).unwrap();
+        for (step, bucket) in [(3, 9), (1000, 0), (8, 0)] {
+            let err = mailbox.deliver(frame(step, bucket)).await.unwrap_err();
+            assert!(
+                matches!(err, FrameRejected::UnknownAllReduce { newest: 5, .. }),
+                "step {step} bucket {bucket}: {err}"
+            );
+        }
+        let held = mailbox.held_bytes();
+        for (step, bucket) in [(4, 9), (5, 1), (6, 0), (7, 0)] {
+            mailbox.deliver(frame(step, bucket)).await.unwrap();
+        }
+        assert_eq!(mailbox.held_bytes(), held + 4 * 16);
+        // A new generation starts afresh.
+        mailbox.join("job-1", 2).unwrap();
+        let mut f = frame(0, 0);
+        f.generation = 2;
+        mailbox.deliver(f).await.unwrap();
     }
 }

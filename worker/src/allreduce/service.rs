@@ -36,9 +36,9 @@ impl From<FrameRejected> for Status {
     fn from(rejected: FrameRejected) -> Status {
         let message = rejected.to_string();
         match rejected {
-            FrameRejected::Malformed(_) | FrameRejected::LengthMismatch { .. } => {
-                Status::invalid_argument(message)
-            }
+            FrameRejected::Malformed(_)
+            | FrameRejected::LengthMismatch { .. }
+            | FrameRejected::UnknownAllReduce { .. } => Status::invalid_argument(message),
             FrameRejected::NotJoined { .. } => Status::unavailable(message),
             FrameRejected::WrongJob { .. } => Status::not_found(message),
             FrameRejected::StaleGeneration { .. } | FrameRejected::Finished { .. } => {
