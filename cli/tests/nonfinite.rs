@@ -46,6 +46,7 @@ fn submit(root: &Path, addr: &str, name: &str, max_skipped: u64) -> String {
     let mut job = JobFile::new(corpus_path);
     job.vocab = Some(fixture("wordpiece").join("vocab.txt"));
     job.max_steps = 8;
+    job.warmup_steps = 2;
     job.checkpoint_every = 0;
     job.eval_every = 0;
     job.train_extra = format!("max_skipped_steps = {max_skipped}");

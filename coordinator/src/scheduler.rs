@@ -52,7 +52,13 @@ fn reap_dead_workers(shared: &Arc<Shared>) {
             } else {
                 format!("sent no heartbeat for {:.1} s", silent.as_secs_f64())
             };
-            dead.push((w.id.clone(), w.describe(), w.job.clone(), w.step, why));
+            // The heartbeat's step lags; the job's (rank 0's reports) is fresher.
+            let step = w
+                .job
+                .as_ref()
+                .and_then(|(j, _)| reg.jobs.get(j))
+                .map_or(w.step, |j| j.step.max(w.step));
+            dead.push((w.id.clone(), w.describe(), w.job.clone(), step, why));
         }
     }
     for (id, describe, job, step, why) in dead {

@@ -265,8 +265,14 @@ async fn sessions(
         if *stop.borrow() {
             break;
         }
+        // The session lives until the end of this iteration: on a stop, the running job
+        // reports that it leaves while the command stream is still open, so the coordinator
+        // hears why before it sees the stream close.
+        let current = session(&config, client.clone(), mailbox.clone(), state.clone());
+        tokio::pin!(current);
+        let mut stopping = false;
         tokio::select! {
-            result = session(&config, client.clone(), mailbox.clone(), state.clone()) => {
+            result = &mut current => {
                 match result {
                     Ok(()) => backoff = Duration::from_millis(100),
                     Err(e) if e.code() == tonic::Code::Unauthenticated => {
@@ -283,15 +289,23 @@ async fn sessions(
                     }
                 }
             }
-            _ = stop.wait_for(|s| *s) => break,
+            _ = stop.wait_for(|s| *s) => stopping = true,
+        }
+        if stopping {
+            leave_running_job(&state).await;
+            break;
         }
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
             _ = stop.wait_for(|s| *s) => break,
         }
     }
-    // Stop the running job: its ring calls are abandoned at once, and it tells the
-    // coordinator that this worker is going away (run_and_report). Wait a bounded while.
+    leave_running_job(&state).await;
+}
+
+/// Stops the running job: its ring calls are abandoned at once, and it tells the coordinator
+/// that this worker is going away (run_and_report). Waits a bounded while (2.5 s).
+async fn leave_running_job(state: &WorkerState) {
     state.stop_running(None, StopReason::Shutdown);
     for _ in 0..25 {
         if !state.is_running() {
@@ -522,13 +536,7 @@ async fn run_and_report(
             }),
         };
     }
-    if let Ok(mut running) = state.running.lock()
-        && running
-            .as_ref()
-            .is_some_and(|r| r.job_id == key.job_id && r.generation == key.generation)
-    {
-        *running = None;
-    }
+    let (job_id, generation) = (key.job_id.clone(), key.generation);
     let worker_id = state.worker_id();
     let held_steps = state.held_steps(&key.job_id);
     let key = TrainingKey { step, ..key };
@@ -582,5 +590,13 @@ async fn run_and_report(
                 tracing::error!("reporting failure: {e}");
             }
         }
+    }
+    // Only now, after the report: a shutdown waits for this before closing the session.
+    if let Ok(mut running) = state.running.lock()
+        && running
+            .as_ref()
+            .is_some_and(|r| r.job_id == job_id && r.generation == generation)
+    {
+        *running = None;
     }
 }
