@@ -6,7 +6,10 @@
 //!   of an uninterrupted run of the same job;
 //! - with `min_workers` below, the job goes on with fewer workers (same global batch), grows
 //!   back when a new worker registers, and ends close to the uninterrupted run (the ring sums
-//!   in another order while the world is smaller).
+//!   in another order while the world is smaller);
+//! - `kill -9` of the coordinator: restarted on the same address and data folder, it restores
+//!   the job, the workers register again saying what they hold, and the job goes on from
+//!   their memory, again bit for bit.
 
 mod common;
 
@@ -159,6 +162,23 @@ impl Cluster {
         );
         assert!(out.status.success(), "{out:?}");
         out_dir
+    }
+
+    /// kill -9 of the coordinator, then a new one on the same address and data folder.
+    fn restart_coordinator(&mut self, n: usize) {
+        self._coordinator.child.kill().unwrap();
+        self._coordinator.child.wait().unwrap();
+        self._coordinator = Proc::spawn(
+            &format!("coordinator-{n}"),
+            &sibling("keel-coordinator"),
+            &[
+                "--listen".into(),
+                self.addr.clone(),
+                "--data-dir".into(),
+                self.root().join("coordinator").display().to_string(),
+            ],
+            &self.root().join("logs"),
+        );
     }
 
     /// kill -9 of the worker at `index` (of those alive); returns its address.
@@ -319,4 +339,44 @@ fn a_job_goes_on_with_fewer_workers_and_grows_back() {
         d < 1e-3,
         "the recovered run drifted from the uninterrupted one: {d:e}"
     );
+}
+
+#[test]
+fn a_restarted_coordinator_resumes_the_job_from_the_workers_memory() {
+    let mut cluster = Cluster::new(3);
+    let limit = Duration::from_secs(600);
+    let reference = cluster.submit("reference", 3);
+    cluster.wait(&reference, "the reference job to complete", limit, |s| {
+        s["state"] == "completed"
+    });
+    let expected = cluster.pull(&reference, "reference-checkpoint");
+
+    let mut rng = Rng::from_time();
+    let job = cluster.submit("restarted", 3);
+    let target = 3 + rng.below(20);
+    cluster.wait(&job, "the job to reach the kill step", limit, |s| {
+        s["state"] == "running" && s["step"].as_u64().unwrap_or(0) >= target
+    });
+    cluster.restart_coordinator(2);
+    println!("killed and restarted the coordinator at step >= {target}");
+    let s = cluster.wait(&job, "the restored job to run again", limit, |s| {
+        s["state"] == "running" || s["state"] == "completed"
+    });
+    println!("after the restart: {s}");
+    let done = cluster.wait(&job, "the job to complete", limit, |s| {
+        s["state"] == "completed"
+    });
+    assert_eq!(done["step"], 40, "{done}");
+    let got = cluster.pull(&job, "restarted-checkpoint");
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        let (x, y) = (
+            std::fs::read(expected.join(f)).unwrap(),
+            std::fs::read(got.join(f)).unwrap(),
+        );
+        assert!(
+            x == y,
+            "{f} differs from the uninterrupted run (max relative weight difference {:e})",
+            max_relative_difference(&got, &expected)
+        );
+    }
 }
