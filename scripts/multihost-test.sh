@@ -17,7 +17,10 @@
 # vocab_size 2000) and pulls the checkpoint from the user's host, checking its files. With --netem every host's
 # link gets `netem delay 1ms rate 1gbit` and the job runs a second time under it; both step
 # times are printed (a kernel without sch_netem gets `tbf rate 1gbit`: the bandwidth limit
-# without the delay; the script says so). --plumbing-only stops after the network checks and
+# without the delay; the script says so). With --link-cut a third job (120 steps, peer timeout
+# 4 s) runs while worker w2's link is taken down for 12 s and brought back: the job must
+# notice, re-form its ring (state recovering), take w2 back when its link returns, and complete
+# with every step; the time from the cut to the recovery is printed. --plumbing-only stops after the network checks and
 # needs no binaries. With --slurm, deploy/slurm/keel.sbatch then runs the same job on the three
 # worker hosts: on a real Slurm cluster when slurmctld, slurmd, munged and sbatch are installed
 # (Debian: slurmctld slurmd slurm-client munge; this script starts private daemons in the
@@ -25,7 +28,7 @@
 # stand-ins for srun, scontrol and squeue that run one task per host in its namespace.
 #
 # Usage (as root):
-#   scripts/multihost-test.sh [--netem] [--slurm] [--plumbing-only] [--keep] [--steps N]
+#   scripts/multihost-test.sh [--netem] [--link-cut] [--slurm] [--plumbing-only] [--keep] [--steps N]
 #                             [--bin-dir DIR] [--corpus PATH] [BIN_DIR [CORPUS]]
 #   BIN_DIR  directory holding keel, keel-coordinator, keel-worker
 #            (default: $CARGO_TARGET_DIR/release, else target/release)
@@ -43,6 +46,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 NETEM=0
 SLURM=0
+LINK_CUT=0
 PLUMBING_ONLY=0
 KEEP=0
 STEPS=30
@@ -59,6 +63,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --netem) NETEM=1 ;;
     --slurm) SLURM=1 ;;
+    --link-cut) LINK_CUT=1 ;;
     --plumbing-only) PLUMBING_ONLY=1 ;;
     --keep) KEEP=1 ;;
     --steps) STEPS="${2:?--steps needs a number}"; shift ;;
@@ -706,6 +711,58 @@ run_slurm() {
 }
 
 # ---------------------------------------------------------------------------------------------
+# A link cut: w2's veth goes down mid-job, then comes back. The job must recover (a new ring),
+# take w2 back, and complete.
+job_field() { # job_field JOB FIELD: one field of `keel status JOB` (JSON)
+  keel_user 30 status "$1" 2>/dev/null | python3 -c 'import json, sys; print(json.load(sys.stdin).get(sys.argv[1], ""))' "$2"
+}
+
+run_link_cut() {
+  local tag=linkcut job i state step recoveries t_cut t_seen
+  mkdir -p "$WORK/$tag"
+  start_cluster "$tag"
+  write_job "$WORK/$tag/job.toml"
+  sed -i "s/^max_steps = .*/max_steps = 120/; s/^checkpoint_every = .*/checkpoint_every = 40/; s/^eval_every = .*/eval_every = 0/" \
+    "$WORK/$tag/job.toml"
+  printf 'peer_timeout_seconds = 4\nreplacement_timeout_seconds = 120\n' >>"$WORK/$tag/job.toml"
+  job="$(keel_user 120 submit "$WORK/$tag/job.toml" 2>"$WORK/logs/$tag-submit.log" | awk 'NF { last = $NF } END { print last }')" \
+    || die "[$tag] keel submit failed"
+  for i in $(seq 1 600); do
+    step="$(job_field "$job" step)"; state="$(job_field "$job" state)"
+    [ "$state" = running ] && [ "${step:-0}" -ge 5 ] && break
+    [ "$state" = failed ] && die "[$tag] job $job failed before the cut: $(job_field "$job" error)"
+    sleep 0.5
+  done
+  [ "${step:-0}" -ge 5 ] || die "[$tag] job $job never reached step 5"
+  ip -n "$NS_NET" link set "v-w2" down
+  t_cut=$EPOCHREALTIME
+  log "[$tag] cut w2's link at step $step"
+  for i in $(seq 1 120); do
+    recoveries="$(job_field "$job" recoveries)"
+    [ "${recoveries:-0}" -ge 1 ] && break
+    sleep 0.5
+  done
+  t_seen=$EPOCHREALTIME
+  [ "${recoveries:-0}" -ge 1 ] || die "[$tag] the job did not notice the cut within 60 s: $(keel_user 30 status "$job")"
+  log "[$tag] $(awk -v a="$t_cut" -v b="$t_seen" 'BEGIN { printf "recovery started %.1f s after the cut", b - a }') (state $(job_field "$job" state))"
+  sleep "$(awk -v a="$t_cut" -v b="$t_seen" 'BEGIN { d = 12 - (b - a); print (d > 0 ? d : 0) }')"
+  ip -n "$NS_NET" link set "v-w2" up
+  log "[$tag] w2's link is back"
+  keel_user "$JOB_TIMEOUT" watch "$job" >"$WORK/logs/$tag-watch.log" 2>&1 \
+    || die "[$tag] job $job did not complete after the link came back: $(keel_user 30 status "$job")"
+  keel_user 60 status "$job" >"$WORK/logs/$tag-status.log" 2>&1 || die "[$tag] keel status $job failed"
+  sed 's/^/    /' "$WORK/logs/$tag-status.log" | head -n 30
+  [ "$(job_field "$job" step)" = 120 ] || die "[$tag] job $job ended at step $(job_field "$job" step), not 120"
+  grep -q "10.77.0.12" "$WORK/logs/$tag-status.log" || die "[$tag] w2 (10.77.0.12) is not in the final ring"
+  keel_user 300 pull "$job" --out "$WORK/$tag/pulled" >"$WORK/logs/$tag-pull.log" 2>&1 \
+    || die "[$tag] keel pull $job --out failed"
+  check_checkpoint "$WORK/$tag/pulled"
+  LINK_CUT_RESULT="link cut: recovery started $(awk -v a="$t_cut" -v b="$t_seen" 'BEGIN { printf "%.1f s", b - a }') after the cut; completed 120/120 steps with w2 back in the ring, $(job_field "$job" recoveries) recoveries"
+  log "[$tag] $LINK_CUT_RESULT"
+  stop_cluster
+}
+
+# ---------------------------------------------------------------------------------------------
 log "work dir $WORK"
 setup_network
 check_plumbing
@@ -737,6 +794,9 @@ result_plain="$STEP_RESULT"
 if [ "$SLURM" = 1 ]; then
   run_slurm
 fi
+if [ "$LINK_CUT" = 1 ]; then
+  run_link_cut
+fi
 if [ "$NETEM" = 1 ]; then
   apply_shaping
   run_job shaped
@@ -744,4 +804,7 @@ if [ "$NETEM" = 1 ]; then
   log "RESULT links shaped by '$SHAPING': $STEP_RESULT"
 else
   log "RESULT: $result_plain"
+fi
+if [ "$LINK_CUT" = 1 ]; then
+  log "RESULT $LINK_CUT_RESULT"
 fi

@@ -20,7 +20,7 @@ step "deploy/ file checks"
 scripts/validate-deploy.sh target/release
 if [ "$(id -u)" = 0 ] && ip netns list >/dev/null 2>&1; then
   step "multi-host test (network namespaces)"
-  scripts/multihost-test.sh --netem target/release
+  scripts/multihost-test.sh --netem --link-cut target/release
 else
   step "multi-host test skipped: it needs root and network namespaces (run scripts/multihost-test.sh as root)"
 fi
