@@ -484,8 +484,8 @@ fn form(
             chosen.iter().position(|w| *w == root).unwrap_or(0) as u32,
             Vec::new(),
         ),
-        None => match job.checkpoints.last() {
-            Some(&step) => {
+        None => match newest_intact_checkpoint(job) {
+            Some(step) => {
                 let dir = store::checkpoint_dir(&job.dir, step);
                 (
                     StateSource::Checkpoint,
@@ -523,4 +523,24 @@ fn form(
         job.global_batch_size = global_batch;
     }
     launch_generation(shared, reg, launch);
+}
+
+/// The newest stored checkpoint of `job` whose files match its manifest (a damaged one is
+/// logged, naming the file, and passed over). Reads every file: only used when no worker holds
+/// the job's state any more.
+fn newest_intact_checkpoint(job: &crate::job::Job) -> Option<u64> {
+    job.checkpoints.iter().rev().copied().find(|&step| {
+        let dir = store::checkpoint_dir(&job.dir, step);
+        match keel_proto::checkpoint::verify_dir(&dir) {
+            Ok(Some(_)) => true,
+            Ok(None) => {
+                tracing::error!(job = %job.id, dir = %dir.display(), "checkpoint has no manifest.json: not resuming from it");
+                false
+            }
+            Err(e) => {
+                tracing::error!(job = %job.id, "checkpoint of step {step} is damaged, not resuming from it: {e}");
+                false
+            }
+        }
+    })
 }

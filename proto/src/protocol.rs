@@ -12,10 +12,13 @@
 //! 1. **Register.** A worker calls `Register{advertise_addr, threads, hostname}` and gets a
 //!    `worker_id`, the heartbeat interval and the heartbeat timeout. The advertise address is
 //!    given explicitly by the worker's operator (`--advertise-addr`); nothing guesses it.
+//!    A worker that still holds a job's state in memory (the coordinator restarted, say) says
+//!    so: `held = (job, generation, latest step)`.
 //! 2. **Heartbeat.** Every interval (1 s) the worker calls `Heartbeat{worker_id, key}` with the
 //!    `(job, generation, step)` it is at (empty job when idle). A worker silent for the
-//!    heartbeat timeout is dead: its job fails naming it and its last step. The timeout is
-//!    the job's `[cluster] peer_timeout_seconds` while the worker is in a job, else
+//!    heartbeat timeout, or whose `Attach` stream closed, is lost: its job recovers without
+//!    it (step 14) or, with `max_recoveries = 0`, fails naming it and its last step. The
+//!    timeout is the job's `[cluster] peer_timeout_seconds` while the worker is in a job, else
 //!    [`HEARTBEAT_TIMEOUT`].
 //!    `known = false` in the reply means the coordinator restarted: register again.
 //! 3. **Submit.** The client sends the job spec as TOML, its relative paths already made
@@ -29,7 +32,9 @@
 //!    every file's sha256.
 //! 5. **Assign.** Each worker holds an `Attach` server stream open; the coordinator sends it
 //!    `StartJob{key (generation 1, step 0), rank, world_size, peers (advertise addresses in rank
-//!    order), spec, model config.json, total_sequences, files, ring settings}`. The job is `RUNNING`.
+//!    order), spec, model config.json, total_sequences, files, ring settings, start_step,
+//!    state_source, global_batch_size}`. The job is `RUNNING`. The first generation fixes the
+//!    job's global batch `B = W * b * k`; later generations keep it.
 //! 6. **Fetch data.** The worker streams each listed file with `FetchFile` in 1 MiB chunks,
 //!    verifies its sha256 and caches it in `--cache-dir` under its checksum (a second job on
 //!    the same data fetches nothing). Workers share no file system with anyone.
@@ -41,9 +46,11 @@
 //!    masked and NSP counts; forward/backward with `mlm_scale = 1/global_mlm_count`; gradient
 //!    buckets go to the ring as they become final (overlapping backward); all-reduce the loss
 //!    sums; clip by global norm; optimizer step with the schedule's learning rate. Every rank
-//!    applies the same update to the same weights. A peer that stops answering makes the ring
-//!    call fail within the ring timeout (the job's `peer_timeout_seconds`); the worker then
-//!    sends `ReportFailure` naming the peer and the step.
+//!    applies the same update to the same weights — or, when the summed loss or gradient is not
+//!    finite, every rank skips the update (the step still counts; `StepReport.skipped`). A peer
+//!    that stops answering makes the ring call fail within the ring timeout (the job's
+//!    `peer_timeout_seconds`); the worker then sends `ReportFailure{recoverable: true}` naming
+//!    the peer and the step, and keeps its state (step 14).
 //! 9. **Report.** Rank 0 sends `ReportStep` after every step (the loss is global after the
 //!    all-reduce, so one rank's report is enough); all ranks report liveness by heartbeat.
 //!    Every `eval_every` steps all ranks evaluate their slice of the heldout set, all-reduce
@@ -62,13 +69,30 @@
 //! 13. **Pull.** `PullCheckpoint{job, step}` streams a stored checkpoint's files in chunks,
 //!     each file ending with its sha256; the client verifies them and writes the folder
 //!     atomically. `PullMetrics` streams `metrics.jsonl` the same way.
+//! 14. **Recover.** On a lost worker, a recoverable `ReportFailure`, a coordinator restart or
+//!     a new worker for a job below `max_workers`, the coordinator bumps the job's generation
+//!     (`RECOVERING`) and sends every member `Suspend{key (new generation)}`. A member aborts
+//!     its pending all-reduce at once, keeps its replica — weights and optimizer state after
+//!     its last completed step — and answers `ReportHeld{key, held_steps}`. Members that do
+//!     not answer within `peer_timeout_seconds` are dropped. With at least `min_workers`
+//!     (members first, then idle workers; waiting at most `replacement_timeout_seconds`), it
+//!     sends `StartJob` for the new generation with `start_step` = the newest step any member
+//!     holds and `state_source = MEMORY`: ranks holding that step keep it, and
+//!     `state_root_rank` broadcasts it to the others before the first step (an all-reduce
+//!     where every other rank adds `-0.0`, which changes no bit). With no replica left it uses
+//!     `CHECKPOINT` (the last stored checkpoint's files) or `INIT` (step 0). If the upload of
+//!     the checkpoint at `start_step` was lost, `checkpoint_first` makes rank 0 upload it
+//!     again. Each rank's shard is rebuilt for the new world with the same global batch
+//!     (`split::WorkerPlan::with_global_batch`). At most `max_recoveries` recoveries.
 //!
 //! # Timeouts
 //! A dead worker is noticed by its ring neighbours (a refused connection at once, silence
-//! within `peer_timeout_seconds`, default 30 s) and by the coordinator (no heartbeat for
-//! `peer_timeout_seconds`): the job fails within `peer_timeout_seconds` plus one heartbeat
-//! interval ([`HEARTBEAT_INTERVAL`]) and one scheduler tick (0.25 s). Eval and checkpoint
-//! staging happen between ring calls, so they must take less than the timeout.
+//! within `peer_timeout_seconds`, default 30 s) and by the coordinator (its `Attach` stream
+//! closing, at once for a dead process; no heartbeat for `peer_timeout_seconds` for a cut
+//! link): recovery (or, with `max_recoveries = 0`, failure) starts within
+//! `peer_timeout_seconds` plus one heartbeat interval ([`HEARTBEAT_INTERVAL`]) and one
+//! scheduler tick (0.25 s). Eval and checkpoint staging happen between ring calls, so they
+//! must take less than the timeout.
 
 use std::time::Duration;
 
