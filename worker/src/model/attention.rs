@@ -145,7 +145,7 @@ fn forward_seqs<A: Element>(
     let ctx = &mut ctx[..n * dims.c()];
     let scale = A::one() / A::of(d as f64).sqrt();
     for bi in 0..b {
-        let keys = &dims.mask[bi * t..(bi + 1) * t];
+        let keys = softmax_keys(&dims.mask[bi * t..(bi + 1) * t]);
         let mask = dims.mask_of(bi);
         for j in 0..h {
             let block = &mut probs[(bi * h + j) * t * t..(bi * h + j + 1) * t * t];
@@ -182,17 +182,28 @@ fn forward_seqs<A: Element>(
     }
 }
 
-/// Softmax over the keys with `keys[k] != 0`; padded keys get exactly 0 (HF adds `finfo.min`,
-/// whose `exp` underflows to 0). A row with no real key falls back to all keys.
-fn masked_softmax<A: Element>(row: &mut [A], keys: &[u8]) {
+/// The key mask one sequence's softmax rows use: `None` when every key counts (no padding, or
+/// no real key at all, where HF's additive mask shifts every score alike). Decided once per
+/// sequence rather than once per row.
+fn softmax_keys(keys: &[u8]) -> Option<&[u8]> {
     let all_real = keys.iter().all(|&m| m != 0);
     let any_real = keys.iter().any(|&m| m != 0);
     if all_real || !any_real {
+        None
+    } else {
+        Some(keys)
+    }
+}
+
+/// Softmax over the keys with `keys[k] != 0` (all keys for `None`, see [`softmax_keys`]);
+/// padded keys get exactly 0 (HF adds `finfo.min`, whose `exp` underflows to 0).
+fn masked_softmax<A: Element>(row: &mut [A], keys: Option<&[u8]>) {
+    let Some(keys) = keys else {
         let max = A::max_of(row);
         let inv = A::one() / A::exp_shifted_sum(row, max);
         row.iter_mut().for_each(|s| *s *= inv);
         return;
-    }
+    };
     let mut max = A::neg_infinity();
     for (&s, &m) in row.iter().zip(keys) {
         if m != 0 && s > max {
