@@ -34,6 +34,12 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    // `keel jobs | head`: a closed pipe ends the program quietly, as for any Unix tool, instead
+    // of a panic in `println!` (Rust ignores SIGPIPE by default).
+    // SAFETY: setting a signal's disposition to the default before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     // Warnings only (e.g. a token file others can read); progress is the commands' own output.
     tracing_subscriber::fmt()

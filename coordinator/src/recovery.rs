@@ -73,6 +73,10 @@ pub enum Phase {
     },
 }
 
+/// After a coordinator restart, how long to wait for a job's workers to register again
+/// (they retry at least every 2 s) before forming the ring with those that did.
+const GATHER_WINDOW: Duration = Duration::from_secs(5);
+
 /// Seconds to wait for `ReportHeld` answers (at least 2 s).
 fn collect_timeout(peer_timeout_seconds: f64) -> Duration {
     Duration::from_secs_f64(peer_timeout_seconds.max(2.0))
@@ -146,11 +150,20 @@ pub fn begin(reg: &mut Registry, job_id: &str, reason: String, lost: &[&str], co
         }
     }
     let asked = suspend(reg, job_id, generation, step, &reason, &members, lost);
-    tracing::warn!(job = %job_id, generation, step, suspended = ?asked, "{reason}: forming a new generation");
+    if counts {
+        tracing::warn!(job = %job_id, generation, step, suspended = %asked.join(", "), "{reason}: forming a new generation");
+    } else {
+        tracing::info!(job = %job_id, generation, step, suspended = %asked.join(", "), "{reason}: forming a new generation");
+    }
+    let names = names_of(reg, &asked);
     let Some(job) = reg.jobs.get_mut(job_id) else {
         return;
     };
     job.workers = asked.clone();
+    job.worker_names = names;
+    let Some(job) = reg.jobs.get_mut(job_id) else {
+        return;
+    };
     job.state = JobState::Recovering;
     job.regroup = Some(Regroup {
         generation,
@@ -336,8 +349,19 @@ fn advance(shared: &Arc<Shared>, reg: &mut Registry, id: &str) {
     let now = Instant::now();
     let timeout = collect_timeout(job.spec.cluster.peer_timeout_seconds);
     let Some(regroup) = job.regroup.clone() else {
-        // Restored after a coordinator restart: prepare the data again (the prepared folder
-        // is reused) and wait for the workers to come back.
+        // Restored after a coordinator restart.
+        if job.generation == 0 {
+            // It never had a ring: it was only waiting for workers.
+            job.state = if job.prepared.is_some() {
+                JobState::WaitingForWorkers
+            } else {
+                JobState::Queued
+            };
+            job.publish();
+            return;
+        }
+        // Prepare the data again (the prepared folder is reused) and give the workers a few
+        // seconds to register again (they retry every <= 2 s) and say what they hold.
         job.generation += 1;
         job.regroup = Some(Regroup {
             generation: job.generation,
@@ -345,7 +369,7 @@ fn advance(shared: &Arc<Shared>, reg: &mut Registry, id: &str) {
             started: now,
             phase: Phase::Gathering {
                 expected: job.worker_names.len().max(1),
-                until: now + timeout,
+                until: now + timeout.min(GATHER_WINDOW),
             },
         });
         job.publish();
@@ -543,4 +567,15 @@ fn newest_intact_checkpoint(job: &crate::job::Job) -> Option<u64> {
             }
         }
     })
+}
+
+/// `w-2 (127.0.0.1:7072)` for each worker id (the id alone if it is gone).
+fn names_of(reg: &Registry, ids: &[String]) -> Vec<String> {
+    ids.iter()
+        .map(|id| {
+            reg.workers
+                .get(id)
+                .map_or_else(|| id.clone(), |w| w.describe())
+        })
+        .collect()
 }

@@ -230,6 +230,20 @@ pub fn launch_generation(shared: &Arc<Shared>, reg: &mut crate::state::Registry,
     job.state = JobState::Running;
     job.step = launch.start_step;
     job.publish();
+    if launch.source != StateSource::Init || launch.generation > 1 {
+        // Readers of metrics.jsonl: lines after this one continue from `step` (after a resume
+        // from a checkpoint, steps after it appear again; the later lines are the ones kept).
+        crate::service::append_metrics(
+            job,
+            serde_json::json!({
+                "event": "resume",
+                "generation": launch.generation,
+                "step": launch.start_step,
+                "source": launch.source.as_str_name(),
+                "world_size": launch.workers.len(),
+            }),
+        );
+    }
     tracing::info!(
         job = %id,
         generation = launch.generation,

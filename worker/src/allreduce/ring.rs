@@ -410,8 +410,13 @@ impl Ring {
                 }
             };
             match status.code() {
-                // Not joined yet, or the connection is down: both may heal within the timeout.
-                Code::Unavailable | Code::Unknown | Code::Internal | Code::Cancelled => {
+                // Not joined yet (still in its previous job, `NotFound`, or fetching this
+                // job's files), or the connection is down: all may heal within the timeout.
+                Code::Unavailable
+                | Code::Unknown
+                | Code::Internal
+                | Code::Cancelled
+                | Code::NotFound => {
                     if Instant::now() + backoff >= deadline {
                         return Err(AllReduceError::PeerUnreachable {
                             rank,
