@@ -279,7 +279,8 @@ pub fn held_reported(
             Phase::Collecting { asked, held, .. } if asked.contains(&report.worker_id) => {
                 let newest = report.held_steps.iter().copied().max();
                 held.insert(report.worker_id.clone(), newest);
-                tracing::info!(job = %key.job_id, worker = %report.worker_id, held = ?newest, "held state reported");
+                let held = newest.map_or_else(|| "nothing".to_string(), |s| format!("step {s}"));
+                tracing::info!(job = %key.job_id, worker = %report.worker_id, %held, "held state reported");
                 Ok(())
             }
             _ => Err(stale(format!(

@@ -265,7 +265,7 @@ impl Coordinator for CoordinatorService {
             disconnected: false,
             holds: req.held.filter(|k| !k.job_id.is_empty()),
         };
-        tracing::info!(worker = %entry.describe(), threads = entry.threads, host = %entry.hostname, holds = ?entry.holds, "worker registered");
+        tracing::info!(worker = %entry.describe(), threads = entry.threads, host = %entry.hostname, holds = %entry.holds.as_ref().map_or_else(String::new, |k| format!("{} generation {} step {}", k.job_id, k.generation, k.step)), "worker registered");
         reg.workers.insert(id.clone(), entry);
         Ok(Response::new(RegisterReply {
             worker_id: id,

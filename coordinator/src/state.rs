@@ -107,6 +107,17 @@ impl Shared {
             }
         }
         for job in crate::persist::load_jobs(&data_dir.join("jobs")) {
+            // Worker ids continue after those the restored jobs name (`w-3 (host:port)`), so
+            // an old job's worker list never names a different, newer process.
+            for name in &job.worker_names {
+                if let Some(n) = name
+                    .strip_prefix("w-")
+                    .and_then(|rest| rest.split(' ').next())
+                    .and_then(|n| n.parse::<u64>().ok())
+                {
+                    registry.next_worker = registry.next_worker.max(n);
+                }
+            }
             registry.order.push(job.id.clone());
             registry.jobs.insert(job.id.clone(), job);
         }
@@ -168,7 +179,11 @@ impl Registry {
         }
         job.state = state;
         if let Some(e) = &error {
-            tracing::error!(job = job_id, "{e}");
+            if state == JobState::Cancelled {
+                tracing::warn!(job = job_id, "{e}");
+            } else {
+                tracing::error!(job = job_id, "{e}");
+            }
         } else {
             tracing::info!(job = job_id, state = ?state, "job ended");
         }
