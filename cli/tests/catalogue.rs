@@ -28,18 +28,24 @@ use tonic::Code;
 use tonic::transport::Channel;
 
 /// The coordinator client every section uses (built only by [`coordinator`]).
-type Coord = CoordinatorClient<Channel>;
+type Coord = CoordinatorClient<keel_proto::auth::AuthChannel>;
 /// A worker's ring client (built only by [`ring`]).
-type Ring = RingClient<Channel>;
+type Ring = RingClient<keel_proto::auth::AuthChannel>;
 
-/// The one place clients are made: adding the cluster token changes these two functions only.
+/// The test cluster's token on every call.
+fn with_token(channel: Channel) -> keel_proto::auth::AuthChannel {
+    let token = keel_proto::auth::ClusterToken::load(token_file()).unwrap();
+    keel_proto::security::ClientSecurity::new(&token, None).wrap(channel)
+}
+
+/// The one place clients are made (with the cluster token).
 async fn coordinator(addr: &str) -> Coord {
     let channel = Channel::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect()
         .await
         .unwrap();
-    CoordinatorClient::new(channel)
+    CoordinatorClient::new(with_token(channel))
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20)
 }
@@ -51,7 +57,7 @@ async fn ring(addr: &str) -> Ring {
         .connect()
         .await
         .unwrap();
-    RingClient::new(channel)
+    RingClient::new(with_token(channel))
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20)
 }
