@@ -183,11 +183,15 @@ fn explain_unreachable(e: anyhow::Error, addr: &str) -> anyhow::Error {
             status.message()
         );
     }
-    // A plaintext call to a TLS server ends in an HTTP/2 framing error: say what it means.
+    // A plaintext call to a TLS server ends in an HTTP/2 framing error, or (depending on
+    // timing) in the server closing the connection under the client: say what it may mean.
     let tls_mismatch = e.chain().any(|cause| {
-        cause
-            .downcast_ref::<tonic::Status>()
-            .is_some_and(|s| s.message().contains("h2 protocol error"))
+        cause.downcast_ref::<tonic::Status>().is_some_and(|s| {
+            let m = s.message().to_ascii_lowercase();
+            m.contains("h2 protocol error")
+                || m.contains("broken pipe")
+                || (s.code() == tonic::Code::Cancelled && m.contains("cancel"))
+        })
     });
     if tls_mismatch {
         return anyhow::anyhow!(
