@@ -11,15 +11,6 @@ mod common;
 use common::*;
 use std::path::{Path, PathBuf};
 
-/// The first `lines` lines of the King James Bible (real text, small enough to prepare fast).
-fn small_corpus(dir: &Path, lines: usize) -> PathBuf {
-    let text = std::fs::read_to_string(corpus("en-kjv").join("kjv.txt")).unwrap();
-    let part: Vec<&str> = text.lines().take(lines).collect();
-    let path = dir.join("kjv-part.txt");
-    std::fs::write(&path, part.join("\n") + "\n").unwrap();
-    path
-}
-
 /// Runs 10 steps with `workers` workers of micro-batch `mbs`; returns the checkpoint folder.
 fn run(dir: &Path, corpus: &Path, workers: usize, mbs: usize, name: &str) -> PathBuf {
     let case = dir.join(name);
@@ -42,39 +33,10 @@ fn weights(dir: &Path) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<f6
     keel_proto::weights::load_tensors_f64(dir.join("model.safetensors")).unwrap()
 }
 
-/// Tensors left out of the comparison: the attention key bias has an exactly zero true
-/// gradient (softmax is invariant to adding the same number to every score of a query), so
-/// its gradient is pure rounding noise and Adam's `m / sqrt(v)` turns any reordering of the
-/// sums into a full-size step. Every other tensor is compared.
-fn compared(name: &str) -> bool {
-    !name.ends_with("attention.self.key.bias")
-}
-
-/// Largest per-tensor `max |a - b| / max |b|` over the compared tensors.
-fn max_relative_difference(a: &Path, b: &Path) -> f64 {
-    let (wa, wb) = (weights(a), weights(b));
-    assert_eq!(wa.keys().collect::<Vec<_>>(), wb.keys().collect::<Vec<_>>());
-    let mut worst = 0f64;
-    for (name, (shape, va)) in &wa {
-        let (shape_b, vb) = &wb[name];
-        assert_eq!(shape, shape_b, "{name}");
-        if !compared(name) {
-            continue;
-        }
-        let scale = vb.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-12);
-        let diff = va
-            .iter()
-            .zip(vb)
-            .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
-        worst = worst.max(diff / scale);
-    }
-    worst
-}
-
 #[test]
 fn one_two_and_three_workers_with_the_same_global_batch_give_the_same_weights() {
     let dir = tempfile::tempdir().unwrap();
-    let corpus = small_corpus(dir.path(), 3000);
+    let corpus = kjv_lines(dir.path(), 3000);
     let one = run(dir.path(), &corpus, 1, 12, "w1");
     let two = run(dir.path(), &corpus, 2, 6, "w2");
     let three = run(dir.path(), &corpus, 3, 4, "w3");
@@ -99,7 +61,7 @@ fn one_two_and_three_workers_with_the_same_global_batch_give_the_same_weights() 
 #[test]
 fn the_same_job_twice_gives_bit_identical_checkpoints() {
     let dir = tempfile::tempdir().unwrap();
-    let corpus = small_corpus(dir.path(), 3000);
+    let corpus = kjv_lines(dir.path(), 3000);
     let a = run(dir.path(), &corpus, 2, 6, "a");
     let b = run(dir.path(), &corpus, 2, 6, "b");
     for f in ["model.safetensors", "optimizer.safetensors"] {

@@ -17,15 +17,6 @@ use common::*;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// The first `lines` lines of the King James Bible.
-fn small_corpus(dir: &Path, lines: usize) -> PathBuf {
-    let text = std::fs::read_to_string(corpus("en-kjv").join("kjv.txt")).unwrap();
-    let part: Vec<&str> = text.lines().take(lines).collect();
-    let path = dir.join("kjv-part.txt");
-    std::fs::write(&path, part.join("\n") + "\n").unwrap();
-    path
-}
-
 /// A small pseudo-random generator (SplitMix64), seeded and printed so a failure replays.
 struct Rng(u64);
 
@@ -66,7 +57,7 @@ struct Cluster {
 impl Cluster {
     fn new(workers: usize) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
-        let corpus = small_corpus(dir.path(), 2000);
+        let corpus = kjv_lines(dir.path(), 2000);
         let (coordinator, addr) = start_coordinator(dir.path());
         let mut c = Cluster {
             dir,
@@ -164,6 +155,18 @@ impl Cluster {
         out_dir
     }
 
+    /// Runs the job uninterrupted (`min_workers` as given) and pulls its final checkpoint.
+    fn reference_checkpoint(&self, min_workers: usize) -> PathBuf {
+        let job = self.submit("reference", min_workers);
+        self.wait(
+            &job,
+            "the reference job to complete",
+            Duration::from_secs(600),
+            |s| s["state"] == "completed",
+        );
+        self.pull(&job, "reference-checkpoint")
+    }
+
     /// kill -9 of the coordinator, then a new one on the same address and data folder.
     fn restart_coordinator(&mut self, n: usize) {
         self._coordinator.child.kill().unwrap();
@@ -190,26 +193,19 @@ impl Cluster {
     }
 }
 
-/// `max |a - b| / max |b|` over every tensor but the attention key biases (see
-/// equivalence.rs: their true gradient is 0, so reordered sums move them at full size).
-fn max_relative_difference(a: &Path, b: &Path) -> f64 {
-    let load =
-        |d: &Path| keel_proto::weights::load_tensors_f64(d.join("model.safetensors")).unwrap();
-    let (wa, wb) = (load(a), load(b));
-    let mut worst = 0f64;
-    for (name, (_, va)) in &wa {
-        if name.ends_with("attention.self.key.bias") {
-            continue;
-        }
-        let vb = &wb[name].1;
-        let scale = vb.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-12);
-        let diff = va
-            .iter()
-            .zip(vb)
-            .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
-        worst = worst.max(diff / scale);
+/// Asserts that `got` holds the same weights and optimizer state as `expected`, byte for byte.
+fn assert_bit_identical(expected: &Path, got: &Path) {
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        let (x, y) = (
+            std::fs::read(expected.join(f)).unwrap(),
+            std::fs::read(got.join(f)).unwrap(),
+        );
+        assert!(
+            x == y,
+            "{f} differs from the uninterrupted run (max relative weight difference {:e})",
+            max_relative_difference(got, expected)
+        );
     }
-    worst
 }
 
 #[test]
@@ -217,11 +213,7 @@ fn killed_workers_are_replaced_and_the_result_is_bit_identical() {
     let mut cluster = Cluster::new(3);
     let limit = Duration::from_secs(600);
 
-    let reference = cluster.submit("reference", 3);
-    cluster.wait(&reference, "the reference job to complete", limit, |s| {
-        s["state"] == "completed"
-    });
-    let expected = cluster.pull(&reference, "reference-checkpoint");
+    let expected = cluster.reference_checkpoint(3);
 
     let mut rng = Rng::from_time();
     let job = cluster.submit("killed", 3);
@@ -270,17 +262,7 @@ fn killed_workers_are_replaced_and_the_result_is_bit_identical() {
     assert_eq!(done["step"], 40, "{done}");
     assert_eq!(done["recoveries"], 3, "{done}");
     let got = cluster.pull(&job, "killed-checkpoint");
-    for f in ["model.safetensors", "optimizer.safetensors"] {
-        let (x, y) = (
-            std::fs::read(expected.join(f)).unwrap(),
-            std::fs::read(got.join(f)).unwrap(),
-        );
-        assert!(
-            x == y,
-            "{f} differs from the uninterrupted run (max relative weight difference {:e})",
-            max_relative_difference(&got, &expected)
-        );
-    }
+    assert_bit_identical(&expected, &got);
     // The survivors of every round are still alive.
     for (proc, addr) in &mut cluster.workers {
         assert!(
@@ -295,11 +277,7 @@ fn killed_workers_are_replaced_and_the_result_is_bit_identical() {
 fn a_job_goes_on_with_fewer_workers_and_grows_back() {
     let mut cluster = Cluster::new(3);
     let limit = Duration::from_secs(600);
-    let reference = cluster.submit("reference", 2);
-    cluster.wait(&reference, "the reference job to complete", limit, |s| {
-        s["state"] == "completed"
-    });
-    let expected = cluster.pull(&reference, "reference-checkpoint");
+    let expected = cluster.reference_checkpoint(2);
 
     let mut rng = Rng::from_time();
     let job = cluster.submit("shrunk", 2);
@@ -345,11 +323,7 @@ fn a_job_goes_on_with_fewer_workers_and_grows_back() {
 fn a_restarted_coordinator_resumes_the_job_from_the_workers_memory() {
     let mut cluster = Cluster::new(3);
     let limit = Duration::from_secs(600);
-    let reference = cluster.submit("reference", 3);
-    cluster.wait(&reference, "the reference job to complete", limit, |s| {
-        s["state"] == "completed"
-    });
-    let expected = cluster.pull(&reference, "reference-checkpoint");
+    let expected = cluster.reference_checkpoint(3);
 
     let mut rng = Rng::from_time();
     let job = cluster.submit("restarted", 3);
@@ -368,15 +342,5 @@ fn a_restarted_coordinator_resumes_the_job_from_the_workers_memory() {
     });
     assert_eq!(done["step"], 40, "{done}");
     let got = cluster.pull(&job, "restarted-checkpoint");
-    for f in ["model.safetensors", "optimizer.safetensors"] {
-        let (x, y) = (
-            std::fs::read(expected.join(f)).unwrap(),
-            std::fs::read(got.join(f)).unwrap(),
-        );
-        assert!(
-            x == y,
-            "{f} differs from the uninterrupted run (max relative weight difference {:e})",
-            max_relative_difference(&got, &expected)
-        );
-    }
+    assert_bit_identical(&expected, &got);
 }

@@ -344,3 +344,40 @@ pub fn metrics(path: &Path) -> Vec<serde_json::Value> {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
 }
+
+/// The first `lines` lines of the King James Bible, written to `dir/kjv-part.txt` (real text,
+/// small enough to prepare fast).
+pub fn kjv_lines(dir: &Path, lines: usize) -> PathBuf {
+    let text = std::fs::read_to_string(corpus("en-kjv").join("kjv.txt")).unwrap();
+    let part: Vec<&str> = text.lines().take(lines).collect();
+    let path = dir.join("kjv-part.txt");
+    std::fs::write(&path, part.join("\n") + "\n").unwrap();
+    path
+}
+
+/// Largest per-tensor `max |a - b| / max |b|` between two checkpoint folders' weights, over
+/// every tensor but the attention key biases: their true gradient is exactly 0 (softmax is
+/// invariant to adding the same number to every score of a query), so their gradient is pure
+/// rounding noise and Adam's `m / sqrt(v)` turns any reordering of the sums into a full-size
+/// step.
+pub fn max_relative_difference(a: &Path, b: &Path) -> f64 {
+    let load =
+        |d: &Path| keel_proto::weights::load_tensors_f64(d.join("model.safetensors")).unwrap();
+    let (wa, wb) = (load(a), load(b));
+    assert_eq!(wa.keys().collect::<Vec<_>>(), wb.keys().collect::<Vec<_>>());
+    let mut worst = 0f64;
+    for (name, (shape, va)) in &wa {
+        let (shape_b, vb) = &wb[name];
+        assert_eq!(shape, shape_b, "{name}");
+        if name.ends_with("attention.self.key.bias") {
+            continue;
+        }
+        let scale = vb.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-12);
+        let diff = va
+            .iter()
+            .zip(vb)
+            .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+        worst = worst.max(diff / scale);
+    }
+    worst
+}
