@@ -1,6 +1,7 @@
 //! Client commands talking to a coordinator: submit, jobs, status, watch, cancel, pull; plus
 //! `keel local` (a whole cluster on this machine) and `keel fill-mask` (try a checkpoint).
 
+use crate::output::outln;
 use crate::{fill_mask, local, pull, watch};
 use anyhow::Context;
 use keel_proto::auth::{AuthChannel, TokenArgs};
@@ -84,7 +85,7 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
             Command::Submit { job_file, conn } => {
                 let mut client = connect(&conn)?;
                 let id = submit(&mut client, &job_file).await?;
-                println!("{id}");
+                outln!("{id}");
                 Ok(())
             }
             Command::Jobs { conn } => {
@@ -95,9 +96,12 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
                     .context("listing jobs")?
                     .into_inner()
                     .jobs;
-                println!(
+                outln!(
                     "{:<10} {:<20} {:>12} {:>9}  workers",
-                    "job", "state", "step", "loss"
+                    "job",
+                    "state",
+                    "step",
+                    "loss"
                 );
                 for j in jobs {
                     // No step yet: no loss to show.
@@ -106,7 +110,7 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
                     } else {
                         "-".to_string()
                     };
-                    println!(
+                    outln!(
                         "{:<10} {:<20} {:>12} {:>9}  {}",
                         j.job_id,
                         state_name(j.state),
@@ -126,7 +130,7 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
                     .await
                     .with_context(|| format!("job {}", a.job))?
                     .into_inner();
-                println!("{}", serde_json::to_string_pretty(&status_json(&s))?);
+                outln!("{}", serde_json::to_string_pretty(&status_json(&s))?);
                 Ok(())
             }
             Command::Watch(a) => {
@@ -143,13 +147,13 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
                     .await
                     .with_context(|| format!("cancelling {}", a.job))?
                     .into_inner();
-                println!("{} {}", s.job_id, state_name(s.state));
+                outln!("{} {}", s.job_id, state_name(s.state));
                 Ok(())
             }
             Command::Pull(args) => {
                 let mut client = connect(&args.conn)?;
                 let dir = pull::pull(&mut client, &args.job, args.step, &args.out).await?;
-                println!("{}", dir.display());
+                outln!("{}", dir.display());
                 Ok(())
             }
             Command::Local(args) => local::run(args).await,
@@ -184,14 +188,18 @@ fn explain_unreachable(e: anyhow::Error, addr: &str) -> anyhow::Error {
         );
     }
     // A plaintext call to a TLS server ends in an HTTP/2 framing error, or (depending on
-    // timing) in the server closing the connection under the client: say what it may mean.
+    // timing) in the server closing the connection under the client, which surfaces as a
+    // cancelled call or as a broken pipe deep in the transport error's sources: say what it may
+    // mean.
     let tls_mismatch = e.chain().any(|cause| {
-        cause.downcast_ref::<tonic::Status>().is_some_and(|s| {
-            let m = s.message().to_ascii_lowercase();
-            m.contains("h2 protocol error")
-                || m.contains("broken pipe")
-                || (s.code() == tonic::Code::Cancelled && m.contains("cancel"))
-        })
+        let m = cause.to_string().to_ascii_lowercase();
+        let cancelled = cause
+            .downcast_ref::<tonic::Status>()
+            .is_some_and(|s| s.code() == tonic::Code::Cancelled);
+        m.contains("h2 protocol error")
+            || m.contains("broken pipe")
+            || m.contains("connection reset")
+            || (cancelled && m.contains("cancel"))
     });
     if tls_mismatch {
         return anyhow::anyhow!(

@@ -1,6 +1,7 @@
 //! `keel fill-mask`: the top-k tokens and probabilities for each [MASK] of a text, from a
 //! checkpoint folder, like the `transformers` fill-mask pipeline.
 
+use crate::output::outln;
 use anyhow::Context;
 use keel_proto::config::BertConfig;
 use keel_proto::params::ParamLayout;
@@ -47,13 +48,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let results = fill_mask(&args.checkpoint, &args.text, args.top_k)?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&results)?);
+        outln!("{}", serde_json::to_string_pretty(&results)?);
         return Ok(());
     }
     for (i, candidates) in results.iter().enumerate() {
-        println!("[MASK] #{}:", i + 1);
+        outln!("[MASK] #{}:", i + 1);
         for c in candidates {
-            println!("  {:>7.4}  {:<16} {}", c.score, c.token_str, c.sequence);
+            outln!("  {:>7.4}  {:<16} {}", c.score, c.token_str, c.sequence);
         }
     }
     Ok(())

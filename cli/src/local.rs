@@ -5,6 +5,7 @@
 //! `keel.token` (mode 600) in the work folder and given to every process.
 
 use crate::client::{finished_ok, submit};
+use crate::output::{errln, outln};
 use crate::{pull, watch};
 use anyhow::Context;
 use keel_proto::jobspec::JobSpec;
@@ -49,7 +50,7 @@ impl Drop for Cluster {
                 let _ = child.kill();
             }
             if let Err(e) = child.wait() {
-                eprintln!("warning: reaping {name}: {e}");
+                errln!("warning: reaping {name}: {e}");
             }
         }
     }
@@ -228,7 +229,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         )?;
     }
     if !args.quiet {
-        eprintln!(
+        errln!(
             "keel local: coordinator {coord_addr}, {} worker(s) x {threads} thread(s); logs in {}",
             args.workers,
             logs.display()
@@ -238,13 +239,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let work = async {
         let job = submit(&mut client, &job_path).await?;
         if !args.quiet {
-            eprintln!("keel local: submitted {job}");
+            errln!("keel local: submitted {job}");
         }
         let status = watch::watch(&mut client, &job, !args.quiet).await?;
         finished_ok(&status)?;
         let out = pull::pull(&mut client, &job, Some(spec.train.max_steps), &args.out).await?;
         let (throughput, steps) = mean_throughput(&out.join("metrics.jsonl"));
-        println!(
+        outln!(
             "{job}: completed {} steps on {} worker(s) in {:.1} s; final loss {:.4}; throughput {:.0} tok/s (mean of steps {}..{}); checkpoint in {}",
             status.max_steps,
             args.workers,
@@ -266,7 +267,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         (Ok(()), Some(t)) => drop(t),
         (Err(_), Some(t)) => {
             let kept = t.keep();
-            eprintln!("keel local: logs kept in {}", kept.join("logs").display());
+            errln!("keel local: logs kept in {}", kept.join("logs").display());
         }
         _ => {}
     }

@@ -7,6 +7,7 @@ mod client;
 mod fill_mask;
 mod inspect;
 mod local;
+mod output;
 mod plot;
 mod prepare;
 mod pull;
@@ -34,12 +35,8 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
-    // `keel jobs | head`: a closed pipe ends the program quietly, as for any Unix tool, instead
-    // of a panic in `println!` (Rust ignores SIGPIPE by default).
-    // SAFETY: setting a signal's disposition to the default before any thread starts.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
+    // SIGPIPE stays ignored (Rust's default): a closed pipe on our output is handled where we
+    // print (see output.rs), and a socket the coordinator closes must be an error, not death.
     let cli = Cli::parse();
     // Warnings only (e.g. a token file others can read); progress is the commands' own output.
     tracing_subscriber::fmt()

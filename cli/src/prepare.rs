@@ -3,6 +3,7 @@
 //! (`mb_per_s`, megabytes of text per second over the whole run): run it with `--threads 1`
 //! and `--threads 2` as the prepare benchmark.
 
+use crate::output::outln;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -114,6 +115,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "mb_per_s": mb / t.total_s.max(1e-9),
         "tokenize_mb_per_s": mb / t.tokenize_s.max(1e-9),
     });
-    println!("{summary}");
+    outln!("{summary}");
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! manifest, writes the folder atomically, then adds `metrics.jsonl` and `loss.png`.
 
 use crate::client::Conn;
+use crate::output::errln;
 use anyhow::Context;
 use keel_proto::checkpoint::{Manifest, check_plain_name};
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
@@ -79,7 +80,7 @@ pub async fn pull(
     receive_files(metrics, tmp.path(), Some(METRICS_FILE)).await?;
     let metrics_path = tmp.path().join(METRICS_FILE);
     if let Err(e) = crate::plot::write_loss_png(&metrics_path, &tmp.path().join("loss.png")) {
-        eprintln!("warning: no loss.png: {e:#}");
+        errln!("warning: no loss.png: {e:#}");
     }
     let dir = tmp.keep();
     if out.exists() {

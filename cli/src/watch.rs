@@ -2,6 +2,7 @@
 //! `WatchJob` stream.
 
 use crate::client::state_name;
+use crate::output::errln;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
@@ -65,7 +66,7 @@ pub async fn watch(
                 Ok(None) => break 'reconnect,
                 Err(e) if retryable(&e) => {
                     if plain {
-                        eprintln!(
+                        errln!(
                             "{job}: lost the coordinator ({}); reconnecting",
                             e.message()
                         );
@@ -95,7 +96,7 @@ pub async fn watch(
             };
             let changed = last.as_ref().is_none_or(|l| l.state != status.state);
             if plain && (changed || last_line.elapsed() >= PLAIN_EVERY) {
-                eprintln!("{job}: step {}/{} | {msg}", status.step, status.max_steps);
+                errln!("{job}: step {}/{} | {msg}", status.step, status.max_steps);
                 last_line = std::time::Instant::now();
             }
             pb.set_message(msg);
@@ -113,7 +114,7 @@ pub async fn watch(
     let status =
         last.ok_or_else(|| anyhow::anyhow!("the coordinator closed the watch of {job}"))?;
     if bar {
-        eprintln!(
+        errln!(
             "{job}: {} at step {}/{}{}",
             state_name(status.state),
             status.step,
