@@ -13,7 +13,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 /// Settings of a coordinator process.
 #[derive(Debug, Clone)]
@@ -60,9 +59,12 @@ pub async fn run(
         .add_service(health)
         .add_service(config.security.require(reflection))
         .add_service(config.security.require(service))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
-            let _ = server_stop_rx.await;
-        });
+        .serve_with_incoming_shutdown(
+            keel_proto::incoming::nodelay_incoming(listener),
+            async move {
+                let _ = server_stop_rx.await;
+            },
+        );
     tokio::pin!(server);
     tokio::select! {
         result = &mut server => {

@@ -31,6 +31,7 @@ pub mod admin;
 pub mod auth;
 pub mod checkpoint;
 pub mod config;
+pub mod incoming;
 pub mod jobspec;
 pub mod params;
 pub mod protocol;

@@ -20,7 +20,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 /// Settings of a worker process.
 #[derive(clap::Args, Debug, Clone)]
@@ -158,9 +157,12 @@ pub async fn run(
         .add_service(health)
         .add_service(security.require(reflection))
         .add_service(security.require(ring_service(mailbox.clone())))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
-            let _ = server_stop.wait_for(|s| *s).await;
-        });
+        .serve_with_incoming_shutdown(
+            keel_proto::incoming::nodelay_incoming(listener),
+            async move {
+                let _ = server_stop.wait_for(|s| *s).await;
+            },
+        );
     let server = tokio::spawn(server);
     let client = coordinator_client(&config.coordinator, &config.client_security)?;
     let sessions = tokio::spawn(sessions(config, client, mailbox, stop_rx));

@@ -21,7 +21,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 use super::{Mailbox, Ring, RingConfig, ring_service, tune_server};
 
@@ -287,7 +286,7 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
     tokio::spawn(
         tune_server(tonic::transport::Server::builder())
             .add_service(service)
-            .serve_with_incoming(TcpListenerStream::new(listener)),
+            .serve_with_incoming(keel_proto::incoming::nodelay_incoming(listener)),
     );
     println!("LISTEN {addr}");
     std::io::stdout().flush()?;

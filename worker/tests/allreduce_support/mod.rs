@@ -9,7 +9,6 @@ use std::time::Duration;
 use keel_worker::allreduce::{Mailbox, Ring, RingConfig, ring_service, tune_server};
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
-use tokio_stream::wrappers::TcpListenerStream;
 
 /// One ring peer: its runtime (server + all-reduces), address and mailbox.
 pub struct Peer {
@@ -31,7 +30,7 @@ pub fn start_peer() -> Peer {
     rt.spawn(async move {
         tune_server(tonic::transport::Server::builder())
             .add_service(service)
-            .serve_with_incoming(TcpListenerStream::new(listener))
+            .serve_with_incoming(keel_proto::incoming::nodelay_incoming(listener))
             .await
     });
     Peer { rt, addr, mailbox }
