@@ -1,13 +1,12 @@
 //! The worker process: serves the ring, registers with the coordinator, heartbeats, and runs
 //! the jobs the coordinator assigns (protocol steps 1, 2, 5 in `keel_proto::protocol`).
 
-use crate::allreduce::{Mailbox, RingService, ring_service, tune_server};
+use crate::allreduce::{Mailbox, RingDataPlane, ring_service, tune_server};
 use crate::client::coordinator_client;
 use crate::control::{JobControl, StopReason};
 use crate::replica::HeldReplica;
 use crate::trainer::{self, JobContext};
 use keel_proto::auth::AuthChannel;
-use keel_proto::ring_rpc::ring_server::RingServer;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{
     AttachRequest, DoneReport, FailureReport, HeartbeatRequest, HeldReport, RegisterRequest,
@@ -150,7 +149,7 @@ pub async fn run(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut server_stop = stop_rx.clone();
     let (health_reporter, health, reflection) =
-        keel_proto::admin::admin_services::<RingServer<RingService>>().await?;
+        keel_proto::admin::admin_services::<RingDataPlane>().await?;
     let security = &config.server_security;
     let server = tune_server(security.server()?)
         // Health stays open (probes cannot send a token; it reveals and does nothing).

@@ -7,13 +7,23 @@
 //! status and the next frame opens a new call (the channel reconnects).
 
 use std::collections::VecDeque;
+use std::convert::Infallible;
 
+use bytes::Bytes;
+use futures::StreamExt;
+use http_body_util::StreamBody;
 use keel_proto::auth::AuthChannel;
-use keel_proto::ring_rpc::ring_client::RingClient;
 use keel_proto::ring_rpc::{PushAck, RingFrame};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::body::Body;
+use tonic::codec::{BufferSettings, Streaming};
+use tonic::codegen::{Service, http};
 use tonic::{Code, Status};
+use tonic_prost::ProstDecoder;
+
+use super::service::MAX_MESSAGE_BYTES;
+use super::wire::{STREAM_PATH, encode_frame};
 
 /// Result of pushing one frame: accepted, or the receiver's (or transport's) status.
 type Ack = Result<(), Status>;
@@ -31,8 +41,9 @@ pub(crate) struct LinkStream {
 }
 
 impl LinkStream {
-    /// Starts the background task for `client` (one connection). Needs a tokio runtime.
-    pub(crate) fn spawn(client: RingClient<AuthChannel>) -> LinkStream {
+    /// Starts the background task for `client` (one connection, with the cluster token). Needs
+    /// a tokio runtime.
+    pub(crate) fn spawn(client: AuthChannel) -> LinkStream {
         let (tx, rx) = mpsc::unbounded_channel();
         tokio::spawn(run(client, rx));
         LinkStream { tx }
@@ -60,8 +71,64 @@ fn ack_to_result(ack: PushAck) -> Ack {
     }
 }
 
+/// Opens one `Ring/Stream` call on `client` whose request body is the byte pieces sent on the
+/// returned sender (see `wire::encode_frame`), and returns the call's acks.
+///
+/// Errors: the transport's failure, or the status of a call refused at once (e.g.
+/// `UNAUTHENTICATED`).
+async fn open_call(
+    client: &mut AuthChannel,
+) -> Result<(mpsc::UnboundedSender<Bytes>, Streaming<PushAck>), Status> {
+    let (pieces_tx, pieces_rx) = mpsc::unbounded_channel::<Bytes>();
+    let pieces = UnboundedReceiverStream::new(pieces_rx)
+        .map(|piece| Ok::<_, Infallible>(http_body::Frame::data(piece)));
+    let mut request = http::Request::new(Body::new(StreamBody::new(pieces)));
+    *request.method_mut() = http::Method::POST;
+    *request.uri_mut() = http::Uri::from_static(STREAM_PATH);
+    let headers = request.headers_mut();
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    headers.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
+    futures::future::poll_fn(|cx| client.poll_ready(cx))
+        .await
+        .map_err(|e| Status::unavailable(format!("ring connection: {e}")))?;
+    let response = client
+        .call(request)
+        .await
+        .map_err(|e| Status::from_error(Box::new(e)))?;
+    let (parts, body) = response.into_parts();
+    // A call refused before any message answers with its status in the headers.
+    if let Some(status) = Status::from_header_map(&parts.headers)
+        && status.code() != Code::Ok
+    {
+        return Err(status);
+    }
+    let acks = Streaming::new_response(
+        ProstDecoder::<PushAck>::new(BufferSettings::default()),
+        body,
+        parts.status,
+        None,
+        Some(MAX_MESSAGE_BYTES),
+    );
+    Ok((pieces_tx, acks))
+}
+
+/// Queues `frame` on a call's request body.
+///
+/// Errors: `UNAVAILABLE` when the call's body is gone (the call ended).
+fn send_frame(pieces: &mpsc::UnboundedSender<Bytes>, frame: &RingFrame) -> Result<(), Status> {
+    for piece in encode_frame(frame)? {
+        pieces
+            .send(piece)
+            .map_err(|_| Status::unavailable("ring stream closed"))?;
+    }
+    Ok(())
+}
+
 /// The background task: one call at a time, re-opened after a failure when a frame comes.
-async fn run(mut client: RingClient<AuthChannel>, mut rx: mpsc::UnboundedReceiver<Outbound>) {
+async fn run(mut client: AuthChannel, mut rx: mpsc::UnboundedReceiver<Outbound>) {
     let mut next: Option<Outbound> = None;
     loop {
         let first = match next.take() {
@@ -71,28 +138,30 @@ async fn run(mut client: RingClient<AuthChannel>, mut rx: mpsc::UnboundedReceive
                 None => return,
             },
         };
-        let (req_tx, req_rx) = mpsc::unbounded_channel::<RingFrame>();
         let mut pending: VecDeque<oneshot::Sender<Ack>> = VecDeque::new();
-        // A fresh unbounded channel whose receiver is alive: cannot fail.
-        let _ = req_tx.send(first.frame);
-        pending.push_back(first.done);
-        let mut acks = match client.stream(UnboundedReceiverStream::new(req_rx)).await {
-            Ok(response) => response.into_inner(),
+        let (pieces, mut acks) = match open_call(&mut client).await {
+            Ok(call) => call,
             Err(status) => {
-                fail_all(&mut pending, &status);
+                let _ = first.done.send(Err(status));
                 continue;
             }
         };
+        match send_frame(&pieces, &first.frame) {
+            Ok(()) => pending.push_back(first.done),
+            Err(status) => {
+                let _ = first.done.send(Err(status));
+                continue;
+            }
+        }
         loop {
             tokio::select! {
                 out = rx.recv() => match out {
-                    Some(o) => {
-                        if req_tx.send(o.frame).is_err() {
-                            let _ = o.done.send(Err(Status::unavailable("ring stream closed")));
-                        } else {
-                            pending.push_back(o.done);
+                    Some(o) => match send_frame(&pieces, &o.frame) {
+                        Ok(()) => pending.push_back(o.done),
+                        Err(status) => {
+                            let _ = o.done.send(Err(status));
                         }
-                    }
+                    },
                     // The ring was dropped: nobody waits for acks any more.
                     None => return,
                 },

@@ -56,12 +56,13 @@ mod mailbox;
 mod plan;
 mod ring;
 mod service;
+mod wire;
 
 pub use error::{AllReduceError, FrameRejected};
 pub use mailbox::{DEFAULT_CAPACITY_BYTES, MAX_FRAME_BYTES, Mailbox};
 pub use plan::{chunk_plan, frame_count, frame_plan, recv_chunk, send_chunk};
 pub use ring::{Ring, RingConfig};
-pub use service::{AckStream, MAX_MESSAGE_BYTES, RingService, ring_service};
+pub use service::{AckStream, MAX_MESSAGE_BYTES, RingDataPlane, RingService, ring_service};
 
 /// HTTP/2 stream flow-control window, bytes (STACK.md: 16 MiB windows gain 20-40%).
 pub const STREAM_WINDOW_BYTES: u32 = 16 << 20;

@@ -20,7 +20,6 @@ use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use keel_proto::ring_rpc::RingFrame;
-use keel_proto::ring_rpc::ring_client::RingClient;
 
 use super::link::LinkStream;
 use tokio::time::{Instant, sleep, sleep_until, timeout_at};
@@ -29,7 +28,6 @@ use tonic::Code;
 use super::error::AllReduceError;
 use super::mailbox::{InboundFrame, MAX_FRAME_BYTES, Mailbox};
 use super::plan::{chunk_plan, frame_count, frame_plan, recv_chunk, send_chunk};
-use super::service::MAX_MESSAGE_BYTES;
 use super::{CONNECTION_WINDOW_BYTES, H2_MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
 
 /// Frames in flight per stream of the link to the right neighbour.
@@ -181,11 +179,7 @@ impl Ring {
                         }
                     }
                 };
-                right.push(LinkStream::spawn(
-                    RingClient::new(security.wrap(channel))
-                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                        .max_encoding_message_size(MAX_MESSAGE_BYTES),
-                ));
+                right.push(LinkStream::spawn(security.wrap(channel)));
             }
         }
         Ok(Ring {
