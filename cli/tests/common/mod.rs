@@ -277,7 +277,23 @@ pub fn start_coordinator_with(root: &Path, extra: &[String]) -> (Proc, String) {
         .collect::<Vec<String>>(),
         &logs,
     );
+    wait_listening(&addr, &p);
     (p, addr)
+}
+
+/// Waits (at most 30 s) until `addr` accepts TCP connections: a `keel` call made right after
+/// the spawn would otherwise race the coordinator's bind ("tcp connect error", seen in a full
+/// `cargo test` run on a loaded machine).
+pub fn wait_listening(addr: &str, process: &Proc) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(addr).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "nothing listens on {addr} 30 s after the start; log:\n{}",
+            process.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// A worker process on a free port, 1 thread; returns it and its advertise address.
