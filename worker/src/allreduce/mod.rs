@@ -5,9 +5,12 @@
 //! - `plan`: [`chunk_plan`] and [`frame_plan`], pure functions every rank evaluates alike.
 //! - `mailbox`: [`Mailbox`], the receive side: buffers frames from the left neighbour and routes
 //!   them to the running all-reduce, bounded in bytes.
-//! - `service`: [`RingService`] / [`ring_service`], the gRPC `keel.ring.v1.Ring` service.
+//! - `service`: [`ring_service`] / [`RingDataPlane`], the gRPC `keel.ring.v1.Ring` service
+//!   (`Ring/Stream` read straight from the HTTP/2 body; [`RingService`] for the rest).
+//! - `wire`: `Ring/Stream` messages encoded and decoded without copying their payloads.
 //! - `ring`: [`Ring`] and [`RingConfig`], the send side and the algorithm.
-//! - `link`: one long-lived `Ring/Stream` call to the right neighbour, acked frame by frame.
+//! - `link`: one long-lived `Ring/Stream` call to the right neighbour, acked frame by frame,
+//!   sent below tonic's codec (see `wire`).
 //! - `error`: [`AllReduceError`] (callers), [`FrameRejected`] (wire).
 //! - `bench`: `keel-worker bench-allreduce`.
 //!
