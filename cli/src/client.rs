@@ -170,6 +170,9 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
 /// coordinator refused our token" (UNAUTHENTICATED) into one plain sentence naming the
 /// address; other errors pass through unchanged.
 fn explain_unreachable(e: anyhow::Error, addr: &str) -> anyhow::Error {
+    if crate::output::is_closed_pipe(&e) {
+        return e;
+    }
     let unavailable = e.chain().any(|cause| {
         cause
             .downcast_ref::<tonic::Status>()

@@ -45,9 +45,15 @@ fn main() -> anyhow::Result<()> {
         .without_time()
         .with_target(false)
         .init();
-    match cli.command {
+    let result = match cli.command {
         Command::Prepare(args) => prepare::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Client(cmd) => client::run(cmd),
+    };
+    match result {
+        // `keel jobs | head`: the reader is done; so are we (the command cleaned up on its way
+        // out).
+        Err(e) if output::is_closed_pipe(&e) => Ok(()),
+        other => other,
     }
 }

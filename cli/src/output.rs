@@ -3,43 +3,49 @@
 //! `keel jobs | head` closes stdout under us. Rust's `println!` would panic on that, and the
 //! usual cure (SIGPIPE back to its default) is wrong here: hyper writes to sockets with
 //! `writev`, which raises SIGPIPE too, so a coordinator that drops the connection (a plaintext
-//! call to a TLS server) would kill `keel` without a word. So SIGPIPE stays ignored and a broken
-//! pipe on our own output ends the program quietly, with status 0, from here.
+//! call to a TLS server) would kill `keel` without a word. So SIGPIPE stays ignored, and:
+//! - a line for stdout that cannot be written is an error the command returns (`?`), so its
+//!   destructors run (`keel local` stops its cluster) before `main` ends quietly with status 0
+//!   when the cause was a closed pipe ([`is_closed_pipe`]);
+//! - a line for stderr that cannot be written is dropped: diagnostics must never be what fails.
 
 use std::fmt;
 use std::io::{ErrorKind, Write};
 
-/// Writes one line to stdout. A closed pipe exits the process with status 0; any other write
-/// error exits with status 1 after saying so on stderr.
-pub fn stdout_line(args: fmt::Arguments<'_>) {
-    let result = writeln!(std::io::stdout().lock(), "{args}");
-    finish(result, "stdout");
-}
+/// stdout's reader has gone (`keel jobs | head` after its lines): not a failure of the command.
+/// Its own type, so that it is never confused with a broken pipe on a network connection.
+#[derive(Debug, thiserror::Error)]
+#[error("stdout was closed by its reader")]
+pub struct StdoutClosed;
 
-/// Writes one line to stderr, with the same handling of a closed pipe as [`stdout_line`].
-pub fn stderr_line(args: fmt::Arguments<'_>) {
-    let result = writeln!(std::io::stderr().lock(), "{args}");
-    finish(result, "stderr");
-}
-
-fn finish(result: std::io::Result<()>, stream: &str) {
-    match result {
-        Ok(()) => {}
-        Err(e) if e.kind() == ErrorKind::BrokenPipe => std::process::exit(0),
-        Err(e) => {
-            // stderr itself may be what failed; nothing better is left than trying once.
-            let _ = writeln!(std::io::stderr(), "keel: writing to {stream}: {e}");
-            std::process::exit(1);
-        }
+/// Writes one line to stdout.
+///
+/// Errors: [`StdoutClosed`] when the reader of a pipe has gone; other write errors as they are.
+pub fn stdout_line(args: fmt::Arguments<'_>) -> anyhow::Result<()> {
+    match writeln!(std::io::stdout().lock(), "{args}") {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::BrokenPipe => Err(StdoutClosed.into()),
+        Err(e) => Err(anyhow::Error::new(e).context("writing to stdout")),
     }
 }
 
-/// `println!` that ends `keel` quietly when stdout is a closed pipe.
-macro_rules! outln {
-    ($($arg:tt)*) => { $crate::output::stdout_line(format_args!($($arg)*)) };
+/// Writes one line to stderr; a failed write is ignored (there is nowhere left to report it).
+pub fn stderr_line(args: fmt::Arguments<'_>) {
+    let _ = writeln!(std::io::stderr().lock(), "{args}");
 }
 
-/// `eprintln!` that ends `keel` quietly when stderr is a closed pipe.
+/// Whether `error` is [`StdoutClosed`] (the user's `| head` is done reading).
+pub fn is_closed_pipe(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| cause.is::<StdoutClosed>())
+}
+
+/// `println!` that returns the write's error from the enclosing function (`?`, so destructors
+/// run), for a command returning `anyhow::Result`.
+macro_rules! outln {
+    ($($arg:tt)*) => { $crate::output::stdout_line(format_args!($($arg)*))? };
+}
+
+/// `eprintln!` that neither panics nor fails when stderr is closed.
 macro_rules! errln {
     ($($arg:tt)*) => { $crate::output::stderr_line(format_args!($($arg)*)) };
 }

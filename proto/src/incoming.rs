@@ -9,8 +9,8 @@ use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 
 /// The connections `listener` accepts, each with `TCP_NODELAY` set, for
-/// `Server::serve_with_incoming[_shutdown]`. Accept errors are passed to tonic, which logs them
-/// and goes on accepting.
+/// `Server::serve_with_incoming[_shutdown]`. Accept errors go to tonic, which goes on accepting
+/// (as with tokio's `TcpListenerStream`, which Keel used before).
 pub fn nodelay_incoming(listener: TcpListener) -> TcpIncoming {
     TcpIncoming::from(listener).with_nodelay(Some(true))
 }

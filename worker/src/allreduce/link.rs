@@ -71,15 +71,19 @@ fn ack_to_result(ack: PushAck) -> Ack {
     }
 }
 
-/// Opens one `Ring/Stream` call on `client` whose request body is the byte pieces sent on the
-/// returned sender (see `wire::encode_frame`), and returns the call's acks.
+/// Opens one `Ring/Stream` call on `client` whose request body starts with `first` and goes on
+/// with the byte pieces sent on the returned sender (see `wire::encode_frame`), and returns the
+/// call's acks. `first` is queued before the call starts, so HTTP/2 sends it right behind the
+/// request headers instead of a round trip later.
 ///
-/// Errors: the transport's failure, or the status of a call refused at once (e.g.
-/// `UNAUTHENTICATED`).
+/// Errors: the frame's encoding, the transport's failure, or the status of a call refused at
+/// once (e.g. `UNAUTHENTICATED`).
 async fn open_call(
     client: &mut AuthChannel,
+    first: &RingFrame,
 ) -> Result<(mpsc::UnboundedSender<Bytes>, Streaming<PushAck>), Status> {
     let (pieces_tx, pieces_rx) = mpsc::unbounded_channel::<Bytes>();
+    send_frame(&pieces_tx, first)?;
     let pieces = UnboundedReceiverStream::new(pieces_rx)
         .map(|piece| Ok::<_, Infallible>(http_body::Frame::data(piece)));
     let mut request = http::Request::new(Body::new(StreamBody::new(pieces)));
@@ -139,20 +143,14 @@ async fn run(mut client: AuthChannel, mut rx: mpsc::UnboundedReceiver<Outbound>)
             },
         };
         let mut pending: VecDeque<oneshot::Sender<Ack>> = VecDeque::new();
-        let (pieces, mut acks) = match open_call(&mut client).await {
+        let (pieces, mut acks) = match open_call(&mut client, &first.frame).await {
             Ok(call) => call,
             Err(status) => {
                 let _ = first.done.send(Err(status));
                 continue;
             }
         };
-        match send_frame(&pieces, &first.frame) {
-            Ok(()) => pending.push_back(first.done),
-            Err(status) => {
-                let _ = first.done.send(Err(status));
-                continue;
-            }
-        }
+        pending.push_back(first.done);
         loop {
             tokio::select! {
                 out = rx.recv() => match out {

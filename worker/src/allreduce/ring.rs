@@ -501,7 +501,7 @@ const BLOCK: usize = 512;
 
 /// Calls `f(start, block)` for consecutive blocks of `incoming` (little-endian f32 bytes)
 /// decoded into an aligned stack buffer, so the arithmetic runs on plain `f32` slices (the
-/// frame's bytes sit at any alignment inside tonic's receive buffer).
+/// frame's bytes sit at any alignment inside the HTTP/2 DATA frame they arrived in).
 fn for_each_block(incoming: &[u8], mut f: impl FnMut(usize, &[f32])) {
     let mut buf = [0.0f32; BLOCK];
     for (i, bytes) in incoming.chunks(BLOCK * 4).enumerate() {

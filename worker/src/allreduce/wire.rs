@@ -17,6 +17,8 @@ use prost::Message;
 use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint};
 use tonic::Status;
 
+use super::service::MAX_MESSAGE_BYTES;
+
 /// The HTTP/2 path of `keel.ring.v1.Ring/Stream`.
 pub(crate) const STREAM_PATH: &str = "/keel.ring.v1.Ring/Stream";
 
@@ -30,7 +32,8 @@ const DATA_FIELD: u32 = 9;
 /// new buffer), then `data` itself (the same [`Bytes`], not copied). Sent back to back, the two
 /// are exactly what tonic would send for `frame`.
 ///
-/// Errors: `OUT_OF_RANGE` when the message would exceed gRPC's 4 GiB length prefix.
+/// Errors: `OUT_OF_RANGE` when the message would exceed [`MAX_MESSAGE_BYTES`] (what the
+/// receiver accepts).
 pub(crate) fn encode_frame(frame: &RingFrame) -> Result<[Bytes; 2], Status> {
     let fields = RingFrame {
         data: Bytes::new(),
@@ -44,9 +47,15 @@ pub(crate) fn encode_frame(frame: &RingFrame) -> Result<[Bytes; 2], Status> {
         // One byte of key (field 9, length-delimited) plus the length varint.
         1 + encoded_len_varint(data_len as u64) + data_len
     };
-    let message_len = u32::try_from(fields.encoded_len() + data_field_len).map_err(|_| {
-        Status::out_of_range(format!("a ring frame of {data_len} bytes is too large"))
-    })?;
+    let message_len = fields.encoded_len() + data_field_len;
+    if message_len > MAX_MESSAGE_BYTES {
+        return Err(Status::out_of_range(format!(
+            "a ring frame of {data_len} payload bytes is over the message limit of \
+             {MAX_MESSAGE_BYTES} bytes"
+        )));
+    }
+    // At most MAX_MESSAGE_BYTES (a few MiB): fits the prefix's u32.
+    let message_len = message_len as u32;
     let mut head = BytesMut::with_capacity(PREFIX_BYTES + fields.encoded_len() + 11);
     head.put_u8(0);
     head.put_u32(message_len);
@@ -112,9 +121,8 @@ impl MessageReader {
 
     /// The next complete message, or `None` until more bytes come.
     ///
-    /// Errors: `UNIMPLEMENTED` for a compressed message (Keel never compresses gradients),
-    /// `INTERNAL` for a bad compression flag, `OUT_OF_RANGE` for a message over the limit (as
-    /// tonic reports both).
+    /// Errors: `INTERNAL` for a compressed message (Keel never compresses gradients) or a bad
+    /// compression flag, `OUT_OF_RANGE` for a message over the limit (as tonic reports them).
     pub(crate) fn next_message(&mut self) -> Result<Option<Segments>, Status> {
         if self.pending.is_none() {
             if self.buffered < PREFIX_BYTES {
@@ -125,9 +133,12 @@ impl MessageReader {
             let len = prefix.get_u32() as usize;
             match flag {
                 0 => {}
+                // A compressed message on a call without `grpc-encoding` (this server accepts
+                // none): INTERNAL, as the gRPC compression spec requires.
                 1 => {
-                    return Err(Status::unimplemented(
-                        "compressed ring frames are not supported: send them uncompressed",
+                    return Err(Status::internal(
+                        "protocol error: a compressed ring frame, but this server accepts no \
+                         grpc-encoding: send frames uncompressed",
                     ));
                 }
                 f => {
@@ -302,6 +313,15 @@ mod tests {
     }
 
     #[test]
+    fn a_frame_over_the_message_limit_is_refused_before_sending() {
+        let f = frame(vec![0u8; MAX_MESSAGE_BYTES]);
+        assert_eq!(
+            encode_frame(&f).err().map(|s| s.code()),
+            Some(tonic::Code::OutOfRange)
+        );
+    }
+
+    #[test]
     fn messages_split_anywhere_decode_to_the_frames_sent() {
         let frames: Vec<RingFrame> = [vec![1u8; 1000], vec![], vec![9u8; 4]]
             .into_iter()
@@ -335,7 +355,7 @@ mod tests {
     }
 
     #[test]
-    fn oversized_compressed_and_bad_flags_are_refused_with_tonics_codes() {
+    fn oversized_compressed_and_bad_flags_are_refused_with_the_specs_codes() {
         let mut reader = MessageReader::new(100);
         reader.push(Bytes::from_static(&[0, 0, 0, 0, 101]));
         assert_eq!(
@@ -346,7 +366,7 @@ mod tests {
         reader.push(Bytes::from_static(&[1, 0, 0, 0, 1, 0]));
         assert_eq!(
             reader.next_message().err().map(|s| s.code()),
-            Some(tonic::Code::Unimplemented)
+            Some(tonic::Code::Internal)
         );
         let mut reader = MessageReader::new(100);
         reader.push(Bytes::from_static(&[2, 0, 0, 0, 1, 0]));
