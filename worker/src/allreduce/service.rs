@@ -142,16 +142,7 @@ impl StreamCall {
             if let Some(message) = self.reader.next_message()? {
                 let frame = RingFrame::decode(message)
                     .map_err(|e| Status::internal(format!("a ring frame does not decode: {e}")))?;
-                return Ok(Some(match self.mailbox.deliver(frame).await {
-                    Ok(()) => PushAck::default(),
-                    Err(rejected) => {
-                        let status = Status::from(rejected);
-                        PushAck {
-                            code: status.code() as u32,
-                            message: status.message().to_string(),
-                        }
-                    }
-                }));
+                return Ok(Some(deliver_and_ack(&self.mailbox, frame).await));
             }
             match self.body.frame().await {
                 Some(Ok(frame)) => {
@@ -167,6 +158,20 @@ impl StreamCall {
                         "the ring stream ended in the middle of a message",
                     ));
                 }
+            }
+        }
+    }
+}
+
+/// Delivers `frame` to `mailbox` and answers it: code 0, or the refusal's status code and reason.
+async fn deliver_and_ack(mailbox: &Mailbox, frame: RingFrame) -> PushAck {
+    match mailbox.deliver(frame).await {
+        Ok(()) => PushAck::default(),
+        Err(rejected) => {
+            let status = Status::from(rejected);
+            PushAck {
+                code: status.code() as u32,
+                message: status.message().to_string(),
             }
         }
     }
@@ -223,16 +228,7 @@ impl Ring for RingService {
                 }
                 match frames.message().await {
                     Ok(Some(frame)) => {
-                        let ack = match mailbox.deliver(frame).await {
-                            Ok(()) => PushAck::default(),
-                            Err(rejected) => {
-                                let status = Status::from(rejected);
-                                PushAck {
-                                    code: status.code() as u32,
-                                    message: status.message().to_string(),
-                                }
-                            }
-                        };
+                        let ack = deliver_and_ack(&mailbox, frame).await;
                         Some((Ok(ack), (frames, mailbox, false)))
                     }
                     Ok(None) => None,

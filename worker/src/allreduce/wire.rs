@@ -86,9 +86,7 @@ pub(crate) fn encode_ack(ack: &PushAck) -> Bytes {
 /// buffers: a message is handed out as the list of slices it spans.
 pub(crate) struct MessageReader {
     /// Received bytes not yet handed out, in order.
-    chunks: VecDeque<Bytes>,
-    /// Total length of `chunks`, bytes.
-    buffered: usize,
+    buffered: Segments,
     /// Length of the message whose prefix was read, when its body is still incomplete.
     pending: Option<usize>,
     /// Largest accepted message, bytes (prefix excluded).
@@ -99,8 +97,10 @@ impl MessageReader {
     /// A reader refusing messages over `max_message_bytes`.
     pub(crate) fn new(max_message_bytes: usize) -> MessageReader {
         MessageReader {
-            chunks: VecDeque::new(),
-            buffered: 0,
+            buffered: Segments {
+                parts: VecDeque::new(),
+                remaining: 0,
+            },
             pending: None,
             max_message_bytes,
         }
@@ -109,14 +109,14 @@ impl MessageReader {
     /// Appends received bytes (one DATA frame's payload).
     pub(crate) fn push(&mut self, chunk: Bytes) {
         if !chunk.is_empty() {
-            self.buffered += chunk.len();
-            self.chunks.push_back(chunk);
+            self.buffered.remaining += chunk.len();
+            self.buffered.parts.push_back(chunk);
         }
     }
 
     /// Whether nothing is buffered (at the end of the call: no truncated message).
     pub(crate) fn is_empty(&self) -> bool {
-        self.buffered == 0 && self.pending.is_none()
+        self.buffered.remaining == 0 && self.pending.is_none()
     }
 
     /// The next complete message, or `None` until more bytes come.
@@ -125,10 +125,10 @@ impl MessageReader {
     /// compression flag, `OUT_OF_RANGE` for a message over the limit (as tonic reports them).
     pub(crate) fn next_message(&mut self) -> Result<Option<Segments>, Status> {
         if self.pending.is_none() {
-            if self.buffered < PREFIX_BYTES {
+            if self.buffered.remaining < PREFIX_BYTES {
                 return Ok(None);
             }
-            let mut prefix = self.take(PREFIX_BYTES);
+            let mut prefix = self.buffered.split_front(PREFIX_BYTES);
             let flag = prefix.get_u8();
             let len = prefix.get_u32() as usize;
             match flag {
@@ -156,34 +156,11 @@ impl MessageReader {
             self.pending = Some(len);
         }
         match self.pending {
-            Some(len) if self.buffered >= len => {
+            Some(len) if self.buffered.remaining >= len => {
                 self.pending = None;
-                Ok(Some(self.take(len)))
+                Ok(Some(self.buffered.split_front(len)))
             }
             _ => Ok(None),
-        }
-    }
-
-    /// The first `len` buffered bytes (`len <= self.buffered`), as slices of the chunks.
-    fn take(&mut self, len: usize) -> Segments {
-        let mut parts = VecDeque::new();
-        let mut left = len;
-        while left > 0 {
-            let Some(front) = self.chunks.front_mut() else {
-                break;
-            };
-            if front.len() <= left {
-                left -= front.len();
-                parts.extend(self.chunks.pop_front());
-            } else {
-                parts.push_back(front.split_to(left));
-                left = 0;
-            }
-        }
-        self.buffered -= len - left;
-        Segments {
-            parts,
-            remaining: len - left,
         }
     }
 }
@@ -237,7 +214,7 @@ impl Buf for Segments {
             }
             _ => {
                 let mut out = BytesMut::with_capacity(len);
-                out.put(self.take(len));
+                out.put(self.split_front(len));
                 out.freeze()
             }
         }
@@ -246,7 +223,7 @@ impl Buf for Segments {
 
 impl Segments {
     /// The first `len` bytes as their own `Segments` (`len <= remaining`).
-    fn take(&mut self, len: usize) -> Segments {
+    fn split_front(&mut self, len: usize) -> Segments {
         let mut parts = VecDeque::new();
         let mut left = len;
         while left > 0 {
