@@ -26,7 +26,7 @@ pub struct Args {
     /// Model preset: tiny, mini, small, medium, base, large.
     #[arg(long, default_value = "mini")]
     pub config: String,
-    /// OpenBLAS threads.
+    /// Compute threads (GEMMs cut among them; OpenBLAS itself runs single-threaded).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
     /// Sequences per step.

@@ -1,6 +1,6 @@
-//! The model gives the same gradients with 1 and with several threads (its own threads split
-//! sequences, rows and elements; OpenBLAS splits GEMMs). A separate test binary, because the
-//! thread count is process-wide.
+//! The model gives the same gradients with 1 and with several threads (its threads split
+//! sequences, rows and elements, and cut large GEMMs into blocks of output rows or columns).
+//! A separate test binary, because the thread count is process-wide.
 
 use keel_proto::config::BertConfig;
 use keel_proto::params::{Heads, ParamLayout};

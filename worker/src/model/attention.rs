@@ -101,7 +101,7 @@ pub(crate) fn forward<A: Element>(
     dims: &AttentionDims<'_>,
 ) {
     let (t, c, h) = (dims.t, dims.c(), dims.h);
-    let parts = parallel::split(dims.b, parallel::threads());
+    let parts = parallel::split(dims.b, parallel::available_threads());
     let scratch = grow(scratch, parts.len() * t * t);
     let mut work = Vec::with_capacity(parts.len());
     let (mut ctx, mut probs, mut scratch) = (
@@ -116,7 +116,7 @@ pub(crate) fn forward<A: Element>(
         (ctx, probs, scratch) = (ctx_rest, probs_rest, scratch_rest);
         work.push((r, ctx_part, probs_part, scratch_part));
     }
-    parallel::run_with_single_threaded_blas(work, |(r, ctx, probs, scratch)| {
+    parallel::run_parts(work, |(r, ctx, probs, scratch)| {
         let rows = r.start * t * c..r.end * t * c;
         let local = dims.part(&r);
         forward_seqs(
@@ -238,7 +238,7 @@ pub(crate) fn backward<A: Element>(
     dims: &AttentionDims<'_>,
 ) {
     let (t, c, h) = (dims.t, dims.c(), dims.h);
-    let parts = parallel::split(dims.b, parallel::threads());
+    let parts = parallel::split(dims.b, parallel::available_threads());
     let scratch = grow(scratch, parts.len() * 2 * t * t);
     let mut work = Vec::with_capacity(parts.len());
     let n = dims.b * t * c;
@@ -252,7 +252,7 @@ pub(crate) fn backward<A: Element>(
         (dq, dk, dv, scratch) = (dq_rest, dk_rest, dv_rest, scratch_rest);
         work.push((r, dq_part, dk_part, dv_part, scratch_part));
     }
-    parallel::run_with_single_threaded_blas(work, |(r, dq, dk, dv, scratch)| {
+    parallel::run_parts(work, |(r, dq, dk, dv, scratch)| {
         let rows = r.start * t * c..r.end * t * c;
         let local = dims.part(&r);
         let p = &probs[r.start * h * t * t..r.end * h * t * t];

@@ -128,8 +128,8 @@ pub struct LossSums<A> {
     pub nsp_correct: usize,
 }
 
-/// Sets the number of threads the model uses: OpenBLAS's (all GEMMs of this process) and
-/// the model's own for elementwise work and attention.
+/// Sets the number of threads the model uses (process-wide): large GEMMs are cut among
+/// them, each part a single-threaded OpenBLAS call, as are attention and elementwise work.
 pub fn set_blas_threads(n: usize) {
     parallel::set_threads(n);
 }

@@ -1,15 +1,31 @@
-//! The model's own threads, for the work OpenBLAS does not do: elementwise kernels and the
-//! many small per-(sequence, head) attention GEMMs, which run better as one single-threaded
-//! GEMM per thread than as multi-threaded OpenBLAS calls (measured: 128x128x64 GEMMs drop
-//! from ~12 to ~4 GFLOP/s with 2 OpenBLAS threads).
+//! The model's threads. OpenBLAS itself always runs single-threaded; all parallel work is
+//! cut here: elementwise kernels by rows, attention by sequences (its many small per-head
+//! GEMMs run better as one single-threaded GEMM per thread: measured, 128x128x64 GEMMs drop
+//! from ~12 to ~4 GFLOP/s with 2 OpenBLAS threads), and large GEMMs by blocks of rows or
+//! columns of the output (`super::gemm`).
 //!
 //! The thread count is the one given to [`super::set_blas_threads`]. Work is split into
 //! contiguous parts on scoped threads (the caller runs the first part), so results do not
 //! depend on scheduling, and the elementwise results do not depend on the thread count.
+//! Work started on one of those threads is not cut again.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 static THREADS: AtomicUsize = AtomicUsize::new(1);
+
+thread_local! {
+    /// True while this thread runs one part of a split: work inside it is not split again.
+    static IN_PART: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with this thread marked as running one part of a split.
+fn as_part<R>(f: impl FnOnce() -> R) -> R {
+    let outer = IN_PART.with(|p| p.replace(true));
+    let result = f();
+    IN_PART.with(|p| p.set(outer));
+    result
+}
 
 unsafe extern "C" {
     fn openblas_set_num_threads(num_threads: std::ffi::c_int);
@@ -22,16 +38,26 @@ fn set_openblas_threads(n: usize) {
     unsafe { openblas_set_num_threads(n) };
 }
 
-/// Sets the thread count of the model and of OpenBLAS.
+/// Sets the thread count of the model; OpenBLAS is set to one thread.
 pub(crate) fn set_threads(n: usize) {
     let n = n.max(1);
     THREADS.store(n, Ordering::Relaxed);
-    set_openblas_threads(n);
+    set_openblas_threads(1);
 }
 
 /// The thread count set by [`set_threads`] (1 by default).
 pub(crate) fn threads() -> usize {
     THREADS.load(Ordering::Relaxed)
+}
+
+/// The threads work started here may be cut among: [`threads`], or 1 on a thread that is
+/// already running one part of a split.
+pub(crate) fn available_threads() -> usize {
+    if IN_PART.with(Cell::get) {
+        1
+    } else {
+        threads()
+    }
 }
 
 /// Splits `0..items` into at most `parts` contiguous, nearly equal ranges (none empty).
@@ -56,7 +82,7 @@ pub(crate) fn zip_units<A: Send, B: Sync, R: Send>(
     min_items: usize,
     f: impl Fn(&mut [A], &[B]) -> R + Sync,
 ) -> Vec<R> {
-    let parts = threads().min(items / min_items.max(1)).max(1);
+    let parts = available_threads().min(items / min_items.max(1)).max(1);
     if parts == 1 {
         return vec![f(&mut out[..items * out_unit], &inp[..items * in_unit])];
     }
@@ -73,12 +99,12 @@ pub(crate) fn zip_units<A: Send, B: Sync, R: Send>(
                 first = Some((mine, src));
             } else {
                 let f = &f;
-                handles.push(scope.spawn(move || f(mine, src)));
+                handles.push(scope.spawn(move || as_part(|| f(mine, src))));
             }
         }
         let mut results = Vec::with_capacity(ranges.len());
         if let Some((mine, src)) = first {
-            results.push(f(mine, src));
+            results.push(as_part(|| f(mine, src)));
         }
         for h in handles {
             match h.join() {
@@ -90,27 +116,24 @@ pub(crate) fn zip_units<A: Send, B: Sync, R: Send>(
     })
 }
 
-/// Runs `f(work)` for each work item on its own thread (the first on the caller), with
-/// OpenBLAS set to one thread meanwhile (each item calls GEMM itself).
-pub(crate) fn run_with_single_threaded_blas<T: Send>(work: Vec<T>, f: impl Fn(T) + Sync) {
+/// Runs `f(work)` for each work item on its own thread (the first on the caller); GEMMs
+/// and elementwise work inside an item are not split again.
+pub(crate) fn run_parts<T: Send>(work: Vec<T>, f: impl Fn(T) + Sync) {
     if work.len() <= 1 {
         work.into_iter().for_each(f);
         return;
     }
-    let n = threads();
-    set_openblas_threads(1);
     std::thread::scope(|scope| {
         let mut items = work.into_iter();
         let first = items.next();
         for item in items {
             let f = &f;
-            scope.spawn(move || f(item));
+            scope.spawn(move || as_part(|| f(item)));
         }
         if let Some(item) = first {
-            f(item);
+            as_part(|| f(item));
         }
     });
-    set_openblas_threads(n);
 }
 
 #[cfg(test)]

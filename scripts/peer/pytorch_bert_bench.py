@@ -1,0 +1,67 @@
+"""PyTorch peer for `keel-worker bench`: full training steps (forward, backward, AdamW) of a
+Hugging Face BERT on random tokens, batch x seq tokens per step, 15% of positions masked.
+
+Two variants, as in issue #2's table:
+  full   -- BertForMaskedLM as users run it: the MLM head on every position.
+  masked -- the same model, the MLM head only on the masked positions (gathered first).
+
+Prints one JSON line per variant: config, threads, batch, seq, s_per_step, tokens_per_s.
+Needs torch and transformers (not a Keel dependency); see README "Measured" for the numbers.
+"""
+import argparse, json, time
+
+import torch
+from transformers import BertConfig, BertForMaskedLM
+
+PRESETS = {  # (layers, hidden, heads), intermediate = 4 x hidden
+    "tiny": (2, 128, 2), "mini": (4, 256, 4), "small": (4, 512, 8),
+    "medium": (8, 512, 8), "base": (12, 768, 12),
+}
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default="mini", choices=sorted(PRESETS))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--variant", default="both", choices=["full", "masked", "both"])
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    layers, hidden, heads = PRESETS[a.config]
+    cfg = BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
+                     num_attention_heads=heads, intermediate_size=4 * hidden,
+                     max_position_embeddings=512)
+    variants = ["full", "masked"] if a.variant == "both" else [a.variant]
+    for variant in variants:
+        model = BertForMaskedLM(cfg).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        ids = torch.randint(1000, 30522, (a.batch, a.seq))
+        mask = torch.rand(a.batch, a.seq) < 0.15
+        labels = torch.where(mask, ids, torch.full_like(ids, -100))
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            if variant == "full":
+                loss = model(input_ids=ids, labels=labels).loss
+            else:
+                hidden_states = model.bert(input_ids=ids).last_hidden_state
+                logits = model.cls(hidden_states[mask])
+                loss = torch.nn.functional.cross_entropy(logits, ids[mask], reduction="sum")
+            loss.backward()
+            opt.step()
+
+        step()  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            step()
+        s = (time.perf_counter() - t0) / a.steps
+        print(json.dumps({"peer": "pytorch", "variant": variant, "config": a.config,
+                          "threads": a.threads, "batch": a.batch, "seq": a.seq,
+                          "s_per_step": round(s, 4),
+                          "tokens_per_s": round(a.batch * a.seq / s, 1),
+                          "torch": torch.__version__}), flush=True)
+
+if __name__ == "__main__":
+    main()
