@@ -3,8 +3,10 @@
 //! layers (Horovod's tensor fusion / PyTorch DDP's buckets).
 //!
 //! Backward reports finished ranges of the gradient buffer (last layers first); a bucket is
-//! sent when every element of its range has been reported. The order in which buckets
-//! complete is a function of the model only, so every rank sends them in the same order.
+//! sent when every element of its range has been reported. Buckets are cut at the edges of
+//! those ranges, so a bucket never waits for a part of the model that finishes later. The
+//! order in which buckets complete is a function of the model only, so every rank sends them
+//! in the same order.
 
 use crate::ringlink::{RingLink, RingReply};
 use std::ops::Range;
@@ -30,19 +32,28 @@ pub struct Buckets {
     pending: Vec<(usize, RingReply)>,
 }
 
-/// Cuts `0..len` into consecutive ranges of at most `bucket_elems` (the last one shorter).
-/// `len = 0` gives no ranges.
-pub fn bucket_ranges(len: usize, bucket_elems: usize) -> Vec<Range<usize>> {
+/// Cuts each of `groups` (ranges of the gradient buffer that become final together, in any
+/// order) into the fewest nearly equal ranges of at most `bucket_elems`, and returns them all
+/// in buffer order. Empty groups give no ranges.
+pub fn bucket_ranges(groups: &[Range<usize>], bucket_elems: usize) -> Vec<Range<usize>> {
     let size = bucket_elems.max(1);
-    (0..len.div_ceil(size))
-        .map(|i| i * size..((i + 1) * size).min(len))
-        .collect()
+    let mut sorted = groups.to_vec();
+    sorted.sort_by_key(|g| g.start);
+    let mut out = Vec::new();
+    for g in sorted {
+        let parts = g.len().div_ceil(size);
+        out.extend(
+            (0..parts).map(|p| g.start + p * g.len() / parts..g.start + (p + 1) * g.len() / parts),
+        );
+    }
+    out
 }
 
 impl Buckets {
-    /// Buckets over a gradient buffer of `len` elements.
-    pub fn new(len: usize, bucket_elems: usize) -> Self {
-        let ranges = bucket_ranges(len, bucket_elems);
+    /// Buckets over a gradient buffer whose ranges `groups` (which must cover it exactly once)
+    /// each become final together; see [`bucket_ranges`].
+    pub fn new(groups: &[Range<usize>], bucket_elems: usize) -> Self {
+        let ranges = bucket_ranges(groups, bucket_elems);
         let n = ranges.len();
         Buckets {
             remaining: ranges.iter().map(|r| r.len()).collect(),
@@ -65,7 +76,7 @@ impl Buckets {
     /// Backward says `grads[range]` (`data`, `range.len()` elements) is final: copies it into
     /// the buckets it overlaps and sends every bucket that became complete.
     pub fn ready(&mut self, range: Range<usize>, data: &[f32], ring: &RingLink, step: u64) {
-        let first = range.start / self.bucket_elems();
+        let first = self.ranges.partition_point(|r| r.end <= range.start);
         for b in first..self.ranges.len() {
             let r = self.ranges[b].clone();
             if r.start >= range.end {
@@ -112,10 +123,6 @@ impl Buckets {
         Ok(())
     }
 
-    fn bucket_elems(&self) -> usize {
-        self.ranges.first().map_or(1, |r| r.len().max(1))
-    }
-
     fn send(&mut self, b: usize, ring: &RingLink, step: u64) {
         self.sent[b] = true;
         let data = std::mem::take(&mut self.buffers[b]);
@@ -131,7 +138,8 @@ mod tests {
     fn bucket_ranges_cover_the_buffer_exactly() {
         for len in [0usize, 1, 5, 7, 8, 9, 1000, 4097] {
             for size in [1usize, 2, 3, 4, 8, 4096] {
-                let ranges = bucket_ranges(len, size);
+                let whole = 0..len;
+                let ranges = bucket_ranges(std::slice::from_ref(&whole), size);
                 let mut next = 0;
                 for r in &ranges {
                     assert_eq!(r.start, next, "len {len} size {size}");
@@ -139,7 +147,27 @@ mod tests {
                     next = r.end;
                 }
                 assert_eq!(next, len);
+                assert_eq!(ranges.len(), len.div_ceil(size));
             }
         }
+    }
+
+    #[test]
+    fn buckets_are_cut_at_group_edges_and_never_span_two_groups() {
+        let groups = [40..100, 0..25, 25..40, 100..101];
+        let ranges = bucket_ranges(&groups, 16);
+        assert_eq!(
+            ranges,
+            vec![
+                0..12,
+                12..25,
+                25..40,
+                40..55,
+                55..70,
+                70..85,
+                85..100,
+                100..101
+            ]
+        );
     }
 }

@@ -13,12 +13,14 @@
 //!   backward; `ringlink`: the bridge from the math thread to the async ring.
 //! - `bench`: `keel-worker bench`, the training-step benchmark.
 //! - `control`: stopping a job from outside (cancel, suspend, shutdown).
+//! - `allocator`: glibc settings that keep the ring's freed frame buffers for reuse.
 //! - `replica`: one rank's weights and optimizer state, held across generations, and the
 //!   broadcast that gives them to ranks that lack them.
 
 // Link OpenBLAS (Debian's system library) as ndarray's BLAS backend.
 extern crate blas_src;
 
+pub mod allocator;
 pub mod allreduce;
 pub mod batch;
 pub mod bench;

@@ -31,6 +31,7 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    keel_worker::allocator::keep_freed_memory();
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Bench(args)) => keel_worker::bench::run(args),

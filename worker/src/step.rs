@@ -1,10 +1,15 @@
 //! The training loop of one rank, run on a blocking thread (protocol step 8).
 //!
 //! Each step: build this rank's micro-batches from its shard; all-reduce the masked-token
-//! and NSP counts; forward/backward every micro-batch with `mlm_scale = 1 / global masked
-//! count` (so the summed gradient across ranks is exactly that of one big batch); gradient
-//! buckets go to the ring as backward finishes them; all-reduce the loss sums; clip by global
-//! norm; optimizer step. Every rank holds the same sums, so every rank applies the same update.
+//! and NSP counts (and, with several ranks, which token ids each rank's batches use);
+//! forward/backward every micro-batch with `mlm_scale = 1 / global masked count` (so the
+//! summed gradient across ranks is exactly that of one big batch); gradient buckets go to the
+//! ring as backward finishes them; all-reduce the loss sums; clip by global norm; optimizer
+//! step. Every rank holds the same sums, so every rank applies the same update.
+//!
+//! With several ranks the word embeddings' gradient travels in two parts (see
+//! `model::LookupGrads`): the tied decoder's dense share as soon as the MLM head's backward is
+//! done, and the embedding lookup's share, only the rows of tokens some rank used, at the end.
 //!
 //! Shape legend: `b` micro-batch size (sequences), `k` gradient accumulation steps, `W` world
 //! size, `P` parameters (flat buffer length).
@@ -13,7 +18,7 @@ use crate::batch::Batch;
 use crate::buckets::{BUCKET_ELEMS, Buckets, FIRST_SPECIAL_BUCKET};
 use crate::control::JobControl;
 use crate::data::{MaskingConfig, MaskingMode, MaskingVocab, collate, mask_sequence};
-use crate::model::{Bert, DropoutKey, ModelError, StepOptions, init_params};
+use crate::model::{Bert, DropoutKey, LookupGrads, ModelError, StepOptions, init_params};
 use crate::optim::{
     AdamW, AdamWConfig, Lamb, LambConfig, LrSchedule, Optimizer, ScheduleKind, clip_grad_norm,
     global_norm,
@@ -33,12 +38,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
-/// Bucket id of the per-step counts all-reduce: `[masked tokens, NSP labels, real tokens]`.
+/// Bucket id of the per-step counts all-reduce: `[masked tokens, NSP labels, real tokens]`,
+/// then, with several ranks, `[v]` presence flags (how many ranks use each token id).
 pub const COUNTS_BUCKET: u32 = FIRST_SPECIAL_BUCKET;
 /// Bucket id of the per-step loss all-reduce: `[mlm loss sum, mlm correct, nsp loss sum, nsp correct]`.
 pub const LOSS_BUCKET: u32 = FIRST_SPECIAL_BUCKET + 1;
 /// Bucket id of the eval all-reduce: `[mlm loss sum, masked tokens, correct]`.
 pub const EVAL_BUCKET: u32 = FIRST_SPECIAL_BUCKET + 2;
+/// Bucket id of the word embeddings' lookup-gradient rows `[u, c]` (several ranks only).
+pub const LOOKUP_BUCKET: u32 = FIRST_SPECIAL_BUCKET + 3;
 /// Held-out sequences evaluated at most (across all ranks), to bound eval time.
 pub const EVAL_MAX_SEQUENCES: usize = 1024;
 /// Mixed into the job seed for the held-out masks, so they differ from training masks.
@@ -427,7 +435,15 @@ fn run_steps(
     };
     let heldout = ShardReader::open(&setup.heldout)
         .map_err(|e| err0(format!("{}: {e}", setup.heldout.display())))?;
-    let mut buckets = Buckets::new(layout.total_len(), BUCKET_ELEMS);
+    // One rank has nothing to overlap: the word embeddings keep their whole gradient.
+    let split_lookup = setup.world_size > 1;
+    let mut buckets = Buckets::new(&model.ready_ranges(split_lookup), BUCKET_ELEMS);
+    let word_range = layout
+        .entries()
+        .iter()
+        .find(|e| e.name == "bert.embeddings.word_embeddings.weight")
+        .map(|e| e.range())
+        .ok_or_else(|| err0("the parameter layout has no word embeddings".into()))?;
     let k = pipeline.plan.grad_accum();
 
     if setup.rank == 0 && setup.checkpoint_first {
@@ -458,14 +474,16 @@ fn run_steps(
             0
         };
         let local_tokens: usize = batches.iter().map(Batch::real_tokens).sum();
+        let mut counts = vec![local_masked as f32, local_nsp as f32, local_tokens as f32];
+        if split_lookup {
+            counts.extend(token_presence(&batches, config.vocab_size));
+        }
         let counts = ring
-            .all_reduce(
-                step,
-                COUNTS_BUCKET,
-                vec![local_masked as f32, local_nsp as f32, local_tokens as f32],
-            )
+            .all_reduce(step, COUNTS_BUCKET, counts)
             .map_err(ring_err)?;
         let (global_masked, global_nsp, global_tokens) = (counts[0], counts[1], counts[2]);
+        let mut lookup = split_lookup
+            .then(|| LookupGrads::<f32>::from_presence(&counts[3..], config.hidden_size));
         let opts_for = |last: bool| StepOptions {
             mlm_scale: if global_masked > 0.0 {
                 1.0 / global_masked
@@ -481,20 +499,27 @@ fn run_steps(
             report_ready: last,
         };
 
+        let compute_started = Instant::now();
         grads.fill(0.0);
         buckets.begin();
         let mut sums = [0f64; 4];
         for (j, batch) in batches.iter().enumerate() {
             let opts = opts_for(j + 1 == batches.len());
-            let s = model
-                .forward_backward(
+            let mut on_ready = |range, data: &[f32]| buckets.ready(range, data, ring, step);
+            let s = match lookup.as_mut() {
+                Some(lookup) => model.forward_backward_split_lookup(
                     &replica.params,
                     &mut grads,
+                    lookup,
                     batch,
                     &opts,
-                    &mut |range, data| buckets.ready(range, data, ring, step),
-                )
-                .map_err(model_err)?;
+                    &mut on_ready,
+                ),
+                None => {
+                    model.forward_backward(&replica.params, &mut grads, batch, &opts, &mut on_ready)
+                }
+            }
+            .map_err(model_err)?;
             sums[0] += f64::from(s.mlm_loss_sum);
             sums[1] += s.mlm_correct as f64;
             sums[2] += f64::from(s.nsp_loss_sum);
@@ -505,8 +530,20 @@ fn run_steps(
             sums[0] = f64::NAN;
         }
         let compute_done = Instant::now();
+        // Submitted in the same order on every rank: the lookup rows, then what backward did
+        // not report (nothing, normally).
+        let lookup_sum = lookup
+            .as_mut()
+            .map(|l| ring.submit(step, LOOKUP_BUCKET, l.grads().to_vec()));
         buckets.flush(&grads, ring, step);
         buckets.finish(&mut grads).map_err(ring_err)?;
+        if let (Some(lookup), Some(sum)) = (lookup.as_mut(), lookup_sum) {
+            let sum = sum.wait().map_err(ring_err)?;
+            lookup.grads_mut().copy_from_slice(&sum);
+            lookup
+                .add_into(&mut grads[word_range.clone()])
+                .map_err(model_err)?;
+        }
         let loss = ring
             .all_reduce(step, LOSS_BUCKET, sums.iter().map(|&x| x as f32).collect())
             .map_err(ring_err)?;
@@ -571,11 +608,13 @@ fn run_steps(
                 skipped_steps: replica.skipped_steps,
             };
             tracing::info!(
-                "step {done} | loss {:.4} | lr {:.1e} | {:.0} ms | {:.1}k tok/s | allreduce {:.0} ms (waited {:.0} ms)",
+                "step {done} | loss {:.4} | lr {:.1e} | {:.0} ms | {:.1}k tok/s | setup {:.0} ms | compute {:.0} ms | allreduce {:.0} ms (waited {:.0} ms)",
                 report.loss,
                 lr,
                 step_seconds * 1e3,
                 report.tokens_per_second / 1e3,
+                (compute_started - started).as_secs_f64() * 1e3,
+                (compute_done - compute_started).as_secs_f64() * 1e3,
                 ring_seconds * 1e3,
                 allreduce_wait.as_secs_f64() * 1e3
             );
@@ -778,4 +817,18 @@ fn first_non_finite(layout: &ParamLayout, params: &[f32]) -> Option<String> {
         .iter()
         .find(|e| params[e.range()].iter().any(|x| !x.is_finite()))
         .map(|e| e.name.clone())
+}
+
+/// `[v]` flags, 1 for every token id that occurs in `batches` (padding included: its lookup
+/// adds a gradient row too), else 0. Summed over ranks, positive entries are the word
+/// embeddings' lookup-gradient rows of the step.
+fn token_presence(batches: &[Batch], vocab_size: usize) -> Vec<f32> {
+    let mut presence = vec![0.0f32; vocab_size];
+    for id in batches.iter().flat_map(|b| b.input_ids.iter()) {
+        // The model refuses out-of-range ids with a clear error; skip them here.
+        if let Some(p) = presence.get_mut(*id as usize) {
+            *p = 1.0;
+        }
+    }
+    presence
 }

@@ -9,7 +9,7 @@ use std::ops::Range;
 use common::{Fixture, fixture, rel_err, tensors};
 use keel_proto::params::Heads;
 use keel_proto::weights::{load_safetensors, load_safetensors_f64};
-use keel_worker::model::{Bert, Element, LossSums, StepOptions};
+use keel_worker::model::{Bert, Element, LookupGrads, LossSums, StepOptions};
 use ndarray::Array2;
 
 fn check_forward<A: Element>(f: &Fixture, params: &[A], tol: f64) {
@@ -78,8 +78,10 @@ fn check_forward<A: Element>(f: &Fixture, params: &[A], tol: f64) {
 }
 
 /// Runs forward_backward with the HF loss scaling (mean over masked tokens, mean over
-/// sequences), checking the reported ranges cover the buffer exactly once.
-fn gradients<A: Element>(f: &Fixture, params: &[A]) -> (LossSums<A>, Vec<A>) {
+/// sequences), checking the reported ranges: in the order `ready_ranges` gives, covering the
+/// buffer exactly once. With `split_lookup`, the word embeddings' lookup share goes through
+/// [`LookupGrads`] (rows for the batch's tokens and two unused ids) and is added back after.
+fn gradients<A: Element>(f: &Fixture, params: &[A], split_lookup: bool) -> (LossSums<A>, Vec<A>) {
     let mut model = Bert::<A>::new(&f.config, f.heads).unwrap();
     let mut grads = vec![A::zero(); f.layout.total_len()];
     let opts = StepOptions {
@@ -89,12 +91,49 @@ fn gradients<A: Element>(f: &Fixture, params: &[A]) -> (LossSums<A>, Vec<A>) {
         report_ready: true,
     };
     let mut ranges: Vec<Range<usize>> = Vec::new();
-    let sums = model
-        .forward_backward(params, &mut grads, &f.batch, &opts, &mut |r, g| {
-            assert_eq!(r.len(), g.len());
-            ranges.push(r)
-        })
-        .unwrap();
+    let mut on_ready = |r: Range<usize>, g: &[A]| {
+        assert_eq!(r.len(), g.len());
+        ranges.push(r)
+    };
+    let sums = if split_lookup {
+        let mut presence = vec![0.0f32; f.config.vocab_size];
+        for &id in &f.batch.input_ids {
+            presence[id as usize] = 1.0;
+        }
+        // Rows another rank's batch would add: they stay zero here.
+        let unused = (0..presence.len())
+            .rev()
+            .filter(|&i| presence[i] == 0.0)
+            .take(2);
+        for i in unused.collect::<Vec<_>>() {
+            presence[i] = 1.0;
+        }
+        let mut lookup = LookupGrads::from_presence(&presence, f.config.hidden_size);
+        let sums = model
+            .forward_backward_split_lookup(
+                params,
+                &mut grads,
+                &mut lookup,
+                &f.batch,
+                &opts,
+                &mut on_ready,
+            )
+            .unwrap();
+        let word = f
+            .layout
+            .entries()
+            .iter()
+            .find(|e| e.name == "bert.embeddings.word_embeddings.weight")
+            .unwrap()
+            .range();
+        lookup.add_into(&mut grads[word]).unwrap();
+        sums
+    } else {
+        model
+            .forward_backward(params, &mut grads, &f.batch, &opts, &mut on_ready)
+            .unwrap()
+    };
+    assert_eq!(ranges, model.ready_ranges(split_lookup));
     ranges.sort_by_key(|r| r.start);
     let mut next = 0;
     for r in &ranges {
@@ -106,7 +145,19 @@ fn gradients<A: Element>(f: &Fixture, params: &[A]) -> (LossSums<A>, Vec<A>) {
 }
 
 fn check_gradients<A: Element>(f: &Fixture, params: &[A], loss_tol: f64, grad_tol: f64) {
-    let (sums, grads) = gradients(f, params);
+    for split_lookup in [false, true] {
+        check_gradients_of(f, params, loss_tol, grad_tol, split_lookup);
+    }
+}
+
+fn check_gradients_of<A: Element>(
+    f: &Fixture,
+    params: &[A],
+    loss_tol: f64,
+    grad_tol: f64,
+    split_lookup: bool,
+) {
+    let (sums, grads) = gradients(f, params, split_lookup);
     let n_masked = f.expected["n_masked"].as_u64().unwrap() as usize;
     assert_eq!(sums.mlm_count, n_masked);
     let mlm_sum = f.expected["mlm_loss_sum"].as_f64().unwrap();

@@ -267,7 +267,6 @@ fn run_world(args: &Args, n: usize) -> anyhow::Result<()> {
 
 /// Runs one benchmark peer (see the module docs for its stdin/stdout protocol).
 pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
-    keep_freed_memory();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.threads.max(1))
         .enable_all()
@@ -360,18 +359,6 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
         std::io::stdout().flush()?;
     }
     Ok(())
-}
-
-/// Lets glibc recycle freed frame buffers instead of returning them to the kernel: every frame
-/// allocates a few buffers of up to 1 MiB (encode, decode, sums), and fresh pages cost a page
-/// fault and a clear per 4 KiB (measured: ~6% of the all-reduce's CPU).
-fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator thresholds; called before other threads start.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
-    }
 }
 
 /// User + system CPU time of this process (all threads), seconds.

@@ -16,6 +16,7 @@ use super::dropout::DropoutKey;
 use super::element::grow;
 use super::embeddings::{Embeddings, EmbeddingsCache, TokenInputs};
 use super::encoder_layer::{EncoderLayer, LayerCache, LayerInputs, LayerScratch};
+use super::lookup_grads::LookupGrads;
 use super::loss::cross_entropy;
 use super::mlm_head::{MlmCache, MlmHead};
 use super::nsp_head::{NspCache, NspHead};
@@ -48,6 +49,8 @@ struct ReadyRanges {
     layers: Vec<Range<usize>>,
     /// The embeddings (word embeddings too: their decoder share is added by the MLM head).
     embeddings: Range<usize>,
+    /// The word embeddings alone, `[v, c]`: the start of `embeddings`.
+    word: Range<usize>,
 }
 
 /// Activations and scratch, reused across steps.
@@ -122,6 +125,10 @@ impl<A: Element> Bert<A> {
             embeddings: range_of(
                 "bert.embeddings.word_embeddings.weight",
                 "bert.embeddings.LayerNorm.bias",
+            ),
+            word: range_of(
+                "bert.embeddings.word_embeddings.weight",
+                "bert.embeddings.word_embeddings.weight",
             ),
         };
         let state = State {
@@ -332,10 +339,66 @@ impl<A: Element> Bert<A> {
         opts: &StepOptions<A>,
         on_grad_ready: &mut dyn FnMut(Range<usize>, &[A]),
     ) -> Result<LossSums<A>, ModelError> {
+        self.step(params, grads, None, batch, opts, on_grad_ready)
+    }
+
+    /// As [`Bert::forward_backward`], but the word embeddings' lookup share of the gradient
+    /// goes into `lookup` (`+=`, rows `[u, c]`, see [`LookupGrads`]) instead of `grads`, so the
+    /// word-embedding range of `grads` holds only the tied decoder's share. That range is then
+    /// final right after the heads' backward, and `on_grad_ready` reports it there: the heads,
+    /// the word embeddings, layers `L-1` to `0`, then the rest of the embeddings (position,
+    /// token type, LayerNorm). The full gradient is `grads` plus `lookup` added in with
+    /// [`LookupGrads::add_into`].
+    ///
+    /// Errors: as [`Bert::forward_backward`], and [`ModelError::LookupRowMissing`] if a token
+    /// of the batch has no row in `lookup`.
+    pub fn forward_backward_split_lookup(
+        &mut self,
+        params: &[A],
+        grads: &mut [A],
+        lookup: &mut LookupGrads<A>,
+        batch: &Batch,
+        opts: &StepOptions<A>,
+        on_grad_ready: &mut dyn FnMut(Range<usize>, &[A]),
+    ) -> Result<LossSums<A>, ModelError> {
+        self.step(params, grads, Some(lookup), batch, opts, on_grad_ready)
+    }
+
+    /// The ranges `forward_backward` (`split_lookup = false`) or
+    /// `forward_backward_split_lookup` (`true`) reports, in the order it reports them; they
+    /// cover `0..total_len` exactly once. Gradient buckets cut at their edges are sent as
+    /// early as backward allows.
+    pub fn ready_ranges(&self, split_lookup: bool) -> Vec<Range<usize>> {
+        let r = &self.ready;
+        let mut out = vec![r.heads.clone()];
+        if split_lookup {
+            out.push(r.word.clone());
+        }
+        out.extend(r.layers.iter().rev().cloned());
+        out.push(if split_lookup {
+            r.word.end..r.embeddings.end
+        } else {
+            r.embeddings.clone()
+        });
+        out
+    }
+
+    fn step(
+        &mut self,
+        params: &[A],
+        grads: &mut [A],
+        mut lookup: Option<&mut LookupGrads<A>>,
+        batch: &Batch,
+        opts: &StepOptions<A>,
+        on_grad_ready: &mut dyn FnMut(Range<usize>, &[A]),
+    ) -> Result<LossSums<A>, ModelError> {
         self.check_buffer("params", params.len())?;
         self.check_buffer("grads", grads.len())?;
         self.check_batch(batch, opts.dropout.is_some())?;
         let tok = self.tokens(batch)?;
+        if let Some(lookup) = lookup.as_deref() {
+            lookup.check(tok.ids, self.config.hidden_size)?;
+        }
         let dropout = opts.dropout.map(|key| (key, batch.sample_ids.as_slice()));
         self.encode(params, &tok, dropout);
 
@@ -379,6 +442,10 @@ impl<A: Element> Bert<A> {
             nsp.backward(dh, &mut st.nsp, b, t, params, grads);
         }
         report(self.ready.heads.clone(), grads);
+        if lookup.is_some() {
+            // Only the decoder adds into the word embeddings here: their range is final.
+            report(self.ready.word.clone(), grads);
+        }
 
         let layer_inputs = LayerInputs {
             b,
@@ -410,9 +477,21 @@ impl<A: Element> Bert<A> {
             dropout,
         };
         let dsum = grow(&mut st.tmp, n * c);
-        self.embeddings
-            .backward(&mut st.dhidden[0], dsum, &st.emb, &inputs, params, grads);
-        report(self.ready.embeddings.clone(), grads);
+        self.embeddings.backward(
+            &mut st.dhidden[0],
+            dsum,
+            &st.emb,
+            &inputs,
+            params,
+            grads,
+            lookup.as_deref_mut(),
+        );
+        let rest = if lookup.is_some() {
+            self.ready.word.end..self.ready.embeddings.end
+        } else {
+            self.ready.embeddings.clone()
+        };
+        report(rest, grads);
         Ok(sums)
     }
 

@@ -11,6 +11,7 @@ use super::Element;
 use super::dropout::{self, DropoutKey, Site};
 use super::layernorm::LayerNorm;
 use super::linear::find;
+use super::lookup_grads::LookupGrads;
 
 /// Offsets of the embedding tables and their LayerNorm.
 #[derive(Debug, Clone)]
@@ -101,7 +102,9 @@ impl Embeddings {
     }
 
     /// Given `dout` `[n, c]` (overwritten): accumulates the table and LayerNorm gradients.
-    /// `dsum` is `[n, c]` scratch.
+    /// `dsum` is `[n, c]` scratch. With `lookup`, the word-embedding rows go there (`[u, c]`)
+    /// instead of into `grads`.
+    #[allow(clippy::too_many_arguments)]
     pub fn backward<A: Element>(
         &self,
         dout: &mut [A],
@@ -110,6 +113,7 @@ impl Embeddings {
         inputs: &TokenInputs<'_>,
         params: &[A],
         grads: &mut [A],
+        mut lookup: Option<&mut LookupGrads<A>>,
     ) {
         let (c, n) = (self.c, inputs.b * inputs.t);
         self.dropout(dout, inputs);
@@ -125,8 +129,18 @@ impl Embeddings {
         for r in 0..n {
             let col = r % inputs.t;
             let d = &dsum[r * c..(r + 1) * c];
+            let id = inputs.input_ids[r];
+            let word_row = match lookup.as_deref_mut() {
+                Some(lookup) => lookup.row_mut(id),
+                None => {
+                    let w = self.word + id as usize * c;
+                    &mut grads[w..w + c]
+                }
+            };
+            for (g, &v) in word_row.iter_mut().zip(d) {
+                *g += v;
+            }
             for table in [
-                self.word + inputs.input_ids[r] as usize * c,
                 self.position + col * c,
                 self.token_type + inputs.token_type_ids[r] as usize * c,
             ] {

@@ -282,7 +282,9 @@ fn embeddings_with_dropout() {
     let (_, cache) = forward(&params);
     let mut grads = vec![0.0; params.len()];
     let (mut dout, mut dsum) = (w.clone(), vec![0.0; n * c]);
-    emb.backward(&mut dout, &mut dsum, &cache, &inputs, &params, &mut grads);
+    emb.backward(
+        &mut dout, &mut dsum, &cache, &inputs, &params, &mut grads, None,
+    );
     let end = layout
         .find("bert.embeddings.LayerNorm.bias")
         .unwrap()

@@ -15,6 +15,8 @@
 //!   `encoder_layer`, `mlm_head`, `nsp_head`, `loss` (cross-entropy).
 //! - `bert`: the whole model ([`Bert`]) over one flat parameter buffer.
 //! - `init`: HF's `_init_weights` ([`init_params`]).
+//! - `lookup_grads`: the word embeddings' lookup share of the gradient, kept apart from the
+//!   tied decoder's share so the latter can be all-reduced early ([`LookupGrads`]).
 
 mod activation;
 mod attention;
@@ -29,6 +31,7 @@ mod gradcheck;
 mod init;
 mod layernorm;
 mod linear;
+mod lookup_grads;
 mod loss;
 mod mlm_head;
 mod nsp_head;
@@ -39,6 +42,7 @@ pub use bert::{Bert, ForwardOutputs};
 pub use dropout::DropoutKey;
 pub use element::Element;
 pub use init::init_params;
+pub use lookup_grads::LookupGrads;
 
 /// Errors of running the model on a batch.
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +95,13 @@ pub enum ModelError {
     NotContiguous {
         /// The `Batch` field.
         field: &'static str,
+    },
+    /// A token of the batch has no row in the [`LookupGrads`] given to
+    /// [`Bert::forward_backward_split_lookup`] (its presence vector missed this batch).
+    #[error("token id {token_id} of the batch has no row in the lookup gradient")]
+    LookupRowMissing {
+        /// The token id.
+        token_id: u32,
     },
     /// A PreTraining model was given a batch without next-sentence labels.
     #[error("BertForPreTraining needs next_sentence_labels in the batch")]
