@@ -1,6 +1,6 @@
 //! Data parallelism changes nothing but speed: after 10 steps, 1, 2 and 3 workers with the
-//! same global batch give the same weights (within 1e-5 relative, the sums are only
-//! reordered), and the same job run twice on the same world size gives bit-identical
+//! same global batch, and 2 workers reaching it with 2 micro-batches each, give the same
+//! weights (within 1e-5 relative, the sums are only reordered), and the same job run twice on the same world size gives bit-identical
 //! checkpoints.
 //!
 //! The jobs use a fixed vocabulary file (the uncased BERT vocab.txt fixture), so that both
@@ -11,14 +11,16 @@ mod common;
 use common::*;
 use std::path::{Path, PathBuf};
 
-/// Runs 10 steps with `workers` workers of micro-batch `mbs`; returns the checkpoint folder.
-fn run(dir: &Path, corpus: &Path, workers: usize, mbs: usize, name: &str) -> PathBuf {
+/// Runs 10 steps with `workers` workers of micro-batch `mbs`, `accum` micro-batches per
+/// step; returns the checkpoint folder.
+fn run(dir: &Path, corpus: &Path, workers: usize, mbs: usize, accum: usize, name: &str) -> PathBuf {
     let case = dir.join(name);
     std::fs::create_dir_all(&case).unwrap();
     let mut job = JobFile::new(corpus.to_path_buf());
     job.vocab = Some(fixture("wordpiece").join("vocab.txt"));
     job.workers = workers;
     job.micro_batch_size = mbs;
+    job.grad_accum = accum;
     job.max_steps = 10;
     job.warmup_steps = 2;
     job.checkpoint_every = 0;
@@ -37,16 +39,22 @@ fn weights(dir: &Path) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<f6
 fn one_two_and_three_workers_with_the_same_global_batch_give_the_same_weights() {
     let dir = tempfile::tempdir().unwrap();
     let corpus = kjv_lines(dir.path(), 3000);
-    let one = run(dir.path(), &corpus, 1, 12, "w1");
-    let two = run(dir.path(), &corpus, 2, 6, "w2");
-    let three = run(dir.path(), &corpus, 3, 4, "w3");
+    let one = run(dir.path(), &corpus, 1, 12, 1, "w1");
+    let two = run(dir.path(), &corpus, 2, 6, 1, "w2");
+    let three = run(dir.path(), &corpus, 3, 4, 1, "w3");
+    let two_accum = run(dir.path(), &corpus, 2, 3, 2, "w2x2");
     let d2 = max_relative_difference(&two, &one);
     let d3 = max_relative_difference(&three, &one);
+    let d2a = max_relative_difference(&two_accum, &one);
     println!(
-        "max relative weight difference after 10 steps: 2 vs 1 workers {d2:.2e}, 3 vs 1 workers {d3:.2e}"
+        "max relative weight difference after 10 steps: 2 vs 1 workers {d2:.2e}, 3 vs 1 workers {d3:.2e}, 2 workers x 2 micro-batches vs 1 worker {d2a:.2e}"
     );
     assert!(d2 <= 1e-5, "2 workers differ from 1 by {d2:e}");
     assert!(d3 <= 1e-5, "3 workers differ from 1 by {d3:e}");
+    assert!(
+        d2a <= 1e-5,
+        "2 workers with 2 micro-batches each differ from 1 worker by {d2a:e}"
+    );
     // The weights did move: the comparison is not between two untouched initialisations.
     let init_vs_trained = weights(&one)["cls.predictions.bias"]
         .1
@@ -62,8 +70,8 @@ fn one_two_and_three_workers_with_the_same_global_batch_give_the_same_weights() 
 fn the_same_job_twice_gives_bit_identical_checkpoints() {
     let dir = tempfile::tempdir().unwrap();
     let corpus = kjv_lines(dir.path(), 3000);
-    let a = run(dir.path(), &corpus, 2, 6, "a");
-    let b = run(dir.path(), &corpus, 2, 6, "b");
+    let a = run(dir.path(), &corpus, 2, 6, 1, "a");
+    let b = run(dir.path(), &corpus, 2, 6, 1, "b");
     for f in ["model.safetensors", "optimizer.safetensors"] {
         let (x, y) = (
             std::fs::read(a.join(f)).unwrap(),

@@ -11,7 +11,8 @@
 /// Call it first thing in `main`, before other threads start. Does nothing off glibc.
 pub fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator thresholds; called before other threads start.
+    // SAFETY: mallopt only changes allocator thresholds and takes the arena lock itself, so
+    // threads started earlier (OpenBLAS starts its pool in a library constructor) are fine.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);

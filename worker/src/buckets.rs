@@ -2,7 +2,8 @@
 //! all-reduce as soon as backward has finished them, while backward continues on earlier
 //! layers (Horovod's tensor fusion / PyTorch DDP's buckets).
 //!
-//! Backward reports finished ranges of the gradient buffer (last layers first); a bucket is
+//! Backward reports finished ranges of the gradient buffer, in the order it finishes them (the
+//! heads and last layers first, see `Bert::ready_ranges`); a bucket is
 //! sent when every element of its range has been reported. Buckets are cut at the edges of
 //! those ranges, so a bucket never waits for a part of the model that finishes later. The
 //! order in which buckets complete is a function of the model only, so every rank sends them

@@ -32,7 +32,8 @@ pub struct Args {
     /// host:port at which the other workers reach this one (required: never guessed).
     #[arg(long, env = "KEEL_ADVERTISE_ADDR")]
     pub advertise_addr: Option<String>,
-    /// Compute (BLAS) threads; default: all cores.
+    /// Compute threads (GEMMs are cut among them; OpenBLAS itself runs single-threaded);
+    /// default: all cores.
     #[arg(long, env = "KEEL_THREADS")]
     pub threads: Option<usize>,
     /// Folder caching shards and holding checkpoints before upload.

@@ -9,7 +9,8 @@
 //!
 //! With several ranks the word embeddings' gradient travels in two parts (see
 //! `model::LookupGrads`): the tied decoder's dense share as soon as the MLM head's backward is
-//! done, and the embedding lookup's share, only the rows of tokens some rank used, at the end.
+//! done, and the embedding lookup's share, only the rows of tokens some rank used, at the end
+//! (when those rows are at most half the vocabulary; else in one piece at the end).
 //!
 //! Shape legend: `b` micro-batch size (sequences), `k` gradient accumulation steps, `W` world
 //! size, `P` parameters (flat buffer length).
@@ -482,8 +483,12 @@ fn run_steps(
             .all_reduce(step, COUNTS_BUCKET, counts)
             .map_err(ring_err)?;
         let (global_masked, global_nsp, global_tokens) = (counts[0], counts[1], counts[2]);
+        // Split only while the rows are at most half the vocabulary: beyond that the extra
+        // `[u, c]` all-reduce would cost more than the overlap saves. Every rank holds the
+        // same presence sums, so every rank decides the same way.
         let mut lookup = split_lookup
-            .then(|| LookupGrads::<f32>::from_presence(&counts[3..], config.hidden_size));
+            .then(|| LookupGrads::<f32>::from_presence(&counts[3..], config.hidden_size))
+            .filter(|l| 2 * l.ids().len() <= config.vocab_size);
         let opts_for = |last: bool| StepOptions {
             mlm_scale: if global_masked > 0.0 {
                 1.0 / global_masked
@@ -534,12 +539,13 @@ fn run_steps(
         // not report (nothing, normally).
         let lookup_sum = lookup
             .as_mut()
-            .map(|l| ring.submit(step, LOOKUP_BUCKET, l.grads().to_vec()));
+            .map(|l| ring.submit(step, LOOKUP_BUCKET, l.take_grads()));
         buckets.flush(&grads, ring, step);
         buckets.finish(&mut grads).map_err(ring_err)?;
         if let (Some(lookup), Some(sum)) = (lookup.as_mut(), lookup_sum) {
-            let sum = sum.wait().map_err(ring_err)?;
-            lookup.grads_mut().copy_from_slice(&sum);
+            lookup
+                .set_grads(sum.wait().map_err(ring_err)?)
+                .map_err(model_err)?;
             lookup
                 .add_into(&mut grads[word_range.clone()])
                 .map_err(model_err)?;

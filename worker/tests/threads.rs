@@ -34,6 +34,10 @@ fn batch(b: usize, t: usize, vocab: u32) -> Batch {
     }
 }
 
+/// The thread count is process-wide and the tests of this file run in parallel: each holds
+/// this lock while it sets and uses a thread count.
+static THREAD_COUNT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn run<A: Element>(
     threads: usize,
     config: &BertConfig,
@@ -67,6 +71,7 @@ fn max_rel_diff<A: Element>(a: &[A], b: &[A]) -> f64 {
 
 #[test]
 fn same_gradients_with_one_two_and_three_threads() {
+    let _only_us = THREAD_COUNT.lock().unwrap_or_else(|e| e.into_inner());
     let config = BertConfig {
         max_position_embeddings: 64,
         ..BertConfig::preset("tiny", 600).unwrap()
@@ -104,6 +109,7 @@ fn adamw_is_identical_with_two_threads() {
     let grads: Vec<f32> = (0..params.len())
         .map(|i| ((i as f32) * 0.37).sin() * 1e-2)
         .collect();
+    let _only_us = THREAD_COUNT.lock().unwrap_or_else(|e| e.into_inner());
     let mut results = Vec::new();
     for threads in [1, 2] {
         set_blas_threads(threads);

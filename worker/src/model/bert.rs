@@ -324,9 +324,9 @@ impl<A: Element> Bert<A> {
     ///
     /// With `opts.report_ready`, `on_grad_ready(range, &grads[range])` is called as soon as a
     /// range of the flat gradient buffer is final, in backward order: the heads (pooler and
-    /// `cls.*`), then encoder layers `L-1` down to `0`, then the embeddings (last, because the
-    /// tied decoder adds into the word embeddings). The ranges cover `0..total_len` exactly
-    /// once.
+    /// `cls.*`), then encoder layers `L-1` down to `0`, then the embeddings (last: the lookup's
+    /// share of their gradient is the last thing backward computes, and the word embeddings
+    /// also hold the tied decoder's share). The ranges cover `0..total_len` exactly once.
     ///
     /// Errors: [`ModelError::BufferLength`] if `params` or `grads` does not match the layout;
     /// [`ModelError::ShapeMismatch`], [`ModelError::OutOfRange`],

@@ -59,17 +59,41 @@ impl<A: Element> LookupGrads<A> {
         &self.grads
     }
 
-    /// Mutable gradient rows, `[u, hidden]` (e.g. to replace them with their sum over ranks).
-    pub fn grads_mut(&mut self) -> &mut [A] {
-        &mut self.grads
+    /// Takes the gradient rows `[u, hidden]` out (e.g. to sum them over ranks), leaving none.
+    pub fn take_grads(&mut self) -> Vec<A> {
+        std::mem::take(&mut self.grads)
+    }
+
+    /// Puts gradient rows `[u, hidden]` back (e.g. their sum over ranks).
+    ///
+    /// Errors: [`ModelError::BufferLength`] if `rows` is not `[u, hidden]`.
+    pub fn set_grads(&mut self, rows: Vec<A>) -> Result<(), ModelError> {
+        let expected = self.ids.len() * self.hidden;
+        if rows.len() != expected {
+            return Err(ModelError::BufferLength {
+                buffer: "lookup grads",
+                expected,
+                got: rows.len(),
+            });
+        }
+        self.grads = rows;
+        Ok(())
     }
 
     /// Adds row `i` into `word_grads[ids[i]]`, for every row: `word_grads` is the flat
     /// `[v, hidden]` word-embedding gradient.
     ///
-    /// Errors: [`ModelError::BufferLength`] if `word_grads` is not `[v, hidden]`.
+    /// Errors: [`ModelError::BufferLength`] if `word_grads` is not `[v, hidden]`, or if the
+    /// rows were taken out and not put back.
     pub fn add_into(&self, word_grads: &mut [A]) -> Result<(), ModelError> {
         let expected = self.index.len() * self.hidden;
+        if self.grads.len() != self.ids.len() * self.hidden {
+            return Err(ModelError::BufferLength {
+                buffer: "lookup grads",
+                expected: self.ids.len() * self.hidden,
+                got: self.grads.len(),
+            });
+        }
         if word_grads.len() != expected {
             return Err(ModelError::BufferLength {
                 buffer: "word-embedding grads",
@@ -129,6 +153,11 @@ mod tests {
         assert!(l.check(&[9], 2).is_err());
         l.row_mut(3).copy_from_slice(&[5.0, 6.0]);
         l.row_mut(1)[0] = 1.5;
+        let rows = l.take_grads();
+        assert_eq!(rows, vec![1.5, 0.0, 5.0, 6.0]);
+        assert!(l.add_into(&mut [0.0; 10]).is_err(), "rows taken out");
+        assert!(l.set_grads(vec![0.0; 3]).is_err());
+        l.set_grads(rows).unwrap();
         let mut word = vec![1.0; 10];
         l.add_into(&mut word).unwrap();
         assert_eq!(word, vec![1.0, 1.0, 2.5, 1.0, 1.0, 1.0, 6.0, 7.0, 1.0, 1.0]);

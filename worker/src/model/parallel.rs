@@ -19,12 +19,17 @@ thread_local! {
     static IN_PART: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Runs `f` with this thread marked as running one part of a split.
+/// Runs `f` with this thread marked as running one part of a split; the mark is taken off
+/// again however `f` ends (a panic too: the thread may be a pool thread that lives on).
 fn as_part<R>(f: impl FnOnce() -> R) -> R {
-    let outer = IN_PART.with(|p| p.replace(true));
-    let result = f();
-    IN_PART.with(|p| p.set(outer));
-    result
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            IN_PART.with(|p| p.set(self.0));
+        }
+    }
+    let _restore = Restore(IN_PART.with(|p| p.replace(true)));
+    f()
 }
 
 unsafe extern "C" {
