@@ -2,12 +2,13 @@
 # Data-parallel scaling of Keel on this machine: bert-mini, the same per-worker micro-batch and
 # 1 compute thread per worker, 1 worker vs 2 workers (`keel local`). Prints
 #   efficiency = throughput_2 / (2 x throughput_1)
-# (tokens/s averaged over the steps after the first 20%; PyTorch DDP reaches ~0.88 on gloo).
+# (tokens/s averaged over the steps after the first 20%; 40-step runs read ~1.5% lower).
+# PyTorch DDP on the same configuration: scripts/peer/ddp_scaling.py.
 # Needs at least 2 free cores to mean anything.
 # Usage: examples/scaling.sh [STEPS]   (env KEEL_BIN: folder of the keel binaries)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-steps=${1:-40}
+steps=${1:-100}
 bin=${KEEL_BIN:-target/release}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
