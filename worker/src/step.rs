@@ -446,6 +446,8 @@ fn run_steps(
         .map(|e| e.range())
         .ok_or_else(|| err0("the parameter layout has no word embeddings".into()))?;
     let k = pipeline.plan.grad_accum();
+    // Whether the last step sent the word embeddings' gradient in two parts (logged on change).
+    let mut last_split: Option<bool> = None;
 
     if setup.rank == 0 && setup.checkpoint_first {
         let dir = stage_checkpoint(setup, layout, replica, f64::NAN, global_batch)?;
@@ -487,8 +489,27 @@ fn run_steps(
         // `[u, c]` all-reduce would cost more than the overlap saves. Every rank holds the
         // same presence sums, so every rank decides the same way.
         let mut lookup = split_lookup
-            .then(|| LookupGrads::<f32>::from_presence(&counts[3..], config.hidden_size))
-            .filter(|l| 2 * l.ids().len() <= config.vocab_size);
+            .then(|| LookupGrads::<f32>::from_presence(&counts[3..], config.hidden_size));
+        if let Some(l) = &lookup {
+            let (rows, split) = (l.ids().len(), 2 * l.ids().len() <= config.vocab_size);
+            if last_split != Some(split) {
+                tracing::info!(
+                    step,
+                    rows,
+                    vocab = config.vocab_size,
+                    "word embeddings' gradient: {}",
+                    if split {
+                        "in two parts (decoder share early, the lookup's rows at the end)"
+                    } else {
+                        "in one piece at the end (the lookup's rows exceed half the vocabulary)"
+                    }
+                );
+                last_split = Some(split);
+            }
+            if !split {
+                lookup = None;
+            }
+        }
         let opts_for = |last: bool| StepOptions {
             mlm_scale: if global_masked > 0.0 {
                 1.0 / global_masked
