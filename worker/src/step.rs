@@ -440,9 +440,7 @@ fn run_steps(
     let split_lookup = setup.world_size > 1;
     let mut buckets = Buckets::new(&model.ready_ranges(split_lookup), BUCKET_ELEMS);
     let word_range = layout
-        .entries()
-        .iter()
-        .find(|e| e.name == "bert.embeddings.word_embeddings.weight")
+        .find("bert.embeddings.word_embeddings.weight")
         .map(|e| e.range())
         .ok_or_else(|| err0("the parameter layout has no word embeddings".into()))?;
     let k = pipeline.plan.grad_accum();

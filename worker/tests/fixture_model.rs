@@ -121,9 +121,7 @@ fn gradients<A: Element>(f: &Fixture, params: &[A], split_lookup: bool) -> (Loss
             .unwrap();
         let word = f
             .layout
-            .entries()
-            .iter()
-            .find(|e| e.name == "bert.embeddings.word_embeddings.weight")
+            .find("bert.embeddings.word_embeddings.weight")
             .unwrap()
             .range();
         lookup.add_into(&mut grads[word]).unwrap();

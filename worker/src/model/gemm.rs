@@ -89,7 +89,7 @@ pub(crate) fn gemm<A: Element>(
         .max(1);
     multiply(alpha, a, b, beta, c, parts);
     GEMM_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    GEMM_FLOPS.fetch_add(2 * (m * n * k) as u64, Ordering::Relaxed);
+    GEMM_FLOPS.fetch_add(flops as u64, Ordering::Relaxed);
     GEMM_CALLS.fetch_add(1, Ordering::Relaxed);
 }
 
