@@ -80,13 +80,13 @@ impl RingLink {
     ) -> RingLink {
         let (tx, mut rx) = mpsc::unbounded_channel::<Request>();
         tokio::spawn(async move {
-            while let Some(mut req) = rx.recv().await {
+            while let Some(req) = rx.recv().await {
                 let t0 = Instant::now();
                 let result = if control.is_stopped() {
                     Err(RingLinkError::Aborted)
                 } else {
                     tokio::select! {
-                        r = ring.all_reduce_sum(req.step, req.bucket, &mut req.data) => {
+                        r = ring.all_reduce_sum(req.step, req.bucket, req.data) => {
                             r.map_err(RingLinkError::from)
                         }
                         () = control.stopped() => Err(RingLinkError::Aborted),
@@ -97,7 +97,7 @@ impl RingLink {
                     took.as_micros() as u64,
                     std::sync::atomic::Ordering::Relaxed,
                 );
-                let _ = req.reply.send(result.map(|()| (req.data, took)));
+                let _ = req.reply.send(result.map(|data| (data, took)));
             }
         });
         RingLink { tx }

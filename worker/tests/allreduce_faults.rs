@@ -25,9 +25,9 @@ fn a_dead_peer_fails_the_all_reduce_naming_it() {
         .map(|rank| {
             let ring = rings[rank].clone();
             peers[rank].rt.spawn(async move {
-                let mut data = vec![1.0f32; 2_000_003];
+                let data = vec![1.0f32; 2_000_003];
                 let started = tokio::time::Instant::now();
-                let result = ring.all_reduce_sum(1, 0, &mut data).await;
+                let result = ring.all_reduce_sum(1, 0, data).await;
                 (result, started.elapsed())
             })
         })
@@ -162,8 +162,8 @@ fn a_ring_of_an_older_generation_fails_with_stale_generation() {
     let err = peers[0]
         .rt
         .block_on(async move {
-            let mut data = vec![1.0f32; 1000];
-            ring0.all_reduce_sum(3, 0, &mut data).await
+            let data = vec![1.0f32; 1000];
+            ring0.all_reduce_sum(3, 0, data).await
         })
         .expect_err("stale ring must fail");
     assert!(
@@ -188,8 +188,8 @@ fn a_ring_of_an_older_generation_fails_with_stale_generation() {
     let err = peers[1]
         .rt
         .block_on(async move {
-            let mut data = vec![1.0f32; 1000];
-            ring1.all_reduce_sum(3, 0, &mut data).await
+            let data = vec![1.0f32; 1000];
+            ring1.all_reduce_sum(3, 0, data).await
         })
         .expect_err("stale ring must fail");
     assert!(
@@ -206,8 +206,8 @@ fn mismatched_lengths_are_reported_not_hung() {
         .map(|rank| {
             let ring = rings[rank].clone();
             peers[rank].rt.spawn(async move {
-                let mut data = vec![1.0f32; 1000 + rank];
-                ring.all_reduce_sum(1, 0, &mut data).await
+                let data = vec![1.0f32; 1000 + rank];
+                ring.all_reduce_sum(1, 0, data).await
             })
         })
         .collect();

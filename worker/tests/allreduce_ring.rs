@@ -95,10 +95,10 @@ fn frames_that_arrive_before_the_local_call_are_buffered() {
     let expected = sequential_sum(&inputs);
     // Rank 0 starts alone: its first chunk must wait in rank 1's mailbox.
     let ring0 = rings[0].clone();
-    let mut data0 = inputs[0].clone();
+    let data0 = inputs[0].clone();
     let early = peers[0]
         .rt
-        .spawn(async move { ring0.all_reduce_sum(9, 4, &mut data0).await.map(|()| data0) });
+        .spawn(async move { ring0.all_reduce_sum(9, 4, data0).await });
     let mut buffered = 0;
     for _ in 0..200 {
         buffered = peers[1].mailbox.held_bytes();
@@ -109,10 +109,10 @@ fn frames_that_arrive_before_the_local_call_are_buffered() {
     }
     assert!(buffered > 0, "nothing buffered at rank 1 before its call");
     let ring1 = rings[1].clone();
-    let mut data1 = inputs[1].clone();
+    let data1 = inputs[1].clone();
     let late = peers[1]
         .rt
-        .spawn(async move { ring1.all_reduce_sum(9, 4, &mut data1).await.map(|()| data1) });
+        .spawn(async move { ring1.all_reduce_sum(9, 4, data1).await });
     let out0 = peers[0].rt.block_on(early).unwrap().unwrap();
     let out1 = peers[1].rt.block_on(late).unwrap().unwrap();
     assert!(out0 == expected && out1 == expected);
@@ -136,10 +136,8 @@ fn many_buckets_in_flight_at_once() {
                 let tasks = (0..8u32).map(|bucket| {
                     let ring = ring.clone();
                     async move {
-                        let mut data = integer_input(rank + bucket as usize, 10_007);
-                        ring.all_reduce_sum(5, bucket, &mut data)
-                            .await
-                            .map(|()| data)
+                        let data = integer_input(rank + bucket as usize, 10_007);
+                        ring.all_reduce_sum(5, bucket, data).await
                     }
                 });
                 futures::future::join_all(tasks).await

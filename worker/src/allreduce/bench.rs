@@ -335,11 +335,10 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
         let mut correct = true;
         for it in 0..args.warmup + args.iters {
             fill_input(&mut data, args.rank);
-            let mut token = [1.0f32];
-            ring.all_reduce_sum(step, 1, &mut token).await?;
+            let token = ring.all_reduce_sum(step, 1, vec![1.0f32]).await?;
             let cpu_before = process_cpu_seconds();
             let started = Instant::now();
-            ring.all_reduce_sum(step, 0, &mut data).await?;
+            data = ring.all_reduce_sum(step, 0, data).await?;
             let elapsed = started.elapsed().as_secs_f64();
             if it >= args.warmup {
                 seconds.push(elapsed);

@@ -7,6 +7,7 @@
 //!   them to the running all-reduce, bounded in bytes.
 //! - `service`: [`ring_service`] / [`RingDataPlane`], the gRPC `keel.ring.v1.Ring` service
 //!   (`Ring/Stream` read straight from the HTTP/2 body; [`RingService`] for the rest).
+//! - `shared_buf`: the buffer of one all-reduce, which frames are sent from without a copy.
 //! - `wire`: `Ring/Stream` messages encoded and decoded without copying their payloads.
 //! - `ring`: [`Ring`] and [`RingConfig`], the send side and the algorithm.
 //! - `link`: one long-lived `Ring/Stream` call to the right neighbour, acked frame by frame,
@@ -46,7 +47,7 @@
 //!     .serve_with_incoming(listener_stream); // at the worker's --listen address
 //! // per generation, with the coordinator's (job, generation, rank, peers):
 //! let ring = Ring::connect(RingConfig { streams_per_link: 2, frame_bytes: 512 << 10, .. }, Arc::clone(&mailbox)).await?;
-//! ring.all_reduce_sum(step, bucket, &mut grads).await?; // same (step, bucket, len) on every rank
+//! let sums = ring.all_reduce_sum(step, bucket, grads).await?; // same (step, bucket, len) on every rank
 //! ```
 //! A connection lost in the middle of a frame may deliver it twice after the retry; the receiver
 //! then fails the all-reduce with [`AllReduceError::BadFrame`] ("duplicate frame") rather than
@@ -59,6 +60,7 @@ mod mailbox;
 mod plan;
 mod ring;
 mod service;
+mod shared_buf;
 mod wire;
 
 pub use error::{AllReduceError, FrameRejected};

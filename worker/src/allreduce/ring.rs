@@ -28,6 +28,7 @@ use tonic::Code;
 use super::error::AllReduceError;
 use super::mailbox::{InboundFrame, MAX_FRAME_BYTES, Mailbox};
 use super::plan::{chunk_plan, frame_count, frame_plan, recv_chunk, send_chunk};
+use super::shared_buf::SharedBuf;
 use super::{CONNECTION_WINDOW_BYTES, H2_MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
 
 /// Frames in flight per stream of the link to the right neighbour.
@@ -115,8 +116,9 @@ pub struct Ring {
 
 /// What is still to be sent for one frame.
 enum Payload {
-    /// Copy `data[range]` when sending (the rank's own chunk, or its finished chunk).
-    Local(Range<usize>),
+    /// The buffer's elements `range`, sent from the buffer itself (the rank's own chunk, or its
+    /// finished chunk): the range must not be written until the send finishes.
+    Buffer(Range<usize>),
     /// Already encoded (a partial sum, or an all-gather frame passed on as received).
     Ready(Bytes),
 }
@@ -195,29 +197,31 @@ impl Ring {
         &self.cfg
     }
 
-    /// In-place sum of `data` (`[len]` f32) across all ranks. Every rank calls it with the same
-    /// (step, bucket) and the same `len`; on success every rank holds bit-identical sums.
-    /// World size 1 returns at once. Runs `2 (n - 1)` ring steps; each rank sends and receives
-    /// `2 (n - 1) / n * len * 4` bytes.
+    /// Sum of `data` (`[len]` f32) across all ranks, returned in the same vector. Every rank
+    /// calls it with the same (step, bucket) and the same `len`; on success every rank holds
+    /// bit-identical sums. World size 1 returns at once. Runs `2 (n - 1)` ring steps; each rank
+    /// sends and receives `2 (n - 1) / n * len * 4` bytes. The vector is taken so that frames
+    /// can be sent from it without copying (see `shared_buf`).
     ///
     /// Errors: [`AllReduceError::Timeout`] (the left neighbour sent nothing, or the right one
     /// accepted nothing, for `timeout`), [`AllReduceError::PeerUnreachable`],
     /// [`AllReduceError::LengthMismatch`], [`AllReduceError::BadFrame`],
     /// [`AllReduceError::Transport`], [`AllReduceError::StaleGeneration`] (the worker joined a
-    /// newer generation meanwhile), [`AllReduceError::Duplicate`]. On error `data` holds partial
-    /// sums and must be restored by the caller (roll back the step).
+    /// newer generation meanwhile), [`AllReduceError::Duplicate`]. On error the partial sums are
+    /// dropped: the caller restores its gradient (rolls back the step).
     pub async fn all_reduce_sum(
         &self,
         step: u64,
         bucket: u32,
-        data: &mut [f32],
-    ) -> Result<(), AllReduceError> {
+        data: Vec<f32>,
+    ) -> Result<Vec<f32>, AllReduceError> {
         let n = self.cfg.world_size as usize;
         if n == 1 {
-            return Ok(());
+            return Ok(data);
         }
         let rank = self.cfg.rank as usize;
         let len = data.len();
+        let buf = Arc::new(SharedBuf::new(data));
         let chunks = chunk_plan(len, n);
         let frame_elems = self.cfg.frame_bytes / 4;
         let ring_steps = 2 * (n - 1);
@@ -239,25 +243,58 @@ impl Ring {
                 .map(|range| Outgoing {
                     ring_step: 0,
                     offset: range.start,
-                    payload: Payload::Local(range),
+                    payload: Payload::Buffer(range),
                 })
                 .collect();
+        // Ranges of the buffer that frames queued in `outbox` or being sent will still read;
+        // a frame that would write one of them waits in `deferred` until its send finished.
+        let mut readers: Vec<Range<usize>> = outbox
+            .iter()
+            .filter_map(|o| match &o.payload {
+                Payload::Buffer(r) => Some(r.clone()),
+                Payload::Ready(_) => None,
+            })
+            .collect();
+        let mut deferred: VecDeque<(InboundFrame, Range<usize>)> = VecDeque::new();
         let max_in_flight = self.right.len() * IN_FLIGHT_PER_STREAM;
         let mut sends = FuturesUnordered::new();
         let mut last_arrival = Instant::now();
 
-        while received < expected || !outbox.is_empty() || !sends.is_empty() {
+        while received < expected || !outbox.is_empty() || !sends.is_empty() || !deferred.is_empty()
+        {
             while sends.len() < max_in_flight {
                 let Some(out) = outbox.pop_front() else { break };
-                let payload = match out.payload {
-                    Payload::Local(range) => f32s_to_bytes(&data[range]),
-                    Payload::Ready(bytes) => bytes,
+                let (reads, payload) = match out.payload {
+                    // SAFETY: `range` is in `readers` until this send finishes, and no frame
+                    // writes a range in `readers` (see `writes_readers`).
+                    Payload::Buffer(range) => (Some(range.clone()), unsafe {
+                        SharedBuf::bytes(&buf, range)
+                    }),
+                    Payload::Ready(bytes) => (None, bytes),
                 };
-                sends.push(self.send(step, bucket, out.ring_step, len, out.offset, payload));
+                let send = self.send(step, bucket, out.ring_step, len, out.offset, payload);
+                sends.push(async move { (reads, send.await) });
             }
             tokio::select! {
                 biased;
-                Some(sent) = sends.next(), if !sends.is_empty() => sent?,
+                Some((reads, sent)) = sends.next(), if !sends.is_empty() => {
+                    sent?;
+                    // The send is over, acked: nothing reads its range any more.
+                    if let Some(range) = reads
+                        && let Some(i) = readers.iter().position(|r| *r == range)
+                    {
+                        readers.swap_remove(i);
+                    }
+                    // Frames that waited for that range may go on now.
+                    for _ in 0..deferred.len() {
+                        let Some((frame, range)) = deferred.pop_front() else { break };
+                        if writes_readers(n, frame.ring_step, &range, &readers) {
+                            deferred.push_back((frame, range));
+                        } else {
+                            absorb_and_queue(n, &buf, frame, range, &mut outbox, &mut readers);
+                        }
+                    }
+                }
                 frame = inbox.recv(), if received < expected => {
                     let frame = frame.ok_or_else(|| AllReduceError::StaleGeneration {
                         job_id: self.cfg.job_id.clone(),
@@ -272,8 +309,10 @@ impl Ring {
                     }
                     received += 1;
                     last_arrival = Instant::now();
-                    if let Some(out) = absorb(n, data, frame, slot.range) {
-                        outbox.push_back(out);
+                    if writes_readers(n, frame.ring_step, &slot.range, &readers) {
+                        deferred.push_back((frame, slot.range));
+                    } else {
+                        absorb_and_queue(n, &buf, frame, slot.range, &mut outbox, &mut readers);
                     }
                 }
                 () = sleep_until(last_arrival + self.cfg.timeout), if received < expected => {
@@ -289,7 +328,7 @@ impl Ring {
                 }
             }
         }
-        Ok(())
+        Ok(SharedBuf::into_vec(buf))
     }
 
     /// Finds where an incoming frame belongs in the plan.
@@ -458,36 +497,79 @@ struct FrameSlot {
     range: Range<usize>,
 }
 
-/// Applies one incoming frame to `data` and returns what to pass on to the right neighbour.
+/// Whether absorbing a frame of `ring_step` (received for the buffer's elements `range`) writes the buffer
+/// (the last reduce-scatter step and the all-gather do) where a queued or unfinished send still
+/// reads.
+fn writes_readers(
+    n: usize,
+    ring_step: u32,
+    range: &Range<usize>,
+    readers: &[Range<usize>],
+) -> bool {
+    let writes = ring_step as usize + 2 >= n;
+    writes
+        && readers
+            .iter()
+            .any(|r| r.start < range.end && range.start < r.end)
+}
+
+/// [`absorb`]s `frame` and queues what it passes on, noting a send from the buffer in `readers`.
+fn absorb_and_queue(
+    n: usize,
+    buf: &Arc<SharedBuf>,
+    frame: InboundFrame,
+    range: Range<usize>,
+    outbox: &mut VecDeque<Outgoing>,
+    readers: &mut Vec<Range<usize>>,
+) {
+    // SAFETY: the caller checked `writes_readers` is false: no queued or unfinished send reads
+    // `range`, and the ring task (the caller) is the buffer's only writer.
+    if let Some(out) = unsafe { absorb(n, buf, frame, range) } {
+        if let Payload::Buffer(r) = &out.payload {
+            readers.push(r.clone());
+        }
+        outbox.push_back(out);
+    }
+}
+
+/// Applies one incoming frame to the buffer's elements `range` and returns what to pass on to
+/// the right neighbour.
 ///
 /// Reduce-scatter step `t < n - 2`: send `local + incoming` on (the local slice is not needed
 /// again before the all-gather overwrites it). Step `n - 2`: the sum is final; keep it and send
-/// it as all-gather step 0. All-gather: copy, and pass the received bytes on unchanged unless
-/// this was the last step.
-fn absorb(
+/// it, from the buffer, as all-gather step 0. All-gather: copy, and pass the received bytes on
+/// unchanged unless this was the last step.
+///
+/// # Safety
+/// Nothing else reads or writes `range` of `buf` during the call, and when the frame is one
+/// that writes (`ring_step >= n - 2`) no queued or unfinished send reads `range`.
+unsafe fn absorb(
     n: usize,
-    data: &mut [f32],
+    buf: &SharedBuf,
     frame: InboundFrame,
     range: Range<usize>,
 ) -> Option<Outgoing> {
     let t = frame.ring_step as usize;
     let next = frame.ring_step + 1;
-    let local = &mut data[range.clone()];
     if t + 2 < n {
+        // SAFETY: by the caller's promise nothing writes `range` now.
+        let local = unsafe { buf.read(range.clone()) };
         Some(Outgoing {
             ring_step: next,
             offset: range.start,
             payload: Payload::Ready(sum_to_bytes(local, &frame.data)),
         })
     } else if t + 2 == n {
-        // Keep the final sum and encode it for the all-gather in one pass.
+        // SAFETY: by the caller's promise `range` is ours alone.
+        add_le(unsafe { buf.write(range.clone()) }, &frame.data);
         Some(Outgoing {
             ring_step: next,
             offset: range.start,
-            payload: Payload::Ready(sum_store_to_bytes(local, &frame.data)),
+            payload: Payload::Buffer(range),
         })
     } else {
-        copy_le(local, &frame.data);
+        // SAFETY: by the caller's promise `range` is ours alone.
+        copy_le(unsafe { buf.write(range.clone()) }, &frame.data);
         (t + 1 < 2 * (n - 1)).then(|| Outgoing {
             ring_step: next,
             offset: range.start,
@@ -523,14 +605,13 @@ fn sum_to_bytes(local: &[f32], incoming: &[u8]) -> Bytes {
     f32_vec_to_bytes(sums)
 }
 
-/// `local[i] += incoming[i]`, returning the new `local` as little-endian bytes too.
-fn sum_store_to_bytes(local: &mut [f32], incoming: &[u8]) -> Bytes {
+/// `local[i] += incoming[i]` (`incoming`: `local.len() * 4` little-endian bytes).
+fn add_le(local: &mut [f32], incoming: &[u8]) {
     for_each_block(incoming, |start, block| {
         for (a, b) in local[start..start + block.len()].iter_mut().zip(block) {
             *a += b;
         }
     });
-    f32s_to_bytes(local)
 }
 
 /// A `Vec<f32>` viewed as its bytes (little-endian machines), without copying.
@@ -553,7 +634,11 @@ fn f32_vec_to_bytes(values: Vec<f32>) -> Bytes {
     }
     #[cfg(not(target_endian = "little"))]
     {
-        f32s_to_bytes(&values)
+        let mut out = Vec::with_capacity(values.len() * 4);
+        for v in &values {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        Bytes::from(out)
     }
 }
 
@@ -573,26 +658,6 @@ fn copy_le(local: &mut [f32], incoming: &[u8]) {
     });
 }
 
-/// `values` as little-endian bytes (one memcpy).
-fn f32s_to_bytes(values: &[f32]) -> Bytes {
-    #[cfg(target_endian = "little")]
-    {
-        // SAFETY: every f32 is 4 initialised bytes and u8 has no alignment requirement; on a
-        // little-endian machine these are exactly the wire bytes.
-        let raw =
-            unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), values.len() * 4) };
-        Bytes::copy_from_slice(raw)
-    }
-    #[cfg(not(target_endian = "little"))]
-    {
-        let mut out = Vec::with_capacity(values.len() * 4);
-        for v in values {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-        Bytes::from(out)
-    }
-}
-
 fn right_neighbour(cfg: &RingConfig) -> (u32, &str) {
     let rank = (cfg.rank + 1) % cfg.world_size;
     (rank, cfg.peers[rank as usize].as_str())
@@ -601,4 +666,42 @@ fn right_neighbour(cfg: &RingConfig) -> (u32, &str) {
 fn left_neighbour(cfg: &RingConfig) -> (u32, &str) {
     let rank = (cfg.rank + cfg.world_size - 1) % cfg.world_size;
     (rank, cfg.peers[rank as usize].as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_writing_steps_wait_for_overlapping_sends() {
+        let readers = [0..100, 300..400];
+        // n = 3: steps 0 (reduce-scatter, writes nothing), 1 (final sum), 2 and 3 (all-gather).
+        assert!(!writes_readers(3, 0, &(50..60), &readers));
+        assert!(writes_readers(3, 1, &(50..60), &readers));
+        assert!(writes_readers(3, 2, &(99..150), &readers));
+        assert!(writes_readers(3, 3, &(250..301), &readers));
+        // Touching ends do not overlap.
+        assert!(!writes_readers(3, 2, &(100..300), &readers));
+        assert!(!writes_readers(3, 2, &(400..500), &readers));
+        assert!(!writes_readers(2, 1, &(100..300), &[]));
+        // n = 2: step 0 is already the final sum.
+        assert!(writes_readers(2, 0, &(0..10), &readers));
+    }
+
+    #[test]
+    fn add_and_copy_decode_little_endian_bytes() {
+        let incoming: Vec<u8> = (0..1500)
+            .flat_map(|i| (i as f32 * 0.5).to_le_bytes())
+            .collect();
+        let mut local: Vec<f32> = (0..1500).map(|i| i as f32).collect();
+        add_le(&mut local, &incoming);
+        assert!(local.iter().enumerate().all(|(i, &x)| x == i as f32 * 1.5));
+        copy_le(&mut local, &incoming);
+        assert!(local.iter().enumerate().all(|(i, &x)| x == i as f32 * 0.5));
+        let sums = sum_to_bytes(&local, &incoming);
+        assert_eq!(
+            &sums[..4 * 3],
+            [0.0f32, 1.0, 2.0].map(f32::to_le_bytes).concat()
+        );
+    }
 }

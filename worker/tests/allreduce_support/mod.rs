@@ -88,13 +88,9 @@ pub fn all_reduce(
         .iter()
         .zip(rings)
         .zip(inputs)
-        .map(|((p, ring), mut data)| {
+        .map(|((p, ring), data)| {
             let ring = Arc::clone(ring);
-            p.rt.spawn(async move {
-                ring.all_reduce_sum(step, bucket, &mut data)
-                    .await
-                    .map(|()| data)
-            })
+            p.rt.spawn(async move { ring.all_reduce_sum(step, bucket, data).await })
         })
         .collect();
     handles
