@@ -288,7 +288,7 @@ impl Ring {
                     // Frames that waited for that range may go on now.
                     for _ in 0..deferred.len() {
                         let Some((frame, range)) = deferred.pop_front() else { break };
-                        if writes_readers(n, frame.ring_step, &range, &readers) {
+                        if writes_readers(&range, &readers) {
                             deferred.push_back((frame, range));
                         } else {
                             absorb_and_queue(n, &buf, frame, range, &mut outbox, &mut readers);
@@ -309,7 +309,7 @@ impl Ring {
                     }
                     received += 1;
                     last_arrival = Instant::now();
-                    if writes_readers(n, frame.ring_step, &slot.range, &readers) {
+                    if writes_readers(&slot.range, &readers) {
                         deferred.push_back((frame, slot.range));
                     } else {
                         absorb_and_queue(n, &buf, frame, slot.range, &mut outbox, &mut readers);
@@ -497,20 +497,12 @@ struct FrameSlot {
     range: Range<usize>,
 }
 
-/// Whether absorbing a frame of `ring_step` (received for the buffer's elements `range`) writes the buffer
-/// (the last reduce-scatter step and the all-gather do) where a queued or unfinished send still
-/// reads.
-fn writes_readers(
-    n: usize,
-    ring_step: u32,
-    range: &Range<usize>,
-    readers: &[Range<usize>],
-) -> bool {
-    let writes = ring_step as usize + 2 >= n;
-    writes
-        && readers
-            .iter()
-            .any(|r| r.start < range.end && range.start < r.end)
+/// Whether absorbing a frame received for the buffer's elements `range` (every ring step writes
+/// them) would write where a queued or unfinished send still reads.
+fn writes_readers(range: &Range<usize>, readers: &[Range<usize>]) -> bool {
+    readers
+        .iter()
+        .any(|r| r.start < range.end && range.start < r.end)
 }
 
 /// [`absorb`]s `frame` and queues what it passes on, noting a send from the buffer in `readers`.
@@ -535,14 +527,15 @@ fn absorb_and_queue(
 /// Applies one incoming frame to the buffer's elements `range` and returns what to pass on to
 /// the right neighbour.
 ///
-/// Reduce-scatter step `t < n - 2`: send `local + incoming` on (the local slice is not needed
-/// again before the all-gather overwrites it). Step `n - 2`: the sum is final; keep it and send
-/// it, from the buffer, as all-gather step 0. All-gather: copy, and pass the received bytes on
-/// unchanged unless this was the last step.
+/// Reduce-scatter (ring steps `t <= n - 2`): add the incoming partial sum into the local slice
+/// and send that slice on, from the buffer. Before the last step the local slice is not needed
+/// again until the all-gather overwrites it, so it can hold the partial sum; at step `n - 2` the
+/// sum is final and goes out as all-gather step 0. All-gather: copy, and pass the received
+/// bytes on unchanged unless this was the last step.
 ///
 /// # Safety
-/// Nothing else reads or writes `range` of `buf` during the call, and when the frame is one
-/// that writes (`ring_step >= n - 2`) no queued or unfinished send reads `range`.
+/// Nothing else reads or writes `range` of `buf` during the call, and no queued or unfinished
+/// send reads `range` (every step writes it).
 unsafe fn absorb(
     n: usize,
     buf: &SharedBuf,
@@ -551,25 +544,17 @@ unsafe fn absorb(
 ) -> Option<Outgoing> {
     let t = frame.ring_step as usize;
     let next = frame.ring_step + 1;
-    if t + 2 < n {
-        // SAFETY: by the caller's promise nothing writes `range` now.
-        let local = unsafe { buf.read(range.clone()) };
-        Some(Outgoing {
-            ring_step: next,
-            offset: range.start,
-            payload: Payload::Ready(sum_to_bytes(local, &frame.data)),
-        })
-    } else if t + 2 == n {
-        // SAFETY: by the caller's promise `range` is ours alone.
-        add_le(unsafe { buf.write(range.clone()) }, &frame.data);
+    // SAFETY: by the caller's promise `range` is ours alone.
+    let local = unsafe { buf.write(range.clone()) };
+    if t + 2 <= n {
+        add_le(local, &frame.data);
         Some(Outgoing {
             ring_step: next,
             offset: range.start,
             payload: Payload::Buffer(range),
         })
     } else {
-        // SAFETY: by the caller's promise `range` is ours alone.
-        copy_le(unsafe { buf.write(range.clone()) }, &frame.data);
+        copy_le(local, &frame.data);
         (t + 1 < 2 * (n - 1)).then(|| Outgoing {
             ring_step: next,
             offset: range.start,
@@ -595,16 +580,6 @@ fn for_each_block(incoming: &[u8], mut f: impl FnMut(usize, &[f32])) {
     }
 }
 
-/// `local[i] + incoming[i]` as little-endian bytes (`incoming`: `local.len() * 4` bytes).
-fn sum_to_bytes(local: &[f32], incoming: &[u8]) -> Bytes {
-    let mut sums = Vec::with_capacity(local.len());
-    for_each_block(incoming, |start, block| {
-        let mine = &local[start..start + block.len()];
-        sums.extend(mine.iter().zip(block).map(|(a, b)| a + b));
-    });
-    f32_vec_to_bytes(sums)
-}
-
 /// `local[i] += incoming[i]` (`incoming`: `local.len() * 4` little-endian bytes).
 fn add_le(local: &mut [f32], incoming: &[u8]) {
     for_each_block(incoming, |start, block| {
@@ -612,34 +587,6 @@ fn add_le(local: &mut [f32], incoming: &[u8]) {
             *a += b;
         }
     });
-}
-
-/// A `Vec<f32>` viewed as its bytes (little-endian machines), without copying.
-#[cfg(target_endian = "little")]
-struct F32Bytes(Vec<f32>);
-
-#[cfg(target_endian = "little")]
-impl AsRef<[u8]> for F32Bytes {
-    fn as_ref(&self) -> &[u8] {
-        // SAFETY: f32 has no padding and every bit pattern is valid u8s; u8 needs no alignment.
-        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast::<u8>(), self.0.len() * 4) }
-    }
-}
-
-/// `values` as little-endian bytes, without a copy on little-endian machines.
-fn f32_vec_to_bytes(values: Vec<f32>) -> Bytes {
-    #[cfg(target_endian = "little")]
-    {
-        Bytes::from_owner(F32Bytes(values))
-    }
-    #[cfg(not(target_endian = "little"))]
-    {
-        let mut out = Vec::with_capacity(values.len() * 4);
-        for v in &values {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-        Bytes::from(out)
-    }
 }
 
 /// `local[i] = incoming[i]` (a memcpy on little-endian machines).
@@ -673,19 +620,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_writing_steps_wait_for_overlapping_sends() {
+    fn frames_wait_for_overlapping_sends_only() {
         let readers = [0..100, 300..400];
-        // n = 3: steps 0 (reduce-scatter, writes nothing), 1 (final sum), 2 and 3 (all-gather).
-        assert!(!writes_readers(3, 0, &(50..60), &readers));
-        assert!(writes_readers(3, 1, &(50..60), &readers));
-        assert!(writes_readers(3, 2, &(99..150), &readers));
-        assert!(writes_readers(3, 3, &(250..301), &readers));
+        assert!(writes_readers(&(50..60), &readers));
+        assert!(writes_readers(&(99..150), &readers));
+        assert!(writes_readers(&(250..301), &readers));
         // Touching ends do not overlap.
-        assert!(!writes_readers(3, 2, &(100..300), &readers));
-        assert!(!writes_readers(3, 2, &(400..500), &readers));
-        assert!(!writes_readers(2, 1, &(100..300), &[]));
-        // n = 2: step 0 is already the final sum.
-        assert!(writes_readers(2, 0, &(0..10), &readers));
+        assert!(!writes_readers(&(100..300), &readers));
+        assert!(!writes_readers(&(400..500), &readers));
+        assert!(!writes_readers(&(0..10), &[]));
     }
 
     #[test]
@@ -698,10 +641,5 @@ mod tests {
         assert!(local.iter().enumerate().all(|(i, &x)| x == i as f32 * 1.5));
         copy_le(&mut local, &incoming);
         assert!(local.iter().enumerate().all(|(i, &x)| x == i as f32 * 0.5));
-        let sums = sum_to_bytes(&local, &incoming);
-        assert_eq!(
-            &sums[..4 * 3],
-            [0.0f32, 1.0, 2.0].map(f32::to_le_bytes).concat()
-        );
     }
 }
