@@ -143,14 +143,19 @@ async fn run(mut client: AuthChannel, mut rx: mpsc::UnboundedReceiver<Outbound>)
             },
         };
         let mut pending: VecDeque<oneshot::Sender<Ack>> = VecDeque::new();
-        let (pieces, mut acks) = match open_call(&mut client, &first.frame).await {
+        let Outbound { frame, done } = first;
+        let opened = open_call(&mut client, &frame).await;
+        // The call's body holds its own copy of the payload; keeping this one for the call's
+        // life would keep the sender's whole buffer alive (see `shared_buf`).
+        drop(frame);
+        let (pieces, mut acks) = match opened {
             Ok(call) => call,
             Err(status) => {
-                let _ = first.done.send(Err(status));
+                let _ = done.send(Err(status));
                 continue;
             }
         };
-        pending.push_back(first.done);
+        pending.push_back(done);
         loop {
             tokio::select! {
                 out = rx.recv() => match out {

@@ -22,7 +22,7 @@ use futures::stream::FuturesUnordered;
 use keel_proto::ring_rpc::RingFrame;
 
 use super::link::LinkStream;
-use tokio::time::{Instant, sleep, sleep_until, timeout_at};
+use tokio::time::{Instant, sleep, sleep_until, timeout, timeout_at};
 use tonic::Code;
 
 use super::error::AllReduceError;
@@ -116,10 +116,11 @@ pub struct Ring {
 
 /// What is still to be sent for one frame.
 enum Payload {
-    /// The buffer's elements `range`, sent from the buffer itself (the rank's own chunk, or its
-    /// finished chunk): the range must not be written until the send finishes.
+    /// The buffer's elements `range`, sent from the buffer itself (the rank's own chunk, a
+    /// reduce-scatter partial sum, or the finished chunk): the range must not be written until
+    /// the send finishes.
     Buffer(Range<usize>),
-    /// Already encoded (a partial sum, or an all-gather frame passed on as received).
+    /// Already encoded (an all-gather frame passed on as received).
     Ready(Bytes),
 }
 
@@ -265,21 +266,46 @@ impl Ring {
             while sends.len() < max_in_flight {
                 let Some(out) = outbox.pop_front() else { break };
                 let (reads, payload) = match out.payload {
-                    // SAFETY: `range` is in `readers` until this send finishes, and no frame
-                    // writes a range in `readers` (see `writes_readers`).
-                    Payload::Buffer(range) => (Some(range.clone()), unsafe {
-                        SharedBuf::bytes(&buf, range)
-                    }),
+                    Payload::Buffer(range) => {
+                        // SAFETY: `range` is in `readers` until this send finishes, and no
+                        // frame writes a range in `readers` (see `writes_readers`).
+                        let (bytes, released) = unsafe { SharedBuf::bytes(&buf, range.clone()) };
+                        (Some((range, released)), bytes)
+                    }
                     Payload::Ready(bytes) => (None, bytes),
                 };
                 let send = self.send(step, bucket, out.ring_step, len, out.offset, payload);
-                sends.push(async move { (reads, send.await) });
+                let wait_for_copies = self.cfg.timeout;
+                sends.push(async move {
+                    let sent = send.await;
+                    let Some((range, released)) = reads else {
+                        return (None, sent.map(|_| ()), false);
+                    };
+                    // An acked frame was written by the connection that carried the ack, so
+                    // nothing reads its range any more, unless an earlier attempt failed: that
+                    // attempt's copies may still sit in the failed call's queues, so the range
+                    // is free only once every copy of the payload is gone.
+                    let stuck = matches!(sent, Ok(true))
+                        && timeout(wait_for_copies, released).await.is_err();
+                    (Some(range), sent.map(|_| ()), stuck)
+                });
             }
             tokio::select! {
                 biased;
-                Some((reads, sent)) = sends.next(), if !sends.is_empty() => {
+                Some((reads, sent, stuck)) = sends.next(), if !sends.is_empty() => {
                     sent?;
-                    // The send is over, acked: nothing reads its range any more.
+                    if stuck {
+                        let (rank, addr) = right_neighbour(&self.cfg);
+                        return Err(AllReduceError::Timeout {
+                            rank,
+                            addr: addr.to_string(),
+                            step,
+                            bucket,
+                            waited: self.cfg.timeout,
+                            what: "a failed call to the right neighbour to let go of a frame",
+                        });
+                    }
+                    // The send is over: nothing reads its range any more.
                     if let Some(range) = reads
                         && let Some(i) = readers.iter().position(|r| *r == range)
                     {
@@ -401,7 +427,8 @@ impl Ring {
     }
 
     /// Pushes one frame to the right neighbour, retrying while it is not reachable or has not
-    /// joined this generation yet, for at most `timeout`.
+    /// joined this generation yet, for at most `timeout`. Returns whether an attempt failed
+    /// before the one that was accepted.
     async fn send(
         &self,
         step: u64,
@@ -410,7 +437,7 @@ impl Ring {
         total_len: usize,
         offset: usize,
         data: Bytes,
-    ) -> Result<(), AllReduceError> {
+    ) -> Result<bool, AllReduceError> {
         let stream = self.next_stream.fetch_add(1, Ordering::Relaxed) % self.right.len();
         let link = &self.right[stream];
         let frame = RingFrame {
@@ -427,9 +454,10 @@ impl Ring {
         let (rank, addr) = right_neighbour(&self.cfg);
         let deadline = Instant::now() + self.cfg.timeout;
         let mut backoff = Duration::from_millis(1);
+        let mut retried = false;
         loop {
             let status = match timeout_at(deadline, link.push(frame.clone())).await {
-                Ok(Ok(())) => return Ok(()),
+                Ok(Ok(())) => return Ok(retried),
                 Ok(Err(status)) => status,
                 Err(_) => {
                     return Err(AllReduceError::Timeout {
@@ -461,6 +489,7 @@ impl Ring {
                     }
                     sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_millis(100));
+                    retried = true;
                 }
                 Code::FailedPrecondition => {
                     return Err(AllReduceError::StaleGeneration {

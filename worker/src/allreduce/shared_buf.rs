@@ -4,8 +4,9 @@
 //! buffer and keeps it alive.
 //!
 //! Soundness rests on one rule, kept by `Ring::all_reduce_sum`: a part is never written while
-//! a frame sent from it may still be read (queued, in flight, or awaiting the ack that ends its
-//! retries). Frames hold an [`Arc`] of the buffer, so memory outlives every frame even when the
+//! a frame sent from it may still be read: until its send is acked (the connection that carried
+//! the ack has written the frame), and, when an earlier attempt failed, until every copy of the
+//! payload is gone (a failed call may still hold one in its queues). Frames hold an [`Arc`] of the buffer, so memory outlives every frame even when the
 //! all-reduce gives up early.
 
 use std::mem::ManuallyDrop;
@@ -14,6 +15,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use tokio::sync::oneshot;
 
 /// A `Vec<f32>` (`[len]`) whose disjoint parts one writer and many readers use at once.
 pub(crate) struct SharedBuf {
@@ -90,23 +92,30 @@ impl SharedBuf {
         }
     }
 
-    /// `range` as little-endian bytes for a frame's payload. On little-endian machines the
-    /// payload points into the buffer (no copy) and keeps it alive.
+    /// `range` as little-endian bytes for a frame's payload, and a receiver that completes
+    /// (with `Err`) once every clone of the payload has been dropped. On little-endian machines
+    /// the payload points into the buffer (no copy) and keeps it alive.
     ///
     /// # Safety
     /// Nothing writes `range` until every clone of the returned `Bytes` has been read for the
     /// last time (the caller tracks the frame until its send finishes).
-    pub(crate) unsafe fn bytes(this: &Arc<SharedBuf>, range: Range<usize>) -> Bytes {
+    pub(crate) unsafe fn bytes(
+        this: &Arc<SharedBuf>,
+        range: Range<usize>,
+    ) -> (Bytes, oneshot::Receiver<()>) {
         assert!(
             range.start <= range.end && range.end <= this.len,
             "range {range:?} out of bounds"
         );
+        let (released_tx, released) = oneshot::channel();
         #[cfg(target_endian = "little")]
         {
-            Bytes::from_owner(Part {
+            let part = Part {
                 buf: Arc::clone(this),
                 range,
-            })
+                _released: released_tx,
+            };
+            (Bytes::from_owner(part), released)
         }
         #[cfg(not(target_endian = "little"))]
         {
@@ -116,7 +125,9 @@ impl SharedBuf {
             for v in values {
                 out.extend_from_slice(&v.to_le_bytes());
             }
-            Bytes::from(out)
+            // A copy: nothing points into the buffer.
+            drop(released_tx);
+            (Bytes::from(out), released)
         }
     }
 }
@@ -134,6 +145,8 @@ struct Part {
     buf: Arc<SharedBuf>,
     /// Elements, within bounds (checked in `SharedBuf::bytes`).
     range: Range<usize>,
+    /// Dropped with the last clone of the payload, which tells the receiver returned with it.
+    _released: oneshot::Sender<()>,
 }
 
 #[cfg(target_endian = "little")]
@@ -158,7 +171,8 @@ mod tests {
     fn parts_are_the_elements_bytes_and_the_vector_comes_back() {
         let buf = Arc::new(SharedBuf::new(vec![1.0, -2.5, 3.0, 4.0]));
         // SAFETY: no writes in this test while the payload lives.
-        let part = unsafe { SharedBuf::bytes(&buf, 1..3) };
+        let (part, mut released) = unsafe { SharedBuf::bytes(&buf, 1..3) };
+        let clone = part.clone();
         let mut want = Vec::new();
         want.extend_from_slice(&(-2.5f32).to_le_bytes());
         want.extend_from_slice(&3.0f32.to_le_bytes());
@@ -168,6 +182,16 @@ mod tests {
         assert_eq!(copy, vec![1.0, -2.5, 3.0, 4.0]);
         assert_eq!(&part[..], &want[..]);
         drop(part);
+        // A clone is still alive: not released yet.
+        assert_eq!(
+            released.try_recv(),
+            Err(oneshot::error::TryRecvError::Empty)
+        );
+        drop(clone);
+        assert_eq!(
+            released.try_recv(),
+            Err(oneshot::error::TryRecvError::Closed)
+        );
         // SAFETY: no payload and no other reader any more.
         let first = unsafe { buf.write(0..1) };
         first[0] = 7.0;
