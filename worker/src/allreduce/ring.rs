@@ -295,15 +295,12 @@ impl Ring {
                 Some((reads, sent, stuck)) = sends.next(), if !sends.is_empty() => {
                     sent?;
                     if stuck {
-                        let (rank, addr) = right_neighbour(&self.cfg);
-                        return Err(AllReduceError::Timeout {
-                            rank,
-                            addr: addr.to_string(),
+                        return Err(self.timeout_error(
+                            right_neighbour(&self.cfg),
                             step,
                             bucket,
-                            waited: self.cfg.timeout,
-                            what: "a failed call to the right neighbour to let go of a frame",
-                        });
+                            "a failed call to the right neighbour to let go of a frame",
+                        ));
                     }
                     // The send is over: nothing reads its range any more.
                     if let Some(range) = reads
@@ -314,11 +311,7 @@ impl Ring {
                     // Frames that waited for that range may go on now.
                     for _ in 0..deferred.len() {
                         let Some((frame, range)) = deferred.pop_front() else { break };
-                        if writes_readers(&range, &readers) {
-                            deferred.push_back((frame, range));
-                        } else {
-                            absorb_and_queue(n, &buf, frame, range, &mut outbox, &mut readers);
-                        }
+                        absorb_or_defer(n, &buf, frame, range, &mut outbox, &mut readers, &mut deferred);
                     }
                 }
                 frame = inbox.recv(), if received < expected => {
@@ -335,26 +328,37 @@ impl Ring {
                     }
                     received += 1;
                     last_arrival = Instant::now();
-                    if writes_readers(&slot.range, &readers) {
-                        deferred.push_back((frame, slot.range));
-                    } else {
-                        absorb_and_queue(n, &buf, frame, slot.range, &mut outbox, &mut readers);
-                    }
+                    absorb_or_defer(n, &buf, frame, slot.range, &mut outbox, &mut readers, &mut deferred);
                 }
                 () = sleep_until(last_arrival + self.cfg.timeout), if received < expected => {
-                    let (rank, addr) = left_neighbour(&self.cfg);
-                    return Err(AllReduceError::Timeout {
-                        rank,
-                        addr: addr.to_string(),
+                    return Err(self.timeout_error(
+                        left_neighbour(&self.cfg),
                         step,
                         bucket,
-                        waited: self.cfg.timeout,
-                        what: "a frame from the left neighbour",
-                    });
+                        "a frame from the left neighbour",
+                    ));
                 }
             }
         }
         Ok(SharedBuf::into_vec(buf))
+    }
+
+    /// [`AllReduceError::Timeout`]: waited `timeout` on `peer` (rank, address) for `what`.
+    fn timeout_error(
+        &self,
+        (rank, addr): (u32, &str),
+        step: u64,
+        bucket: u32,
+        what: &'static str,
+    ) -> AllReduceError {
+        AllReduceError::Timeout {
+            rank,
+            addr: addr.to_string(),
+            step,
+            bucket,
+            waited: self.cfg.timeout,
+            what,
+        }
     }
 
     /// Finds where an incoming frame belongs in the plan.
@@ -460,14 +464,12 @@ impl Ring {
                 Ok(Ok(())) => return Ok(retried),
                 Ok(Err(status)) => status,
                 Err(_) => {
-                    return Err(AllReduceError::Timeout {
-                        rank,
-                        addr: addr.to_string(),
+                    return Err(self.timeout_error(
+                        (rank, addr),
                         step,
                         bucket,
-                        waited: self.cfg.timeout,
-                        what: "the right neighbour to accept a frame",
-                    });
+                        "the right neighbour to accept a frame",
+                    ));
                 }
             };
             match status.code() {
@@ -534,17 +536,24 @@ fn writes_readers(range: &Range<usize>, readers: &[Range<usize>]) -> bool {
         .any(|r| r.start < range.end && range.start < r.end)
 }
 
-/// [`absorb`]s `frame` and queues what it passes on, noting a send from the buffer in `readers`.
-fn absorb_and_queue(
+/// [`absorb`]s `frame` (received for the buffer's elements `range`) and queues what it passes
+/// on, noting a send from the buffer in `readers`; or, while a queued or unfinished send still
+/// reads `range`, puts it in `deferred` to be tried again after a send finishes.
+fn absorb_or_defer(
     n: usize,
     buf: &Arc<SharedBuf>,
     frame: InboundFrame,
     range: Range<usize>,
     outbox: &mut VecDeque<Outgoing>,
     readers: &mut Vec<Range<usize>>,
+    deferred: &mut VecDeque<(InboundFrame, Range<usize>)>,
 ) {
-    // SAFETY: the caller checked `writes_readers` is false: no queued or unfinished send reads
-    // `range`, and the ring task (the caller) is the buffer's only writer.
+    if writes_readers(&range, readers) {
+        deferred.push_back((frame, range));
+        return;
+    }
+    // SAFETY: no queued or unfinished send reads `range` (checked above), and the ring task
+    // (the caller) is the buffer's only writer.
     if let Some(out) = unsafe { absorb(n, buf, frame, range) } {
         if let Payload::Buffer(r) = &out.payload {
             readers.push(r.clone());
