@@ -11,6 +11,7 @@
 # keel binaries)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+scripts/corpora.sh >/dev/null
 steps=${1:-100}
 rounds=${2:-3}
 bin=${KEEL_BIN:-target/release}
@@ -18,7 +19,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cat > "$work/job.toml" <<TOML
 [data]
-corpus = ["$(realpath ../shared/corpus/en-kjv)"]
+corpus = ["$(realpath corpora/en-kjv)"]
 vocab_size = 8000
 max_seq_length = 128
 max_predictions_per_seq = 20

@@ -12,14 +12,29 @@
 # Each file is written once (to a temporary name, then renamed), so a second call does nothing;
 # `--force` writes them again. Prints the folder it wrote to.
 #
-# Usage: scripts/corpora.sh [--force]
+# Usage: scripts/corpora.sh [--force] [en-kjv] [en-fortunes] [zh-poetry]   (default: all three)
 set -euo pipefail
+export LC_ALL=C   # byte-wise sed and awk: the same corpora whatever the locale
 cd "$(dirname "$0")/.."
 out="$(pwd)/corpora"
 force=0
-[ "${1:-}" = "--force" ] && force=1
+wanted=()
+for arg in "$@"; do
+  case "$arg" in
+    --force) force=1 ;;
+    en-kjv|en-fortunes|zh-poetry) wanted+=("$arg") ;;
+    *) echo "corpora: unknown argument '$arg' (expected --force, en-kjv, en-fortunes or zh-poetry)" >&2; exit 2 ;;
+  esac
+done
+[ ${#wanted[@]} -gt 0 ] || wanted=(en-kjv en-fortunes zh-poetry)
 
-need() { [ "$force" = 1 ] || [ ! -s "$1" ]; }
+# need FILE: whether FILE's corpus was asked for and must be (re)written.
+need() {
+  local name
+  name=$(basename "$(dirname "$1")")
+  [[ " ${wanted[*]} " == *" $name "* ]] || return 1
+  [ "$force" = 1 ] || [ ! -s "$1" ]
+}
 
 missing=()
 need "$out/en-kjv/kjv.txt" && missing+=(bible-kjv)
@@ -38,13 +53,14 @@ write() {
   echo "corpora: wrote $1 ($(wc -c < "$1") bytes)"
 }
 
-# fortune files (%-separated) to documents: ANSI colour codes dropped, blank lines inside a
-# fortune dropped (a blank line is the document separator), empty fortunes skipped.
+# fortune files (%-separated) to documents: ANSI colour codes and trailing blanks dropped, blank
+# lines inside a fortune dropped (a blank line is the document separator), empty fortunes skipped.
 fortunes_to_documents() {
   sed -e 's/\x1b\[[0-9;]*m//g' "$@" | awk '
     function flush() { if (n > 0) { if (docs++) print ""; for (i = 1; i <= n; i++) print buf[i] } n = 0 }
+    { sub(/[ \t\r]+$/, "") }
     /^%$/ { flush(); next }
-    /^[ \t\r]*$/ { next }
+    /^$/ { next }
     { buf[++n] = $0 }
     END { flush() }'
 }
@@ -64,7 +80,6 @@ if need "$out/en-fortunes/fortunes.txt"; then
   fortunes_to_documents $files | write "$out/en-fortunes/fortunes.txt"
 fi
 if need "$out/zh-poetry/poetry.txt"; then
-  files=$(dpkg -L fortunes-zh | grep -E "^$fdir/[a-z0-9-]+\$" | sort -u)
-  # shellcheck disable=SC2086
-  fortunes_to_documents $files | write "$out/zh-poetry/poetry.txt"
+  # The poems first (Tang, then Song), then the sayings: a prefix of the corpus is poetry.
+  fortunes_to_documents "$fdir/tang300" "$fdir/song100" "$fdir/chinese" | write "$out/zh-poetry/poetry.txt"
 fi

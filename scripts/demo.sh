@@ -15,10 +15,8 @@ workers=${KEEL_DEMO_WORKERS:-2}
 
 say() { printf '\n==> %s\n' "$*"; }
 
-extra=()
-if [ $# -eq 0 ] && ! command -v bible >/dev/null; then extra+=(bible-kjv); fi
-say "Checking what Keel needs (OpenBLAS, a C compiler, Rust${extra:+, ${extra[*]}})"
-scripts/setup.sh "${extra[@]}"
+say "Checking what Keel needs (OpenBLAS, a C compiler, Rust)"
+scripts/setup.sh
 if ! command -v cargo >/dev/null; then export PATH="$HOME/.cargo/bin:$PATH"; fi
 
 say "Building Keel (release; the first build takes ~5 minutes on 2 cores)"
@@ -27,17 +25,9 @@ bin="${CARGO_TARGET_DIR:-$root/target}/release"
 
 corpus=("$@")
 if [ ${#corpus[@]} -eq 0 ]; then
-  mkdir -p "$out"
-  kjv="$out/kjv.txt"
-  if [ ! -s "$kjv" ]; then
-    say "Writing the King James Bible (Debian's bible-kjv) to $kjv: one verse a line, one chapter a document"
-    bible -f "Ge1:1-Re22:21" | awk '{
-        ref = $1; chapter = ref; sub(/:.*/, "", chapter);
-        if (NR > 1 && chapter != last) print "";
-        last = chapter; $1 = ""; sub(/^ /, ""); print }' > "$kjv.tmp"
-    mv "$kjv.tmp" "$kjv"
-  fi
-  corpus=("$kjv")
+  say "Writing the King James Bible (Debian's bible-kjv) to corpora/en-kjv: one verse a line, one chapter a document"
+  scripts/corpora.sh en-kjv
+  corpus=(corpora/en-kjv/kjv.txt)
 fi
 
 mkdir -p "$out"

@@ -32,7 +32,7 @@
 #                             [--bin-dir DIR] [--corpus PATH] [BIN_DIR [CORPUS]]
 #   BIN_DIR  directory holding keel, keel-coordinator, keel-worker
 #            (default: $CARGO_TARGET_DIR/release, else target/release)
-#   CORPUS   corpus file or folder (default: ../shared/corpus/en-kjv beside the repository)
+#   CORPUS   corpus file or folder (default: corpora/en-kjv, written by scripts/corpora.sh)
 # Environment: KEEL_MH_JOB_TIMEOUT (seconds for one job, default 900),
 #              KEEL_MH_START_TIMEOUT (seconds for a server to listen, default 60),
 #              KEEL_MH_THREADS (--threads per worker, default 1),
@@ -81,7 +81,7 @@ done
 if [ -z "$BIN_DIR" ]; then
   if [ -n "${CARGO_TARGET_DIR:-}" ]; then BIN_DIR="$CARGO_TARGET_DIR/release"; else BIN_DIR="$REPO/target/release"; fi
 fi
-[ -n "$CORPUS" ] || CORPUS="$REPO/../shared/corpus/en-kjv"
+if [ -z "$CORPUS" ]; then "$REPO/scripts/corpora.sh" >/dev/null; CORPUS="$REPO/corpora/en-kjv"; fi
 case "$STEPS" in ''|*[!0-9]*) echo "multihost: --steps must be a positive integer, got '$STEPS'" >&2; exit 2 ;; esac
 
 log() { printf '[multihost %s] %s\n' "$(date +%H:%M:%S)" "$*"; }

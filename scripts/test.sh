@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The whole test suite: formatting, clippy (warnings are errors), all unit and integration tests
 # (real coordinator and worker processes on 127.0.0.1), the deploy/ file checks, and, as root,
-# the multi-host test across network namespaces. Installs what it needs first (scripts/setup.sh).
+# the multi-host test across network namespaces. Installs what it needs first (scripts/setup.sh)
+# and writes the test corpora from Debian packages into corpora/ (scripts/corpora.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extra=()
 if [ "$(id -u)" = 0 ]; then extra+=(iproute2); fi
 scripts/setup.sh "${extra[@]}"
+scripts/corpora.sh
 if ! command -v cargo >/dev/null; then export PATH="$HOME/.cargo/bin:$PATH"; fi
 
 step() { printf '\n== %s\n' "$*"; }

@@ -125,10 +125,7 @@ mod tests {
     use super::*;
     use keel_proto::checkpoint::commit_dir;
 
-    const FIXTURE: &str = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/fixtures/bert-micro-mlm"
-    );
+    const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/bert-micro-mlm");
 
     /// The fixture's config and weights committed as Keel commits checkpoints (with a manifest).
     fn committed_checkpoint(root: &std::path::Path) -> PathBuf {

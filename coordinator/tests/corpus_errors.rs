@@ -5,15 +5,15 @@ use std::path::{Path, PathBuf};
 
 use keel_coordinator::data::{Objective, PrepareError, PrepareOptions, VocabSource, prepare};
 
-fn shared(rel: &str) -> PathBuf {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared")).join(rel)
-}
+#[path = "../../fixtures/testdata.rs"]
+mod testdata;
+use testdata::in_repo;
 
 fn opts(corpus: Vec<PathBuf>, out: &Path, objective: Objective) -> PrepareOptions {
     let mut o = PrepareOptions::new(
         corpus,
         VocabSource::File {
-            path: shared("fixtures/wordpiece/vocab.txt"),
+            path: in_repo("fixtures/wordpiece/vocab.txt"),
             lowercase: true,
         },
         objective,
@@ -25,7 +25,7 @@ fn opts(corpus: Vec<PathBuf>, out: &Path, objective: Objective) -> PrepareOption
 
 /// A few real documents of the KJV.
 fn kjv_head(lines: usize) -> String {
-    let text = std::fs::read_to_string(shared("corpus/en-kjv/kjv.txt")).unwrap();
+    let text = std::fs::read_to_string(in_repo("corpora/en-kjv/kjv.txt")).unwrap();
     text.lines().take(lines).collect::<Vec<_>>().join("\n") + "\n"
 }
 

@@ -11,20 +11,20 @@ use keel_proto::shard::{Sequence, ShardReader};
 use keel_proto::split::WorkerPlan;
 use keel_proto::tokenizer::KeelTokenizer;
 
-fn shared(rel: &str) -> PathBuf {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared")).join(rel)
-}
+#[path = "../../fixtures/testdata.rs"]
+mod testdata;
+use testdata::in_repo;
 
 fn bert_vocab() -> VocabSource {
     VocabSource::File {
-        path: shared("fixtures/wordpiece/vocab.txt"),
+        path: in_repo("fixtures/wordpiece/vocab.txt"),
         lowercase: true,
     }
 }
 
 /// The first `max_bytes` of a corpus file, cut at a document boundary.
 fn corpus_prefix(rel: &str, max_bytes: usize, dir: &Path) -> PathBuf {
-    let text = std::fs::read_to_string(shared(rel)).unwrap();
+    let text = std::fs::read_to_string(in_repo(rel)).unwrap();
     let mut cut = max_bytes.min(text.len());
     while !text.is_char_boundary(cut) {
         cut -= 1;
@@ -88,20 +88,20 @@ fn options(corpus: Vec<PathBuf>, out: &Path, objective: Objective) -> PrepareOpt
 #[test]
 fn mlm_packing_drops_no_token_on_the_real_corpora() {
     let tok =
-        KeelTokenizer::from_vocab_file(&shared("fixtures/wordpiece/vocab.txt"), true).unwrap();
+        KeelTokenizer::from_vocab_file(&in_repo("fixtures/wordpiece/vocab.txt"), true).unwrap();
     let sep = tok.special().sep;
     let cls = tok.special().cls;
     for (rel, max_len) in [
-        ("corpus/en-kjv/kjv.txt", 128usize),
-        ("corpus/en-fortunes/fortunes.txt", 64),
-        ("corpus/zh-poetry/poetry.txt", 128),
+        ("corpora/en-kjv/kjv.txt", 128usize),
+        ("corpora/en-fortunes/fortunes.txt", 64),
+        ("corpora/zh-poetry/poetry.txt", 128),
     ] {
         let out = tempfile::tempdir().unwrap();
-        let mut o = options(vec![shared(rel)], out.path(), Objective::Mlm);
+        let mut o = options(vec![in_repo(rel)], out.path(), Objective::Mlm);
         o.max_seq_length = max_len;
         o.shards = 3;
         let manifest = prepare(&o).unwrap();
-        let docs = reference_docs(&shared(rel), &tok);
+        let docs = reference_docs(&in_repo(rel), &tok);
         let corpus_tokens: u64 = docs.iter().flatten().map(|s| s.len() as u64).sum();
         assert_eq!(manifest.corpus.tokens, corpus_tokens, "{rel}");
         assert_eq!(manifest.corpus.documents, docs.len() as u64, "{rel}");
@@ -162,7 +162,7 @@ fn mlm_packing_drops_no_token_on_the_real_corpora() {
 #[test]
 fn nsp_instances_follow_bert() {
     let dir = tempfile::tempdir().unwrap();
-    let corpus = corpus_prefix("corpus/en-fortunes/fortunes.txt", 700_000, dir.path());
+    let corpus = corpus_prefix("corpora/en-fortunes/fortunes.txt", 700_000, dir.path());
     let out = dir.path().join("out");
     let mut o = options(vec![corpus], &out, Objective::MlmNsp);
     o.shards = 2;
@@ -208,8 +208,8 @@ fn nsp_instances_follow_bert() {
 #[test]
 fn same_seed_gives_byte_identical_shards_whatever_the_threads() {
     let dir = tempfile::tempdir().unwrap();
-    let corpus = corpus_prefix("corpus/en-fortunes/fortunes.txt", 400_000, dir.path());
-    let zh = corpus_prefix("corpus/zh-poetry/poetry.txt", 200_000, dir.path());
+    let corpus = corpus_prefix("corpora/en-fortunes/fortunes.txt", 400_000, dir.path());
+    let zh = corpus_prefix("corpora/zh-poetry/poetry.txt", 200_000, dir.path());
     let mut outs = Vec::new();
     for (k, threads) in [1usize, 2, 2].into_iter().enumerate() {
         let out = dir.path().join(format!("out{k}"));
@@ -248,7 +248,7 @@ fn same_seed_gives_byte_identical_shards_whatever_the_threads() {
 #[test]
 fn trained_vocabulary_is_saved_in_hf_layout_and_used() {
     let dir = tempfile::tempdir().unwrap();
-    let corpus = corpus_prefix("corpus/zh-poetry/poetry.txt", 500_000, dir.path());
+    let corpus = corpus_prefix("corpora/zh-poetry/poetry.txt", 500_000, dir.path());
     let out = dir.path().join("out");
     let mut o = options(vec![corpus], &out, Objective::Mlm);
     o.vocab = VocabSource::Train {
@@ -285,7 +285,7 @@ fn trained_vocabulary_is_saved_in_hf_layout_and_used() {
 #[test]
 fn corrupted_or_truncated_shards_are_refused_on_open() {
     let dir = tempfile::tempdir().unwrap();
-    let corpus = corpus_prefix("corpus/en-kjv/kjv.txt", 300_000, dir.path());
+    let corpus = corpus_prefix("corpora/en-kjv/kjv.txt", 300_000, dir.path());
     let out = dir.path().join("out");
     let mut o = options(vec![corpus], &out, Objective::Mlm);
     o.shards = 2;
@@ -313,7 +313,7 @@ fn corrupted_or_truncated_shards_are_refused_on_open() {
 #[test]
 fn worker_shards_hold_exactly_each_ranks_sequences() {
     let dir = tempfile::tempdir().unwrap();
-    let corpus = corpus_prefix("corpus/en-kjv/kjv.txt", 400_000, dir.path());
+    let corpus = corpus_prefix("corpora/en-kjv/kjv.txt", 400_000, dir.path());
     let out = dir.path().join("out");
     let mut o = options(vec![corpus], &out, Objective::Mlm);
     o.shards = 2;

@@ -9,11 +9,11 @@ use keel_proto::jobspec::JobSpec;
 use keel_proto::rpc::JobState;
 use std::path::Path;
 
+#[path = "../../fixtures/testdata.rs"]
+mod testdata;
+
 fn corpus_part(root: &Path) -> std::path::PathBuf {
-    let src = Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/corpus/en-fortunes/fortunes.txt"
-    ));
+    let src = testdata::corpus("en-fortunes/fortunes.txt");
     let text = std::fs::read_to_string(src).unwrap();
     let part: Vec<&str> = text.lines().take(1500).collect();
     let path = root.join("part.txt");

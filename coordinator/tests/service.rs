@@ -8,6 +8,9 @@ use keel_proto::security::{ClientSecurity, ServerSecurity};
 use std::time::Duration;
 use tonic::transport::Channel;
 
+#[path = "../../fixtures/testdata.rs"]
+mod testdata;
+
 /// A coordinator on a free port over a temporary data folder; stopped when the sender drops.
 async fn start() -> (
     CoordinatorClient<AuthChannel>,
@@ -36,7 +39,8 @@ async fn start() -> (
 }
 
 fn job_toml(extra_train: &str) -> String {
-    let corpus = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/corpus/en-kjv");
+    let corpus = testdata::corpus("en-kjv");
+    let corpus = corpus.display();
     format!(
         "[data]\ncorpus = [\"{corpus}\"]\nvocab_size = 500\nmax_seq_length = 64\n[model]\npreset = \"tiny\"\n[train]\nmicro_batch_size = 4\nmax_steps = 10\n{extra_train}\n[cluster]\nmin_workers = 2\nmax_workers = 2\n"
     )

@@ -8,7 +8,7 @@
 //!
 //! ```toml
 //! [data]
-//! corpus = ["../shared/corpus/en-kjv"]   # files, dirs or globs
+//! corpus = ["corpora/en-kjv"]           # files, dirs or globs
 //! vocab_size = 8000                       # train WordPiece; or: vocab = "vocab.txt"
 //! lowercase = true
 //! objective = "mlm"                       # or "mlm+nsp"
@@ -645,7 +645,7 @@ mod tests {
 
     const EXAMPLE: &str = r#"
 [data]
-corpus = ["../shared/corpus/en-kjv"]
+corpus = ["../corpora/en-kjv"]
 vocab_size = 8000
 lowercase = true
 objective = "mlm"
@@ -763,9 +763,6 @@ max_workers = 2
     fn relative_paths_resolve_against_the_base() {
         let mut spec = JobSpec::from_toml_str(EXAMPLE, "job.toml").unwrap();
         spec.resolve_paths(Path::new("/home/u/keel"));
-        assert_eq!(
-            spec.data.corpus,
-            vec!["/home/u/keel/../shared/corpus/en-kjv"]
-        );
+        assert_eq!(spec.data.corpus, vec!["/home/u/keel/../corpora/en-kjv"]);
     }
 }

@@ -1,16 +1,14 @@
 //! The tokenizer against HF's reference ids (fixtures/wordpiece/cases.json), plus training,
 //! saving and reloading on a real corpus.
 
-use std::path::{Path, PathBuf};
-
 use keel_proto::tokenizer::{KeelTokenizer, TokenizerError, TrainOptions, check_fits};
 
-fn shared(rel: &str) -> PathBuf {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared")).join(rel)
-}
+#[path = "../../fixtures/testdata.rs"]
+mod testdata;
+use testdata::in_repo;
 
 fn cases() -> serde_json::Value {
-    let text = std::fs::read_to_string(shared("fixtures/wordpiece/cases.json")).unwrap();
+    let text = std::fs::read_to_string(in_repo("fixtures/wordpiece/cases.json")).unwrap();
     serde_json::from_str(&text).unwrap()
 }
 
@@ -23,7 +21,7 @@ fn ids_of(v: &serde_json::Value) -> Vec<u32> {
 }
 
 fn reference_tokenizer() -> KeelTokenizer {
-    KeelTokenizer::from_vocab_file(&shared("fixtures/wordpiece/vocab.txt"), true).unwrap()
+    KeelTokenizer::from_vocab_file(&in_repo("fixtures/wordpiece/vocab.txt"), true).unwrap()
 }
 
 fn check_all_cases(tok: &KeelTokenizer) {
@@ -71,7 +69,7 @@ fn saved_tokenizer_json_reloads_with_identical_ids_and_hf_files() {
     let dir = tempfile::tempdir().unwrap();
     tok.save(dir.path()).unwrap();
     let vocab_txt = std::fs::read(dir.path().join("vocab.txt")).unwrap();
-    let original = std::fs::read(shared("fixtures/wordpiece/vocab.txt")).unwrap();
+    let original = std::fs::read(in_repo("fixtures/wordpiece/vocab.txt")).unwrap();
     assert_eq!(
         vocab_txt, original,
         "vocab.txt must round-trip byte for byte"
@@ -102,7 +100,7 @@ fn saved_tokenizer_json_reloads_with_identical_ids_and_hf_files() {
 #[test]
 fn cased_vocab_keeps_case() {
     let tok =
-        KeelTokenizer::from_vocab_file(&shared("fixtures/wordpiece/vocab.txt"), false).unwrap();
+        KeelTokenizer::from_vocab_file(&in_repo("fixtures/wordpiece/vocab.txt"), false).unwrap();
     // The uncased vocabulary has no "God": cased tokenisation must not lowercase it.
     assert_ne!(tok.encode("God"), reference_tokenizer().encode("God"));
     let dir = tempfile::tempdir().unwrap();
@@ -114,7 +112,7 @@ fn cased_vocab_keeps_case() {
 }
 
 fn corpus_lines(rel: &str, max_bytes: usize) -> Vec<String> {
-    let text = std::fs::read_to_string(shared(rel)).unwrap();
+    let text = std::fs::read_to_string(in_repo(rel)).unwrap();
     let mut out = Vec::new();
     let mut n = 0;
     for line in text.lines() {
@@ -129,7 +127,7 @@ fn corpus_lines(rel: &str, max_bytes: usize) -> Vec<String> {
 
 #[test]
 fn trained_vocabulary_has_specials_first_and_round_trips() {
-    let lines = corpus_lines("corpus/en-kjv/kjv.txt", 1_000_000);
+    let lines = corpus_lines("corpora/en-kjv/kjv.txt", 1_000_000);
     let options = TrainOptions::new(3000);
     let a = KeelTokenizer::train(&options, lines.iter()).unwrap();
     // No determinism assertion across trainings: HF's BPE/WordPiece trainer breaks count
@@ -165,7 +163,7 @@ fn trained_vocabulary_has_specials_first_and_round_trips() {
 
 #[test]
 fn chinese_characters_are_one_token_each() {
-    let lines = corpus_lines("corpus/zh-poetry/poetry.txt", 400_000);
+    let lines = corpus_lines("corpora/zh-poetry/poetry.txt", 400_000);
     let tok = KeelTokenizer::train(&TrainOptions::new(8000), lines.iter()).unwrap();
     let ids = tok.encode("床前明月光，疑是地上霜。");
     let tokens: Vec<String> = ids.iter().map(|&i| tok.id_to_token(i).unwrap()).collect();
@@ -198,8 +196,8 @@ fn vocab_without_special_tokens_is_an_error() {
 #[test]
 fn grouped_line_encoding_equals_line_by_line() {
     let tok = reference_tokenizer();
-    let mut lines = corpus_lines("corpus/en-fortunes/fortunes.txt", 200_000);
-    lines.extend(corpus_lines("corpus/zh-poetry/poetry.txt", 100_000));
+    let mut lines = corpus_lines("corpora/en-fortunes/fortunes.txt", 200_000);
+    lines.extend(corpus_lines("corpora/zh-poetry/poetry.txt", 100_000));
     // Lines that tokenise to nothing, and a literal "[SEP]" (forces the fallback).
     lines.insert(3, "\u{200d}".to_string());
     lines.insert(7, "   ".to_string());

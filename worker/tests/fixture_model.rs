@@ -1,4 +1,4 @@
-//! The model against PyTorch + transformers (the fixtures in ../shared/fixtures, made in
+//! The model against PyTorch + transformers (the fixtures in fixtures/, made in
 //! float64 from float32 weights): hidden states, logits, losses and every gradient, for
 //! `BertForMaskedLM` and `BertForPreTraining`, in f64 (to ~1e-10) and in f32.
 

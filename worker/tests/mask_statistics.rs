@@ -1,8 +1,6 @@
 //! Masking on real text: counts, 80/10/10 split, never special tokens, reproducibility,
 //! static vs dynamic, whole-word grouping (English pieces, CJK characters), and collation.
 
-use std::path::{Path, PathBuf};
-
 use keel_proto::shard::Sequence;
 use keel_proto::tokenizer::KeelTokenizer;
 use keel_worker::data::masking::candidate_words;
@@ -10,17 +8,17 @@ use keel_worker::data::{
     CollateError, MaskedSequence, MaskingConfig, MaskingMode, MaskingVocab, collate, mask_sequence,
 };
 
-fn shared(rel: &str) -> PathBuf {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared")).join(rel)
-}
+#[path = "../../fixtures/testdata.rs"]
+mod testdata;
+use testdata::in_repo;
 
 fn tokenizer() -> KeelTokenizer {
-    KeelTokenizer::from_vocab_file(&shared("fixtures/wordpiece/vocab.txt"), true).unwrap()
+    KeelTokenizer::from_vocab_file(&in_repo("fixtures/wordpiece/vocab.txt"), true).unwrap()
 }
 
 /// `[CLS] line [SEP]` sequences (at most 128 tokens) from the first lines of a corpus.
 fn sequences(tok: &KeelTokenizer, rel: &str, count: usize) -> Vec<Sequence> {
-    let text = std::fs::read_to_string(shared(rel)).unwrap();
+    let text = std::fs::read_to_string(in_repo(rel)).unwrap();
     let s = tok.special();
     let mut out = Vec::new();
     for line in text.lines() {
@@ -56,7 +54,7 @@ fn counts_and_80_10_10_split_match_bert() {
     let mut kept = 0u64;
     let mut random = 0u64;
     let mut tokens = 0u64;
-    for rel in ["corpus/en-kjv/kjv.txt", "corpus/en-fortunes/fortunes.txt"] {
+    for rel in ["corpora/en-kjv/kjv.txt", "corpora/en-fortunes/fortunes.txt"] {
         for seq in sequences(&tok, rel, 3000) {
             let m = mask_sequence(&seq, 42, 0, &config, &vocab);
             let len = seq.ids.len();
@@ -100,7 +98,7 @@ fn counts_and_80_10_10_split_match_bert() {
 fn masks_are_pure_functions_of_seed_epoch_and_index() {
     let tok = tokenizer();
     let vocab = MaskingVocab::from_tokenizer(&tok);
-    let seqs = sequences(&tok, "corpus/en-kjv/kjv.txt", 200);
+    let seqs = sequences(&tok, "corpora/en-kjv/kjv.txt", 200);
     let dynamic = MaskingConfig::default();
     let static3 = MaskingConfig {
         mode: MaskingMode::Static { dupe_factor: 3 },
@@ -146,7 +144,7 @@ fn whole_word_masking_takes_all_pieces_of_a_word() {
         whole_word: true,
         ..MaskingConfig::default()
     };
-    let seqs = sequences(&tok, "corpus/en-fortunes/fortunes.txt", 2000);
+    let seqs = sequences(&tok, "corpora/en-fortunes/fortunes.txt", 2000);
     let mut multi_piece_words_masked = 0;
     for seq in &seqs {
         let words = candidate_words(&seq.ids, true, &vocab);
@@ -175,7 +173,7 @@ fn whole_word_masking_takes_all_pieces_of_a_word() {
 fn cjk_characters_are_words_of_their_own() {
     let tok = tokenizer();
     let vocab = MaskingVocab::from_tokenizer(&tok);
-    let seqs = sequences(&tok, "corpus/zh-poetry/poetry.txt", 500);
+    let seqs = sequences(&tok, "corpora/zh-poetry/poetry.txt", 500);
     let config = MaskingConfig {
         whole_word: true,
         ..MaskingConfig::default()

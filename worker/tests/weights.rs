@@ -5,7 +5,7 @@ use keel_proto::config::BertConfig;
 use keel_proto::params::{Heads, ParamLayout};
 use keel_proto::weights::{WeightsError, load_safetensors, save_safetensors, tensor_names};
 
-const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures");
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures");
 
 #[test]
 fn save_load_round_trips_bit_exactly_with_hf_names() {

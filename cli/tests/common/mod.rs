@@ -49,19 +49,10 @@ pub fn sibling(name: &str) -> PathBuf {
     path
 }
 
-/// `../shared/corpus/NAME` from the crate.
-pub fn corpus(name: &str) -> PathBuf {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/corpus")).join(name)
-}
-
-/// `../shared/fixtures/NAME` from the crate.
-pub fn fixture(name: &str) -> PathBuf {
-    Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/fixtures"
-    ))
-    .join(name)
-}
+#[path = "../../../fixtures/testdata.rs"]
+mod testdata;
+#[allow(unused_imports)] // each test binary uses some of them
+pub use testdata::{corpus, fixture};
 
 /// A small job: tiny BERT, sequences of 64 tokens, a small vocabulary.
 pub struct JobFile {

@@ -1,4 +1,4 @@
-//! Loading the PyTorch reference fixtures (../shared/fixtures) for the tests.
+//! Loading the PyTorch reference fixtures (fixtures/ in the repository) for the tests.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
@@ -9,7 +9,7 @@ use keel_proto::weights::load_tensors_f64;
 use keel_worker::batch::Batch;
 use ndarray::Array2;
 
-const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures");
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures");
 
 pub struct Fixture {
     pub dir: String,
