@@ -168,9 +168,10 @@ impl View {
         let eta = self.eta.seconds_left(status.max_steps);
         let text = progress_text(status, eta);
         if let Some(pb) = &self.bar {
-            // The bar once the job runs with a known length; before that a spinner, so that
-            // the first frame is not a full bar at "0/0 steps".
-            let want_bar = running && status.max_steps > 0;
+            // The bar once the job runs with a known length (and from then on, so that the
+            // last frame shows where it ended); before that a spinner, so that the first frame
+            // is not a full bar at "0/0 steps".
+            let want_bar = status.max_steps > 0 && (running || self.bar_style);
             if want_bar != self.bar_style {
                 pb.set_style(if want_bar {
                     bar_style()
