@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 /// Where the coordinator is and how to prove membership of its cluster.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Conn {
-    /// The coordinator, host:port.
+    /// The coordinator, host:port (a host alone means port 7070).
     #[arg(long, env = "KEEL_COORDINATOR", default_value = "127.0.0.1:7070")]
     pub coordinator: String,
     #[command(flatten)]
@@ -46,14 +46,15 @@ pub enum Command {
         #[command(flatten)]
         conn: Conn,
     },
-    /// Print the jobs the coordinator knows.
+    /// Print the jobs the coordinator knows (a failed job's reason after its row).
     Jobs {
         #[command(flatten)]
         conn: Conn,
     },
     /// Print one job's status as JSON.
     Status(JobArg),
-    /// Follow a job with a progress bar (step, loss, tokens/s, ETA) until it ends.
+    /// Follow a job until it ends: progress (step, loss, tokens/s, ETA) on stderr, a bar on a
+    /// terminal and plain lines otherwise; the outcome line on stdout.
     Watch(JobArg),
     /// Cancel a job.
     Cancel(JobArg),

@@ -23,7 +23,7 @@ use tokio::net::TcpListener;
 /// Settings of a worker process.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
-    /// The coordinator, host:port.
+    /// The coordinator, host:port (a host alone means port 7070).
     #[arg(long, env = "KEEL_COORDINATOR", default_value = "127.0.0.1:7070")]
     pub coordinator: String,
     /// Address to listen on for ring peers.
