@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 /// Where the coordinator is and how to prove membership of its cluster.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Conn {
-    /// The coordinator, host:port.
+    /// The coordinator, host:port (a host alone means port 7070).
     #[arg(long, env = "KEEL_COORDINATOR", default_value = "127.0.0.1:7070")]
     pub coordinator: String,
     #[command(flatten)]
@@ -46,14 +46,15 @@ pub enum Command {
         #[command(flatten)]
         conn: Conn,
     },
-    /// Print the jobs the coordinator knows.
+    /// Print the jobs the coordinator knows (a failed job's reason after its row).
     Jobs {
         #[command(flatten)]
         conn: Conn,
     },
     /// Print one job's status as JSON.
     Status(JobArg),
-    /// Follow a job with a progress bar (step, loss, tokens/s, ETA) until it ends.
+    /// Follow a job until it ends: progress (step, loss, tokens/s, ETA) on stderr, a bar on a
+    /// terminal and plain lines otherwise; the outcome line on stdout.
     Watch(JobArg),
     /// Cancel a job.
     Cancel(JobArg),
@@ -111,12 +112,13 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
                         "-".to_string()
                     };
                     outln!(
-                        "{:<10} {:<20} {:>12} {:>9}  {}",
+                        "{:<10} {:<20} {:>12} {:>9}  {}{}",
                         j.job_id,
                         state_name(j.state),
                         format!("{}/{}", j.step, j.max_steps),
                         loss,
-                        j.workers.join(", ")
+                        j.workers.join(", "),
+                        failure_note(&j)
                     );
                 }
                 Ok(())
@@ -127,8 +129,7 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
                     .get_job(GetJobRequest {
                         job_id: a.job.clone(),
                     })
-                    .await
-                    .with_context(|| format!("job {}", a.job))?
+                    .await?
                     .into_inner();
                 outln!("{}", serde_json::to_string_pretty(&status_json(&s))?);
                 Ok(())
@@ -136,6 +137,9 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
             Command::Watch(a) => {
                 let mut client = connect(&a.conn)?;
                 let s = watch::watch(&mut client, &a.job, true).await?;
+                // The result goes to stdout (`keel watch job > file` keeps it); the progress
+                // went to stderr.
+                outln!("{}", watch::outcome_line(&s));
                 finished_ok(&s)
             }
             Command::Cancel(a) => {
@@ -144,8 +148,7 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
                     .cancel_job(CancelJobRequest {
                         job_id: a.job.clone(),
                     })
-                    .await
-                    .with_context(|| format!("cancelling {}", a.job))?
+                    .await?
                     .into_inner();
                 outln!("{} {}", s.job_id, state_name(s.state));
                 Ok(())
@@ -161,64 +164,10 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
         }
     });
     match coordinator {
-        Some(addr) => result.map_err(|e| explain_unreachable(e, &addr)),
+        Some(addr) => result.map_err(|e| {
+            crate::errors::explain(e, &keel_worker::client::coordinator_address(&addr))
+        }),
         None => result,
-    }
-}
-
-/// Turns "the coordinator is not there" (gRPC UNAVAILABLE from a failed connect) and "the
-/// coordinator refused our token" (UNAUTHENTICATED) into one plain sentence naming the
-/// address; other errors pass through unchanged.
-fn explain_unreachable(e: anyhow::Error, addr: &str) -> anyhow::Error {
-    if crate::output::is_closed_pipe(&e) {
-        return e;
-    }
-    let unavailable = e.chain().any(|cause| {
-        cause
-            .downcast_ref::<tonic::Status>()
-            .is_some_and(|s| s.code() == tonic::Code::Unavailable)
-    });
-    let refusal = e.chain().find_map(|cause| {
-        cause
-            .downcast_ref::<tonic::Status>()
-            .filter(|s| s.code() == tonic::Code::Unauthenticated)
-    });
-    if let Some(status) = refusal {
-        return anyhow::anyhow!(
-            "the coordinator at {addr} refused the cluster token: {}; give the cluster's token \
-             file with --token-file or KEEL_TOKEN_FILE",
-            status.message()
-        );
-    }
-    // A plaintext call to a TLS server ends in an HTTP/2 framing error, or (depending on
-    // timing) in the server closing the connection under the client, which surfaces as a
-    // cancelled call or as a broken pipe deep in the transport error's sources: say what it may
-    // mean.
-    let tls_mismatch = e.chain().any(|cause| {
-        let m = cause.to_string().to_ascii_lowercase();
-        let cancelled = cause
-            .downcast_ref::<tonic::Status>()
-            .is_some_and(|s| s.code() == tonic::Code::Cancelled);
-        m.contains("h2 protocol error")
-            || m.contains("broken pipe")
-            || m.contains("connection reset")
-            || (cancelled && m.contains("cancel"))
-    });
-    if tls_mismatch {
-        return anyhow::anyhow!(
-            "the coordinator at {addr} broke off the connection ({}): if it serves TLS, pass \
-             --tls-ca (or KEEL_TLS_CA) with the CA that signed its certificate",
-            e.root_cause()
-        );
-    }
-    if unavailable {
-        anyhow::anyhow!(
-            "cannot reach the coordinator at {addr} ({}): is keel-coordinator running there? \
-             (set it with --coordinator or KEEL_COORDINATOR)",
-            e.root_cause()
-        )
-    } else {
-        e
     }
 }
 
@@ -257,9 +206,20 @@ pub async fn submit(
             spec_toml: text,
             origin: job_file.display().to_string(),
         })
-        .await
-        .map_err(|s| anyhow::anyhow!("submitting {}: {}", job_file.display(), s.message()))?;
+        // No context of our own: the coordinator's refusal already names the job file
+        // (`origin`), and errors::explain keeps its message and drops gRPC's wrapping.
+        .await?;
     Ok(reply.into_inner().job_id)
+}
+
+/// `  reason: ...` after a failed job's row in `keel jobs` (its error's first line); empty
+/// for other jobs.
+fn failure_note(job: &JobStatus) -> String {
+    let failed = JobState::try_from(job.state) == Ok(JobState::Failed);
+    match job.error.lines().next() {
+        Some(reason) if failed && !reason.is_empty() => format!("  reason: {reason}"),
+        _ => String::new(),
+    }
 }
 
 /// `running`, `completed`, ...

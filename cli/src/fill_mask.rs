@@ -70,12 +70,20 @@ pub fn fill_mask(
     text: &str,
     k: usize,
 ) -> anyhow::Result<Vec<Vec<Candidate>>> {
+    if !dir.is_dir() {
+        anyhow::bail!(
+            "{}: no such checkpoint folder (give a folder from `keel pull --out` or \
+             `save_pretrained`)",
+            dir.display()
+        );
+    }
     // A folder Keel wrote carries a manifest: refuse it when a file was truncated or altered.
     // A folder from `save_pretrained` has none and is read as it is.
     keel_proto::checkpoint::verify_dir(dir)
         .with_context(|| format!("checking the checkpoint {}", dir.display()))?;
     let tokenizer = KeelTokenizer::from_tokenizer_json(&dir.join("tokenizer.json"))
-        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+        // The tokenizer's error names the file (with the folder): no second mention here.
+        .context("loading the tokenizer")?;
     let config = BertConfig::from_json_file(dir.join("config.json"))?;
     let heads = config.heads();
     let layout = ParamLayout::bert(&config, heads);
@@ -141,6 +149,20 @@ mod tests {
 
     fn refusal(dir: &std::path::Path) -> String {
         format!("{:#}", fill_mask(dir, "a [MASK]", 3).unwrap_err())
+    }
+
+    #[test]
+    fn a_missing_folder_or_tokenizer_is_named_once() {
+        let root = tempfile::tempdir().unwrap();
+        let missing = root.path().join("no-ckpt");
+        let text = refusal(&missing);
+        assert_eq!(text.matches("no-ckpt").count(), 1, "{text}");
+        assert!(text.contains("no such checkpoint folder"), "{text}");
+        let empty = root.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        let text = refusal(&empty);
+        assert_eq!(text.matches("empty").count(), 1, "{text}");
+        assert!(text.contains("tokenizer.json"), "{text}");
     }
 
     #[test]

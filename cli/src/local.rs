@@ -229,10 +229,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         )?;
     }
     if !args.quiet {
+        // A temporary work folder is removed after a successful run: name it only where it
+        // stays (--work-dir); on failure its logs are kept and named below.
+        let where_logs = if tmp.is_some() {
+            "logs are kept if the run fails (or give --work-dir)".to_string()
+        } else {
+            format!("logs in {}", logs.display())
+        };
         errln!(
-            "keel local: coordinator {coord_addr}, {} worker(s) x {threads} thread(s); logs in {}",
+            "keel local: coordinator {coord_addr}, {} worker(s) x {threads} thread(s); {where_logs}",
             args.workers,
-            logs.display()
         );
     }
     let started = Instant::now();

@@ -4,6 +4,8 @@
 use clap::{Parser, Subcommand};
 
 mod client;
+mod errors;
+mod eta;
 mod fill_mask;
 mod inspect;
 mod local;
@@ -34,7 +36,14 @@ enum Command {
     Client(client::Command),
 }
 
-fn main() -> anyhow::Result<()> {
+/// Runs the command. An error ends as one line on stderr (`Error: ` and its causes) and exit
+/// status 1, with no backtrace even when `RUST_BACKTRACE` is set: a missing file or an unknown
+/// job is not a crash (panics still print theirs).
+fn main() -> std::process::ExitCode {
+    keel_proto::report::exit_on_error(run())
+}
+
+fn run() -> anyhow::Result<()> {
     // SIGPIPE stays ignored (Rust's default): a closed pipe on our output is handled where we
     // print (see output.rs), and a socket the coordinator closes must be an error, not death.
     let cli = Cli::parse();

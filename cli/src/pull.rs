@@ -60,7 +60,7 @@ pub async fn pull(
             step: step.unwrap_or(0),
         })
         .await
-        .map_err(|s| anyhow::anyhow!("pulling {job}: {}", s.message()))?
+        .with_context(|| format!("pulling {job}"))?
         .into_inner();
     let files = receive_files(stream, tmp.path(), None).await?;
     let manifest = Manifest::read(tmp.path())?;
@@ -75,7 +75,7 @@ pub async fn pull(
             job_id: job.to_string(),
         })
         .await
-        .map_err(|s| anyhow::anyhow!("pulling the metrics of {job}: {}", s.message()))?
+        .with_context(|| format!("pulling the metrics of {job}"))?
         .into_inner();
     receive_files(metrics, tmp.path(), Some(METRICS_FILE)).await?;
     let metrics_path = tmp.path().join(METRICS_FILE);
@@ -110,7 +110,7 @@ where
     let mut names = Vec::new();
     let mut current: Option<(String, std::fs::File, Sha256, u64)> = None;
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|s| anyhow::anyhow!("transfer: {}", s.message()))?;
+        let chunk = chunk.context("receiving files from the coordinator")?;
         check_plain_name(&chunk.name)
             .with_context(|| format!("the coordinator sent a file named {:?}", chunk.name))?;
         if let Some(only) = only

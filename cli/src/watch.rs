@@ -1,47 +1,41 @@
-//! `keel watch`: a live progress bar (step, loss, tokens/s, ETA) fed by the coordinator's
-//! `WatchJob` stream.
+//! `keel watch`: a job's progress (state, step, loss, tokens/s, ETA) fed by the coordinator's
+//! `WatchJob` stream, on stderr; the caller prints the outcome ([`outcome_line`]) on stdout.
+//!
+//! On a terminal it is an indicatif bar: a spinner and the state until the job runs and its
+//! step count is known (never a full bar at "0/0"), then the bar. When stderr is not a
+//! terminal (`2> file`, CI logs) it prints plain lines instead, on each change of state and at
+//! most every [`PLAIN_EVERY`] otherwise. The ETA comes from [`crate::eta`].
 
 use crate::client::state_name;
+use crate::eta::{Eta, eta_text};
 use crate::output::errln;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{GetJobRequest, JobState, JobStatus};
+use std::time::{Duration, Instant};
 
 /// How long `keel watch` keeps trying to reconnect when the coordinator goes away (it may be
 /// restarting: jobs survive a restart).
-const RECONNECT_FOR: std::time::Duration = std::time::Duration::from_secs(60);
+const RECONNECT_FOR: Duration = Duration::from_secs(60);
 
 /// Seconds between plain progress lines when stderr is not a terminal.
-const PLAIN_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+pub const PLAIN_EVERY: Duration = Duration::from_secs(10);
 
-/// Follows `job` until it ends and returns its last status. With `bar`, draws a progress bar
-/// on stderr, or, when stderr is not a terminal, prints a plain line on every change of state
-/// and at most every 5 s otherwise; without, prints nothing. When the stream breaks (the
-/// coordinator restarting, say), it reconnects for up to 60 s.
+/// Follows `job` until it ends and returns its last status. With `show`, shows progress on
+/// stderr (a bar on a terminal, plain lines otherwise); without, prints nothing. When the
+/// stream breaks (the coordinator restarting, say), it reconnects for up to 60 s.
 ///
 /// Errors: the job is unknown, or the coordinator stays unreachable for 60 s.
 pub async fn watch(
     client: &mut CoordinatorClient<keel_proto::auth::AuthChannel>,
     job: &str,
-    bar: bool,
+    show: bool,
 ) -> anyhow::Result<JobStatus> {
     let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let pb = if bar && terminal {
-        ProgressBar::new(0)
-    } else {
-        ProgressBar::hidden()
-    };
-    pb.set_style(
-        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} steps | {msg} | ETA {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
-    );
-    pb.set_prefix(job.to_string());
-    let plain = bar && !terminal;
+    let mut view = View::new(job, show && terminal, show && !terminal);
     let mut last: Option<JobStatus> = None;
-    let mut last_line = std::time::Instant::now() - PLAIN_EVERY;
-    let mut broken_since: Option<std::time::Instant> = None;
+    let mut broken_since: Option<Instant> = None;
     'reconnect: loop {
         let opened = client
             .watch_job(GetJobRequest {
@@ -51,58 +45,34 @@ pub async fn watch(
         let mut stream = match opened {
             Ok(s) => s.into_inner(),
             Err(e) if retryable(&e) => {
-                let since = *broken_since.get_or_insert_with(std::time::Instant::now);
+                let since = *broken_since.get_or_insert_with(Instant::now);
                 if since.elapsed() > RECONNECT_FOR {
                     return Err(e).with_context(|| format!("watching {job}"));
                 }
-                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                tokio::time::sleep(Duration::from_secs(1)).await;
                 continue 'reconnect;
             }
-            Err(e) => return Err(e).with_context(|| format!("watching {job}")),
+            Err(e) => return Err(e.into()),
         };
         loop {
             let status = match stream.message().await {
                 Ok(Some(status)) => status,
                 Ok(None) => break 'reconnect,
                 Err(e) if retryable(&e) => {
-                    if plain {
-                        errln!(
-                            "{job}: lost the coordinator ({}); reconnecting",
-                            e.message()
-                        );
-                    }
-                    broken_since = Some(std::time::Instant::now());
-                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    view.note(&format!(
+                        "{job}: lost the coordinator ({}); reconnecting",
+                        e.message()
+                    ));
+                    broken_since = Some(Instant::now());
+                    tokio::time::sleep(Duration::from_secs(1)).await;
                     continue 'reconnect;
                 }
                 Err(e) => return Err(e).with_context(|| format!("watching {job}")),
             };
-            pb.set_length(status.max_steps);
-            pb.set_position(status.step);
-            let state = JobState::try_from(status.state).unwrap_or(JobState::Unspecified);
-            let msg = if state == JobState::Running && status.loss.is_finite() {
-                let mut m = format!(
-                    "loss {:.4} | {:.1}k tok/s | {:.0} ms/step",
-                    status.loss,
-                    status.tokens_per_second / 1e3,
-                    status.step_seconds * 1e3
-                );
-                if status.eval_loss.is_finite() {
-                    m.push_str(&format!(" | eval {:.4}", status.eval_loss));
-                }
-                m
-            } else {
-                state_name(status.state).to_string()
-            };
-            let changed = last.as_ref().is_none_or(|l| l.state != status.state);
-            if plain && (changed || last_line.elapsed() >= PLAIN_EVERY) {
-                errln!("{job}: step {}/{} | {msg}", status.step, status.max_steps);
-                last_line = std::time::Instant::now();
-            }
-            pb.set_message(msg);
+            view.show(&status, last.as_ref());
             let finished = matches!(
-                state,
-                JobState::Completed | JobState::Failed | JobState::Cancelled
+                JobState::try_from(status.state),
+                Ok(JobState::Completed | JobState::Failed | JobState::Cancelled)
             );
             last = Some(status);
             if finished {
@@ -110,23 +80,148 @@ pub async fn watch(
             }
         }
     }
-    pb.finish();
-    let status =
-        last.ok_or_else(|| anyhow::anyhow!("the coordinator closed the watch of {job}"))?;
-    if bar {
-        errln!(
-            "{job}: {} at step {}/{}{}",
-            state_name(status.state),
-            status.step,
-            status.max_steps,
-            if status.loss.is_finite() {
-                format!(", loss {:.4}", status.loss)
-            } else {
-                String::new()
-            }
-        );
+    view.finish();
+    last.ok_or_else(|| anyhow::anyhow!("the coordinator closed the watch of {job}"))
+}
+
+/// `job-1: completed at step 200/200, loss 5.1234`: how a watched job ended.
+pub fn outcome_line(status: &JobStatus) -> String {
+    format!(
+        "{}: {} at step {}/{}{}",
+        status.job_id,
+        state_name(status.state),
+        status.step,
+        status.max_steps,
+        if status.loss.is_finite() {
+            format!(", loss {:.4}", status.loss)
+        } else {
+            String::new()
+        }
+    )
+}
+
+/// `loss 5.1234 | 12.3k tok/s | 250 ms/step | ETA 3m 20s` for a running job; the state's
+/// name otherwise (no ETA while preparing or waiting).
+pub fn progress_text(status: &JobStatus, eta_seconds: Option<f64>) -> String {
+    let running = JobState::try_from(status.state) == Ok(JobState::Running);
+    if !running {
+        return state_name(status.state).to_string();
     }
-    Ok(status)
+    let mut m = String::new();
+    if status.loss.is_finite() {
+        m.push_str(&format!(
+            "loss {:.4} | {:.1}k tok/s | {:.0} ms/step | ",
+            status.loss,
+            status.tokens_per_second / 1e3,
+            status.step_seconds * 1e3
+        ));
+        if status.eval_loss.is_finite() {
+            m.push_str(&format!("eval {:.4} | ", status.eval_loss));
+        }
+    } else {
+        m.push_str("running | ");
+    }
+    m.push_str(&eta_text(eta_seconds));
+    m
+}
+
+/// What `watch` shows: a bar (terminal), plain lines (not a terminal), or nothing.
+struct View {
+    job: String,
+    bar: Option<ProgressBar>,
+    /// Whether the bar shows the step bar yet (else the spinner with the state).
+    bar_style: bool,
+    plain: bool,
+    last_line: Option<Instant>,
+    eta: Eta,
+    started: Instant,
+}
+
+impl View {
+    fn new(job: &str, bar: bool, plain: bool) -> View {
+        let bar = bar.then(|| {
+            let pb = ProgressBar::new_spinner();
+            pb.set_style(spinner_style());
+            pb.set_prefix(job.to_string());
+            pb.enable_steady_tick(Duration::from_millis(200));
+            pb
+        });
+        View {
+            job: job.to_string(),
+            bar,
+            bar_style: false,
+            plain,
+            last_line: None,
+            eta: Eta::default(),
+            started: Instant::now(),
+        }
+    }
+
+    fn show(&mut self, status: &JobStatus, last: Option<&JobStatus>) {
+        let running = JobState::try_from(status.state) == Ok(JobState::Running);
+        if running {
+            self.eta
+                .observe(self.started.elapsed().as_secs_f64(), status.step);
+        } else {
+            self.eta.reset();
+        }
+        let eta = self.eta.seconds_left(status.max_steps);
+        let text = progress_text(status, eta);
+        if let Some(pb) = &self.bar {
+            // The bar once the job runs with a known length (and from then on, so that the
+            // last frame shows where it ended); before that a spinner, so that the first frame
+            // is not a full bar at "0/0 steps".
+            let want_bar = status.max_steps > 0 && (running || self.bar_style);
+            if want_bar != self.bar_style {
+                pb.set_style(if want_bar {
+                    bar_style()
+                } else {
+                    spinner_style()
+                });
+                self.bar_style = want_bar;
+            }
+            pb.set_length(status.max_steps);
+            pb.set_position(status.step);
+            pb.set_message(text.clone());
+        }
+        let changed = last.is_none_or(|l| l.state != status.state);
+        let due = self.last_line.is_none_or(|t| t.elapsed() >= PLAIN_EVERY);
+        if self.plain && (changed || due) {
+            errln!(
+                "{}: step {}/{} | {text}",
+                self.job,
+                status.step,
+                status.max_steps
+            );
+            self.last_line = Some(Instant::now());
+        }
+    }
+
+    /// A line outside the bar (lost connection), in either mode.
+    fn note(&self, line: &str) {
+        match &self.bar {
+            Some(pb) => pb.println(line),
+            None if self.plain => errln!("{line}"),
+            None => {}
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(pb) = &self.bar {
+            pb.finish();
+        }
+    }
+}
+
+fn spinner_style() -> ProgressStyle {
+    ProgressStyle::with_template("{prefix} {spinner} {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_spinner())
+}
+
+fn bar_style() -> ProgressStyle {
+    ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} steps | {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ")
 }
 
 /// Whether a broken watch is worth reopening: the coordinator went away or restarted.
@@ -138,4 +233,46 @@ fn retryable(status: &tonic::Status) -> bool {
             | tonic::Code::Internal
             | tonic::Code::Cancelled
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(state: JobState, step: u64, max_steps: u64, loss: f64) -> JobStatus {
+        JobStatus {
+            job_id: "job-1".into(),
+            state: state as i32,
+            step,
+            max_steps,
+            loss,
+            tokens_per_second: 12_345.0,
+            step_seconds: 0.25,
+            eval_loss: f64::NAN,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn no_eta_while_preparing_and_dashes_until_an_estimate() {
+        let preparing = status(JobState::Preparing, 0, 200, f64::NAN);
+        assert_eq!(progress_text(&preparing, Some(10.0)), "preparing");
+        let first = status(JobState::Running, 1, 200, 6.5);
+        assert_eq!(
+            progress_text(&first, None),
+            "loss 6.5000 | 12.3k tok/s | 250 ms/step | ETA --"
+        );
+        assert!(progress_text(&first, Some(125.0)).ends_with("ETA 2m 05s"));
+    }
+
+    #[test]
+    fn the_outcome_names_state_step_and_loss() {
+        let done = status(JobState::Completed, 200, 200, 5.25);
+        assert_eq!(
+            outcome_line(&done),
+            "job-1: completed at step 200/200, loss 5.2500"
+        );
+        let failed = status(JobState::Failed, 0, 200, f64::NAN);
+        assert_eq!(outcome_line(&failed), "job-1: failed at step 0/200");
+    }
 }

@@ -6,8 +6,9 @@
 //!
 //! # Layout
 //! - `job_specs`: SubmitJob with TOML that cannot be a job (refused at submit).
-//! - `prepared_inputs`: jobs whose corpus, vocabulary, model config or init_checkpoint is bad
-//!   (they fail while preparing, naming the file or field).
+//! - `prepared_inputs`: jobs whose corpus, vocabulary, model config or init_checkpoint is bad:
+//!   a path that is not there is refused at submit, a file that is there but unusable fails
+//!   the job while preparing, naming the file or field.
 //! - `coordinator_rpcs`: RPC fields sent directly (unknown ids, stale generations, names outside
 //!   the job, uploads with path names or NaN weights, oversized messages).
 //! - `ring_frames`: frames sent directly to a worker's ring service.
@@ -297,12 +298,27 @@ async fn prepared_inputs(client: &mut Coord, root: &Path, corpus: &Path) {
     let cfg = |p: &Path| format!("config = \"{}\"", p.display());
     let missing_corpus = dir.join("no-such-corpus.txt");
     let missing_vocab = dir.join("no-such-vocab.txt");
-    let cases: Vec<(&str, String, Vec<String>)> = vec![
+    // Paths that are not there are refused at submit (not found later while preparing),
+    // naming the key and the path.
+    for (what, toml, key, path) in [
         (
             "missing corpus path",
             job_toml(&missing_corpus, &vocab(), tiny, 2, 2),
-            vec!["no-such-corpus.txt".into()],
+            "data.corpus",
+            &missing_corpus,
         ),
+        (
+            "missing vocab file",
+            job_toml(corpus, &missing_vocab, tiny, 2, 2),
+            "data.vocab",
+            &missing_vocab,
+        ),
+    ] {
+        let result = submit(client, toml, what).await;
+        let path = path.display().to_string();
+        assert_refused(what, result, Code::InvalidArgument, &[key, &path]);
+    }
+    let cases: Vec<(&str, String, Vec<String>)> = vec![
         (
             "empty corpus",
             job_toml(&empty, &vocab(), tiny, 2, 2),
@@ -312,11 +328,6 @@ async fn prepared_inputs(client: &mut Coord, root: &Path, corpus: &Path) {
             "binary corpus",
             job_toml(&binary, &vocab(), tiny, 2, 2),
             vec!["binary.txt".into()],
-        ),
-        (
-            "missing vocab file",
-            job_toml(corpus, &missing_vocab, tiny, 2, 2),
-            vec!["no-such-vocab.txt".into()],
         ),
         (
             "vocab without [MASK] and [CLS]",

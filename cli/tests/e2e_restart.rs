@@ -285,8 +285,11 @@ fn a_corrupt_job_state_is_skipped_with_an_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
     let (mut coord, addr) = coordinator(root, "coordinator-1");
-    // A job that fails at preparation (no such corpus): finished without any worker.
-    let job = JobFile::new(root.join("no-such-corpus.txt"));
+    // A job that fails at preparation (a corpus with no text; a path that is not there is
+    // refused at submit): finished without any worker.
+    let empty = root.join("empty-corpus.txt");
+    std::fs::write(&empty, "").unwrap();
+    let job = JobFile::new(empty);
     let job_id = submit(&job.write(root), &addr, root);
     let failed = poll(Duration::from_secs(60), || {
         let s = status(&job_id, &addr, root);

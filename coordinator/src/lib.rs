@@ -13,6 +13,7 @@
 //! - `prepare_job`: a job's data (via `data`), its model config and each rank's files.
 //! - `persist`: each job's record in `job-state.json`, saved on change, restored on start.
 //! - `store`: the checkpoint store (upload, list, pull) in the job's folder.
+//! - `submit_check`: a submitted job's paths (corpus, vocab, config, init_checkpoint) exist.
 //! - `files`: streams a file as checksummed chunks.
 //! - `error`: [`CoordinatorError`].
 //! - `data`: corpus preparation and worker shards.
@@ -29,6 +30,7 @@ pub mod server;
 pub mod service;
 pub mod state;
 pub mod store;
+pub mod submit_check;
 
 pub use error::CoordinatorError;
 pub use server::{Config, run};

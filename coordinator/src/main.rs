@@ -25,8 +25,13 @@ struct Args {
     tls: keel_proto::tls::ServerTlsArgs,
 }
 
-fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+fn main() -> std::process::ExitCode {
+    keel_proto::report::exit_on_error(run(Args::parse()))
+}
+
+/// Runs the coordinator until a shutdown signal; errors are printed by `main` as one line
+/// (a bad flag or a busy port is not a crash: no backtrace).
+fn run(args: Args) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(&args.log))
         .with_writer(std::io::stderr)

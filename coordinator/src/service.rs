@@ -110,6 +110,18 @@ impl Coordinator for CoordinatorService {
         };
         let spec =
             JobSpec::from_toml_str(&req.spec_toml, origin).map_err(CoordinatorError::from)?;
+        // Refuse now what preparation would fail on later (a corpus path that is not there):
+        // the user is at the terminal now. Walking folders touches the disk: off the runtime.
+        let (spec, checked) = {
+            let origin = origin.to_string();
+            tokio::task::spawn_blocking(move || {
+                let checked = crate::submit_check::check_paths(&spec, &origin);
+                (spec, checked)
+            })
+            .await
+            .map_err(|e| Status::internal(format!("checking the job's paths: {e}")))?
+        };
+        checked.map_err(CoordinatorError::from)?;
         let mut reg = self.shared.lock();
         reg.next_job += 1;
         let id = format!("job-{}", reg.next_job);
@@ -209,8 +221,22 @@ impl Coordinator for CoordinatorService {
                 job.checkpoints.last().copied().ok_or_else(|| {
                     CoordinatorError::NotFound(format!("job {} has no checkpoint yet", req.job_id))
                 })?
-            } else {
+            } else if job.checkpoints.contains(&req.step) {
                 req.step
+            } else {
+                // Say which steps can be pulled instead of only "not found".
+                let have = if job.checkpoints.is_empty() {
+                    "it has no checkpoint yet".to_string()
+                } else {
+                    let steps: Vec<String> =
+                        job.checkpoints.iter().map(|s| s.to_string()).collect();
+                    format!("its checkpoints are at steps {}", steps.join(", "))
+                };
+                return Err(CoordinatorError::NotFound(format!(
+                    "job {} has no checkpoint at step {}; {have}",
+                    req.job_id, req.step
+                ))
+                .into());
             };
             (job.dir.clone(), step)
         };
@@ -265,7 +291,16 @@ impl Coordinator for CoordinatorService {
             disconnected: false,
             holds: req.held.filter(|k| !k.job_id.is_empty()),
         };
-        tracing::info!(worker = %entry.describe(), threads = entry.threads, host = %entry.hostname, holds = %entry.holds.as_ref().map_or_else(String::new, |k| format!("{} generation {} step {}", k.job_id, k.generation, k.step)), "worker registered");
+        // Fields without a value (no host name sent, nothing held) are left out of the line
+        // rather than logged as `host= holds=`: a `None` field is not recorded.
+        let host = (!entry.hostname.is_empty()).then(|| tracing::field::display(&entry.hostname));
+        let holds = entry.holds.as_ref().map(|k| {
+            tracing::field::display(format!(
+                "{} generation {} step {}",
+                k.job_id, k.generation, k.step
+            ))
+        });
+        tracing::info!(worker = %entry.describe(), threads = entry.threads, host, holds, "worker registered");
         reg.workers.insert(id.clone(), entry);
         Ok(Response::new(RegisterReply {
             worker_id: id,

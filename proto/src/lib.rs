@@ -12,6 +12,7 @@
 //! - `protocol`: the control-plane protocol as numbered steps, and its timeouts.
 //! - `auth`, `tls`, `security`: the cluster token every call carries, optional TLS, and both
 //!   bundled for servers and clients.
+//! - `report`: how the binaries print an error and exit (one line, no backtrace).
 
 /// gRPC messages and services generated from `proto/keel.proto` (control plane).
 pub mod rpc {
@@ -35,6 +36,7 @@ pub mod incoming;
 pub mod jobspec;
 pub mod params;
 pub mod protocol;
+pub mod report;
 pub mod security;
 pub mod shard;
 pub mod split;

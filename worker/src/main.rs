@@ -30,13 +30,14 @@ enum Command {
     AllreducePeer(keel_worker::allreduce::bench::PeerArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     keel_worker::allocator::keep_freed_memory();
     let cli = Cli::parse();
-    match cli.command {
+    // Errors end as one line (keel_proto::report): a bad flag is not a crash, no backtrace.
+    keel_proto::report::exit_on_error(match cli.command {
         Some(Command::Bench(args)) => keel_worker::bench::run(args),
         Some(Command::BenchAllreduce(args)) => keel_worker::allreduce::bench::run(args),
         Some(Command::AllreducePeer(args)) => keel_worker::allreduce::bench::run_peer(args),
         None => keel_worker::serve::main(cli.serve),
-    }
+    })
 }

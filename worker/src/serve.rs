@@ -23,7 +23,7 @@ use tokio::net::TcpListener;
 /// Settings of a worker process.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
-    /// The coordinator, host:port.
+    /// The coordinator, host:port (a host alone means port 7070).
     #[arg(long, env = "KEEL_COORDINATOR", default_value = "127.0.0.1:7070")]
     pub coordinator: String,
     /// Address to listen on for ring peers.
@@ -324,7 +324,14 @@ async fn session(
     mailbox: Arc<Mailbox>,
     state: Arc<WorkerState>,
 ) -> Result<(), tonic::Status> {
-    let hostname = std::env::var("HOSTNAME").unwrap_or_default();
+    // $HOSTNAME is a shell variable that is seldom exported; the kernel's name is the fallback
+    // (empty only when neither exists: the coordinator then leaves the field out of its log).
+    let hostname = std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default();
     let held = state.held_key();
     let held_steps = held
         .as_ref()

@@ -10,19 +10,37 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// The token file every process of the tests' clusters uses (mode 600), made once per test
-/// binary in a temporary folder that lives as long as the process.
+/// binary in a temporary folder that is removed when the test binary exits.
 pub fn token_file() -> &'static Path {
-    static TOKEN: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    let (_dir, path) = TOKEN.get_or_init(|| {
+    static TOKEN: OnceLock<PathBuf> = OnceLock::new();
+    TOKEN.get_or_init(|| {
         let dir = tempfile::Builder::new()
             .prefix("keel-e2e-token-")
             .tempdir()
             .unwrap();
-        let path = dir.path().join("keel.token");
+        // A `TempDir` in a static is never dropped (Rust runs no destructors of statics), which
+        // left an empty keel-e2e-token-* folder in /tmp per test binary: remove it at exit.
+        let dir = dir.keep();
+        TOKEN_DIR.set(dir.clone()).unwrap();
+        // SAFETY: `remove_token_dir` is an `extern "C" fn()` that neither unwinds nor
+        // calls `exit`; registering it has no other precondition.
+        let registered = unsafe { libc::atexit(remove_token_dir) };
+        assert_eq!(registered, 0, "atexit failed");
+        let path = dir.join("keel.token");
         keel_proto::auth::ClusterToken::create_file(&path).unwrap();
-        (dir, path)
-    });
-    path
+        path
+    })
+}
+
+/// The folder of [`token_file`], for [`remove_token_dir`].
+static TOKEN_DIR: OnceLock<PathBuf> = OnceLock::new();
+
+/// Removes the token folder; run by the C library when the test binary exits (libtest ends
+/// through `exit` both when all tests pass and when some fail).
+extern "C" fn remove_token_dir() {
+    if let Some(dir) = TOKEN_DIR.get() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 /// A `Command` for `exe` with the test cluster token in its environment.
