@@ -257,6 +257,8 @@ impl Coordinator for CoordinatorService {
             number,
             advertise_addr: req.advertise_addr,
             threads: req.threads,
+            bf16_native: req.bf16_native,
+            bf16_detail: req.bf16_detail,
             hostname: req.hostname,
             last_seen: Instant::now(),
             job: None,
@@ -265,7 +267,7 @@ impl Coordinator for CoordinatorService {
             disconnected: false,
             holds: req.held.filter(|k| !k.job_id.is_empty()),
         };
-        tracing::info!(worker = %entry.describe(), threads = entry.threads, host = %entry.hostname, holds = %entry.holds.as_ref().map_or_else(String::new, |k| format!("{} generation {} step {}", k.job_id, k.generation, k.step)), "worker registered");
+        tracing::info!(worker = %entry.describe(), threads = entry.threads, bf16_native = entry.bf16_native, bf16 = %entry.bf16_detail, host = %entry.hostname, holds = %entry.holds.as_ref().map_or_else(String::new, |k| format!("{} generation {} step {}", k.job_id, k.generation, k.step)), "worker registered");
         reg.workers.insert(id.clone(), entry);
         Ok(Response::new(RegisterReply {
             worker_id: id,

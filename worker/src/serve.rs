@@ -325,6 +325,10 @@ async fn session(
     state: Arc<WorkerState>,
 ) -> Result<(), tonic::Status> {
     let hostname = std::env::var("HOSTNAME").unwrap_or_default();
+    // Probed once per process (CPUID, the kernel's AMX permission, a oneDNN bf16 matmul: a
+    // few milliseconds), then cached; the coordinator's `auto` precision needs it.
+    let bf16 = crate::model::bf16::support();
+    tracing::info!(native = bf16.native, detail = %bf16.detail, "bf16 GEMMs");
     let held = state.held_key();
     let held_steps = held
         .as_ref()
@@ -337,6 +341,8 @@ async fn session(
             hostname,
             held,
             held_steps,
+            bf16_native: bf16.native,
+            bf16_detail: bf16.detail.clone(),
         })
         .await?
         .into_inner();
