@@ -25,6 +25,8 @@ mod attention;
 mod bert;
 pub mod bf16;
 mod bf16_cpu;
+#[cfg(test)]
+mod bf16_gemm_tests;
 mod dropout;
 mod element;
 mod embeddings;
