@@ -21,6 +21,7 @@
 //! [train]
 //! micro_batch_size = 16
 //! max_steps = 300
+//! precision = "auto"                      # or "bf16", "fp32" (see crate::precision)
 //! [cluster]
 //! min_workers = 2
 //! max_workers = 2

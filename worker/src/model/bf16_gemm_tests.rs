@@ -85,6 +85,12 @@ fn check(
 /// smaller `n` and vocabulary to keep the fp64 reference quick.
 #[test]
 fn every_model_gemm_form_matches_fp64_of_rounded_inputs() {
+    // Native (oneDNN on AMX) where this CPU has it, emulated elsewhere: both must pass.
+    println!(
+        "bf16 route: {:?} ({})",
+        super::bf16::backend(),
+        super::bf16::support().detail
+    );
     let (n, c, f, t, d, v, m) = (256, 128, 512, 128, 64, 1000, 40);
     // Linear forward x W^T + b (projections, FFN in and out, MLM transform, pooler).
     for (i, o) in [(c, 3 * c), (c, f), (f, c)] {
