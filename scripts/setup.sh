@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and running Keel needs on a Debian or Ubuntu machine, and nothing
-# that is already there: OpenBLAS (libopenblas-dev), a C compiler, and the Rust toolchain
+# that is already there: OpenBLAS (libopenblas-dev), oneDNN (libdnnl-dev: the bf16 GEMMs, and
+# libgomp, which its Debian build runs on), a C compiler, and the Rust toolchain
 # (rustup, into ~/.cargo) when `cargo` is missing. Extra Debian packages can be named as
 # arguments (the demo adds bible-kjv, the tests iproute2 and friends).
 # Uses sudo when not root. Prints what it installs.
@@ -11,7 +12,7 @@ as_root() {
     echo "setup: need root (or sudo) to run: $*" >&2; exit 1; fi
 }
 
-want=(libopenblas-dev "$@")
+want=(libopenblas-dev libdnnl-dev "$@")
 command -v cc >/dev/null || want+=(build-essential)
 command -v cargo >/dev/null || [ -x "$HOME/.cargo/bin/cargo" ] || want+=(curl ca-certificates)
 missing=()

@@ -264,6 +264,8 @@ pub fn status_json(s: &JobStatus) -> serde_json::Value {
         "elapsed_seconds": s.elapsed_seconds,
         "recoveries": s.recoveries,
         "skipped_steps": s.skipped_steps,
+        // "fp32" or "bf16" once the job's first generation started; null before.
+        "precision": (!s.precision.is_empty()).then_some(&s.precision),
     })
 }
 

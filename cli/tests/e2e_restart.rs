@@ -124,6 +124,10 @@ fn a_completed_job_survives_kill_9_of_the_coordinator() {
     })
     .unwrap_or_else(|| panic!("the job did not end: {}", status(&job_id, &addr, root)));
     assert_eq!(done["state"], "completed", "{done}");
+    // `train.precision = "auto"`: decided once, from what the worker reported (fp32 without
+    // AMX, bf16 with it), shown by `keel status`, and kept across the restart (below).
+    let precision = done["precision"].as_str().unwrap_or_default().to_string();
+    assert!(precision == "fp32" || precision == "bf16", "{done}");
     let before_out = root.join("pull-before");
     run_keel(
         &[
@@ -136,6 +140,11 @@ fn a_completed_job_survives_kill_9_of_the_coordinator() {
         ],
         root,
     );
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(before_out.join("trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["precision"], precision.as_str(), "trainer_state.json");
 
     coord.child.kill().unwrap();
     coord.child.wait().unwrap();
@@ -160,6 +169,7 @@ fn a_completed_job_survives_kill_9_of_the_coordinator() {
         "workers",
         "loss",
         "error",
+        "precision",
     ] {
         assert_eq!(after[key], done[key], "{key} changed across the restart");
     }

@@ -1,6 +1,7 @@
 //! One job's record on the coordinator and its `JobStatus` snapshot.
 
 use keel_proto::jobspec::JobSpec;
+use keel_proto::precision::Precision;
 use keel_proto::rpc::{EvalReport, JobState, JobStatus, StepReport};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -62,6 +63,9 @@ pub struct Job {
     pub watch: watch::Sender<JobStatus>,
     /// Sequences per step, fixed by the first generation (0 before it).
     pub global_batch_size: u64,
+    /// GEMM precision, decided once when the first generation starts from `train.precision`
+    /// and its workers' bf16 reports (`None` before); kept by every later generation.
+    pub precision: Option<Precision>,
     /// Times the ring was re-formed after a loss.
     pub recoveries: u64,
     /// Steps whose update was skipped (non-finite), as rank 0 last reported.
@@ -103,6 +107,7 @@ impl Job {
             files: BTreeMap::new(),
             watch,
             global_batch_size: 0,
+            precision: None,
             recoveries: 0,
             skipped_steps: 0,
             regroup: None,
@@ -139,6 +144,9 @@ impl Job {
             elapsed_seconds: self.submitted.elapsed().as_secs_f64(),
             recoveries: self.recoveries,
             skipped_steps: self.skipped_steps,
+            precision: self
+                .precision
+                .map_or_else(String::new, |p| p.as_str().to_string()),
         }
     }
 

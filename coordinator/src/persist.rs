@@ -109,6 +109,10 @@ pub struct JobRecord {
     pub skipped_steps: u64,
     /// Sequences per optimizer step, fixed by the first generation; `None` before it.
     pub global_batch_size: Option<u64>,
+    /// GEMM precision decided for the job; `None` before its first generation (and in records
+    /// written before precisions existed).
+    #[serde(default)]
+    pub precision: Option<keel_proto::precision::Precision>,
     /// Submission time, milliseconds since the Unix epoch (wall clock).
     pub submitted_unix_ms: u64,
     /// The latest step and eval metrics.
@@ -134,6 +138,7 @@ impl JobRecord {
             recoveries: job.recoveries,
             skipped_steps: job.skipped_steps,
             global_batch_size: (job.global_batch_size > 0).then_some(job.global_batch_size),
+            precision: job.precision,
             submitted_unix_ms: job
                 .submitted_at
                 .duration_since(UNIX_EPOCH)
@@ -244,6 +249,7 @@ impl JobRecord {
         job.recoveries = self.recoveries;
         job.skipped_steps = self.skipped_steps;
         job.global_batch_size = self.global_batch_size.unwrap_or(0);
+        job.precision = self.precision;
         job.submitted_at = UNIX_EPOCH + Duration::from_millis(self.submitted_unix_ms);
         // Keep elapsed time counting from the real submission.
         let age = SystemTime::now()
@@ -540,6 +546,7 @@ max_steps = 10
             job.worker_names = vec!["w-1 (127.0.0.1:1)".into()];
             job.recoveries = 2;
             job.global_batch_size = 16;
+            job.precision = Some(keel_proto::precision::Precision::Bf16);
             job.skipped_steps = 1;
             job.last_step = Some(StepReport {
                 loss: 3.5,
@@ -564,6 +571,7 @@ max_steps = 10
             assert_eq!(job.worker_names, vec!["w-1 (127.0.0.1:1)".to_string()]);
             assert_eq!(job.recoveries, 2);
             assert_eq!(job.global_batch_size, 16);
+            assert_eq!(job.precision, Some(keel_proto::precision::Precision::Bf16));
             let status = job.status();
             assert_eq!(status.loss, 3.5);
             assert!(status.eval_loss.is_nan());

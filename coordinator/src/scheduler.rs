@@ -5,6 +5,7 @@ use crate::job::PreparedJob;
 use crate::prepare_job;
 use crate::recovery;
 use crate::state::Shared;
+use keel_proto::precision::WorkerBf16;
 use keel_proto::protocol::{FILE_CHUNK_BYTES, HEARTBEAT_TIMEOUT};
 use keel_proto::rpc::{JobState, StartJob, StateSource, TrainingKey, worker_command};
 use std::path::PathBuf;
@@ -319,12 +320,37 @@ async fn start_ranks(shared: Arc<Shared>, launch: Launch) {
                 .unwrap_or_default()
         })
         .collect();
+    let bf16_reports: Vec<WorkerBf16> = launch
+        .workers
+        .iter()
+        .map(|w| WorkerBf16 {
+            worker: w.clone(),
+            native: reg.workers.get(w).is_some_and(|e| e.bf16_native),
+            detail: reg
+                .workers
+                .get(w)
+                .map_or_else(String::new, |e| e.bf16_detail.clone()),
+        })
+        .collect();
     let Ok(job) = reg.job_mut(job_id) else {
         return;
     };
     if job.generation != launch.generation || job.state != JobState::Running {
         return;
     }
+    // Decided once per job, by the first generation's workers; later generations (growth,
+    // recovery, a coordinator restart: the record keeps it) run in the same precision, so a
+    // resumed job does not change its arithmetic midway.
+    let precision = match job.precision {
+        Some(p) => p,
+        None => {
+            let (p, why) = job.spec.train.precision.decide(&bf16_reports);
+            tracing::info!(job = %job_id, precision = %p, reason = %why, "GEMM precision decided");
+            job.precision = Some(p);
+            job.publish();
+            p
+        }
+    };
     for files in &per_rank {
         for (name, path, _) in files {
             job.files.insert(name.clone(), path.clone());
@@ -354,6 +380,7 @@ async fn start_ranks(shared: Arc<Shared>, launch: Launch) {
             state_root_rank: launch.root_rank,
             global_batch_size: launch.global_batch,
             checkpoint_first: launch.checkpoint_first && rank == 0,
+            precision: precision.as_str().to_string(),
         };
         let sent = reg
             .workers

@@ -283,6 +283,8 @@ impl Coordinator for CoordinatorService {
             number,
             advertise_addr: req.advertise_addr,
             threads: req.threads,
+            bf16_native: req.bf16_native,
+            bf16_detail: req.bf16_detail,
             hostname: req.hostname,
             last_seen: Instant::now(),
             job: None,
@@ -300,7 +302,7 @@ impl Coordinator for CoordinatorService {
                 k.job_id, k.generation, k.step
             ))
         });
-        tracing::info!(worker = %entry.describe(), threads = entry.threads, host, holds, "worker registered");
+        tracing::info!(worker = %entry.describe(), threads = entry.threads, bf16_native = entry.bf16_native, bf16 = %entry.bf16_detail, host, holds, "worker registered");
         reg.workers.insert(id.clone(), entry);
         Ok(Response::new(RegisterReply {
             worker_id: id,

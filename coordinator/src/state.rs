@@ -25,6 +25,10 @@ pub struct WorkerEntry {
     pub advertise_addr: String,
     /// Compute threads it runs.
     pub threads: u32,
+    /// Whether it has native bf16 GEMMs that pay (what it reported at registration).
+    pub bf16_native: bool,
+    /// Its reason for `bf16_native`, for logs and the precision decision's message.
+    pub bf16_detail: String,
     /// Its host name, for people.
     pub hostname: String,
     /// Last heartbeat (or registration).

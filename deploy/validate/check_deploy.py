@@ -83,7 +83,11 @@ DEPLOY_OWN_ENV_PREFIXES = ("KEEL_SLURM_", "KEEL_MH_", "KEEL_VALIDATE_")
 # Packages a debian:bookworm-slim image already has that a Rust binary may link.
 SLIM_BASE_PACKAGES = {"libc6", "libgcc-s1", "libstdc++6", "zlib1g"}
 # Pulled in by libgfortran5 (a Depends), so present whenever it is.
-IMPLIED_PACKAGES = {"libgfortran5": {"libquadmath0"}}
+# libdnnl2 (oneDNN, the bf16 GEMMs) depends on libgomp1 and an OpenCL loader.
+IMPLIED_PACKAGES = {
+    "libgfortran5": {"libquadmath0"},
+    "libdnnl2": {"libgomp1", "ocl-icd-libopencl1"},
+}
 
 
 class Report:
@@ -281,12 +285,13 @@ def check_dockerfile(root: Path, rep: Report) -> set[str]:
     rep.check(runtime[0][2] == "debian:bookworm-slim", f"Dockerfile: runtime stage is debian:bookworm-slim (got {runtime[0][2]!r})")
     build_pkgs = set().union(*(apt_packages(a) for _, w, a in builder if w == "RUN"))
     rep.check("libopenblas-dev" in build_pkgs, "Dockerfile: builder installs libopenblas-dev")
+    rep.check("libdnnl-dev" in build_pkgs, "Dockerfile: builder installs libdnnl-dev (oneDNN, bf16 GEMMs)")
     runs = [a for _, w, a in runtime if w == "RUN"]
     runtime_pkgs = set().union(*(apt_packages(a) for a in runs))
-    allowed = {"libopenblas0-pthread", "libgfortran5", "ca-certificates"}
+    allowed = {"libopenblas0-pthread", "libgfortran5", "libdnnl2", "libgomp1", "ca-certificates"}
     rep.check(
-        {"libopenblas0-pthread", "ca-certificates"} <= runtime_pkgs <= allowed,
-        f"Dockerfile: runtime installs only OpenBLAS runtime + CA certificates ({sorted(runtime_pkgs)})",
+        {"libopenblas0-pthread", "libdnnl2", "ca-certificates"} <= runtime_pkgs <= allowed,
+        f"Dockerfile: runtime installs only OpenBLAS and oneDNN runtimes + CA certificates ({sorted(runtime_pkgs)})",
         f"allowed: {sorted(allowed)}",
     )
     for a in runs:

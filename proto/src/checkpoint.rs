@@ -116,6 +116,10 @@ pub struct TrainerState {
     /// Steps whose update was skipped (non-finite loss or gradient) up to here.
     #[serde(default)]
     pub skipped_steps: u64,
+    /// GEMM precision the job ran in (`fp32` or `bf16`, see `crate::precision`); fp32 in
+    /// checkpoints written before precisions existed.
+    #[serde(default)]
+    pub precision: crate::precision::Precision,
 }
 
 impl TrainerState {

@@ -21,12 +21,15 @@
 //! [train]
 //! micro_batch_size = 16
 //! max_steps = 300
+//! precision = "auto"                      # or "bf16", "fp32" (see crate::precision)
 //! [cluster]
 //! min_workers = 2
 //! max_workers = 2
 //! ```
 
 use serde::{Deserialize, Serialize};
+
+use crate::precision::PrecisionSetting;
 use std::path::{Path, PathBuf};
 
 /// A job file that could not be read or is not valid.
@@ -237,6 +240,9 @@ pub struct TrainSpec {
     /// skipped steps the job fails.
     #[serde(default = "default_max_skipped_steps")]
     pub max_skipped_steps: u64,
+    /// GEMM arithmetic: `auto` (default), `bf16` or `fp32` (see [`crate::precision`]).
+    #[serde(default)]
+    pub precision: PrecisionSetting,
 }
 
 /// `[cluster]`: world size bounds and failure detection.
@@ -751,6 +757,17 @@ max_workers = 2
             let e = err_of(&EXAMPLE.replace(from, to));
             assert!(e.contains(key), "{to}: {e}");
         }
+    }
+
+    #[test]
+    fn precision_defaults_to_auto_and_a_bad_one_is_named() {
+        let spec = JobSpec::from_toml_str(EXAMPLE, "job.toml").unwrap();
+        assert_eq!(spec.train.precision, PrecisionSetting::Auto);
+        let text = EXAMPLE.replace("seed = 42", "seed = 42\nprecision = \"bf16\"");
+        let spec = JobSpec::from_toml_str(&text, "job.toml").unwrap();
+        assert_eq!(spec.train.precision, PrecisionSetting::Bf16);
+        let e = err_of(&EXAMPLE.replace("seed = 42", "seed = 42\nprecision = \"fp16\""));
+        assert!(e.contains("precision") && e.contains("bf16"), "{e}");
     }
 
     #[test]

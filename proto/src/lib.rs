@@ -5,6 +5,7 @@
 //!   `proto/ring.proto` (worker-to-worker data plane).
 //! - `config`: the model config (HF `config.json`) and presets.
 //! - `params`: the flat parameter layout with HF names, shared by weights, gradients, moments.
+//! - `precision`: a job's GEMM precision (`train.precision`) and the once-per-job decision.
 //! - `weights`: `model.safetensors` load/save in the layout `save_pretrained` writes.
 //! - `tokenizer`, `shard`, `split`: WordPiece vocabulary, the binary shard format, and how
 //!   sequences are split among workers.
@@ -35,6 +36,7 @@ pub mod config;
 pub mod incoming;
 pub mod jobspec;
 pub mod params;
+pub mod precision;
 pub mod protocol;
 pub mod report;
 pub mod security;

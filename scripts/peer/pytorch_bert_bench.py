@@ -5,10 +5,15 @@ Two variants, as in issue #2's table:
   full   -- BertForMaskedLM as users run it: the MLM head on every position.
   masked -- the same model, the MLM head only on the masked positions (gathered first).
 
-Prints one JSON line per variant: config, threads, batch, seq, s_per_step, tokens_per_s.
+With --bf16, forward and loss run under torch.autocast("cpu", dtype=torch.bfloat16): matmuls
+take bf16 inputs and accumulate in fp32 (oneDNN underneath), weights and AdamW stay fp32 --
+the peer of `keel-worker bench --precision bf16`.
+
+Prints one JSON line per variant: config, threads, batch, seq, precision, s_per_step,
+tokens_per_s, peak_rss_mib.
 Needs torch and transformers (not a Keel dependency); see README "Measured" for the numbers.
 """
-import argparse, json, time
+import argparse, contextlib, json, resource, time
 
 import torch
 from transformers import BertConfig, BertForMaskedLM
@@ -26,6 +31,8 @@ def main():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--variant", default="both", choices=["full", "masked", "both"])
+    p.add_argument("--bf16", action="store_true",
+                   help='forward and loss under torch.autocast("cpu", dtype=torch.bfloat16)')
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -41,16 +48,24 @@ def main():
         mask = torch.rand(a.batch, a.seq) < 0.15
         labels = torch.where(mask, ids, torch.full_like(ids, -100))
 
+        def autocast():
+            if a.bf16:
+                return torch.autocast("cpu", dtype=torch.bfloat16)
+            return contextlib.nullcontext()
+
         def step():
             opt.zero_grad(set_to_none=True)
-            if variant == "full":
-                loss = model(input_ids=ids, labels=labels).loss
-            else:
-                hidden_states = model.bert(input_ids=ids).last_hidden_state
-                logits = model.cls(hidden_states[mask])
-                loss = torch.nn.functional.cross_entropy(logits, ids[mask], reduction="sum")
+            with autocast():
+                loss = forward()
             loss.backward()
             opt.step()
+
+        def forward():
+            if variant == "full":
+                return model(input_ids=ids, labels=labels).loss
+            hidden_states = model.bert(input_ids=ids).last_hidden_state
+            logits = model.cls(hidden_states[mask])
+            return torch.nn.functional.cross_entropy(logits.float(), ids[mask], reduction="sum")
 
         step()  # warm-up
         t0 = time.perf_counter()
@@ -59,8 +74,11 @@ def main():
         s = (time.perf_counter() - t0) / a.steps
         print(json.dumps({"peer": "pytorch", "variant": variant, "config": a.config,
                           "threads": a.threads, "batch": a.batch, "seq": a.seq,
+                          "precision": "bf16-autocast" if a.bf16 else "fp32",
                           "s_per_step": round(s, 4),
                           "tokens_per_s": round(a.batch * a.seq / s, 1),
+                          "peak_rss_mib": round(
+                              resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                           "torch": torch.__version__}), flush=True)
 
 if __name__ == "__main__":

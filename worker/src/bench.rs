@@ -5,7 +5,12 @@
 //! mean over the timed steps after one warm-up step), `tokens_per_s`, `gflops` (GEMM
 //! GFLOP per second of step time), `sgemm_share` (fraction of step time inside GEMM calls),
 //! `peak_rss_mib` (VmHWM), and `cpu_s_per_step` (process CPU seconds per step: on a shared
-//! machine the wall time includes waiting for a core).
+//! machine the wall time includes waiting for a core). Precision: `precision_setting` (the
+//! `--precision` given), `precision` (what ran: `auto` resolves as the coordinator would, bf16
+//! only with native bf16), `bf16_support` (what the probe found), `gemm_backends` (per GEMM
+//! class, `linear` = projections, FFN, MLM transform; `attention` = Q K^T, P V and their
+//! gradients; `mlm_head` = the tied decoder: the backends its flops ran on), and
+//! `bf16_rate_share` (fraction of GEMM flops that ran natively in bf16).
 
 use std::time::Instant;
 
@@ -16,7 +21,10 @@ use ndarray::Array2;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use keel_proto::precision::{PrecisionSetting, WorkerBf16};
+
 use crate::batch::Batch;
+use crate::model::bf16;
 use crate::model::{Bert, DropoutKey, StepOptions, gemm, init_params, set_blas_threads};
 use crate::optim::{AdamW, AdamWConfig, Optimizer, clip_grad_norm};
 
@@ -41,6 +49,9 @@ pub struct Args {
     /// Vocabulary size.
     #[arg(long, default_value_t = 30522)]
     pub vocab: usize,
+    /// GEMM precision: auto (bf16 only where this CPU has native bf16), bf16 or fp32.
+    #[arg(long, default_value = "auto")]
+    pub precision: PrecisionSetting,
 }
 
 /// A random batch: ids in `[5, vocab)`, two segments, no padding, 15% of tokens masked.
@@ -110,6 +121,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut params = init_params(&config, &layout, 0);
     let mut grads = vec![0.0f32; layout.total_len()];
     let mut model = Bert::<f32>::new(&config, Heads::MaskedLm)?;
+    let support = bf16::support();
+    let (precision, _) = args.precision.decide(&[WorkerBf16 {
+        worker: "this machine".into(),
+        native: support.native,
+        detail: support.detail.clone(),
+    }]);
+    model.set_precision(precision);
     let mut opt = AdamW::<f32>::new(&layout, AdamWConfig::default());
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let batches: Vec<Batch> = (0..2)
@@ -149,6 +167,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let cpu = cpu_seconds() - cpu_start;
     let stats = gemm::stats();
     let s_per_step = elapsed / args.steps as f64;
+    let backends: serde_json::Map<String, serde_json::Value> = gemm::CLASSES
+        .iter()
+        .zip(stats.class_flops)
+        .filter(|(_, flops)| flops.iter().any(|&f| f > 0))
+        .map(|(class, flops)| {
+            let used: Vec<&str> = gemm::BACKENDS
+                .iter()
+                .zip(flops)
+                .filter(|(_, f)| *f > 0)
+                .map(|(b, _)| *b)
+                .collect();
+            (class.to_string(), serde_json::json!(used.join("+")))
+        })
+        .collect();
     let line = serde_json::json!({
         "config": args.config,
         "threads": args.threads,
@@ -162,6 +194,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "gflops": stats.flops as f64 / elapsed / 1e9,
         "sgemm_share": stats.seconds / elapsed,
         "peak_rss_mib": peak_rss_mib(),
+        "precision_setting": args.precision.as_str(),
+        "precision": precision.as_str(),
+        "bf16_support": support.detail,
+        "gemm_backends": backends,
+        "bf16_rate_share": stats.bf16_native_share(),
     });
     println!("{line}");
     Ok(())

@@ -332,6 +332,10 @@ async fn session(
         .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
         .map(|h| h.trim().to_string())
         .unwrap_or_default();
+    // Probed once per process (CPUID, the kernel's AMX permission, a oneDNN bf16 matmul: a
+    // few milliseconds), then cached; the coordinator's `auto` precision needs it.
+    let bf16 = crate::model::bf16::support();
+    tracing::info!(native = bf16.native, detail = %bf16.detail, "bf16 GEMMs");
     let held = state.held_key();
     let held_steps = held
         .as_ref()
@@ -344,6 +348,8 @@ async fn session(
             hostname,
             held,
             held_steps,
+            bf16_native: bf16.native,
+            bf16_detail: bf16.detail.clone(),
         })
         .await?
         .into_inner();

@@ -30,6 +30,7 @@ use keel_proto::checkpoint::{OPTIMIZER_FILE, TRAINER_STATE_FILE, TrainerState, w
 use keel_proto::config::BertConfig;
 use keel_proto::jobspec::{JobSpec, Objective, OptimizerKind, TrainSpec};
 use keel_proto::params::ParamLayout;
+use keel_proto::precision::Precision;
 use keel_proto::rpc::{EvalReport, StepReport, TrainingKey};
 use keel_proto::shard::ShardReader;
 use keel_proto::split::WorkerPlan;
@@ -108,6 +109,8 @@ pub struct TrainSetup {
     pub start_step: u64,
     /// Sequences per step, fixed for the job's life (`B`; 0 = `W * b * k`).
     pub global_batch_size: u64,
+    /// GEMM precision the coordinator decided for the job.
+    pub precision: Precision,
     /// Stage a checkpoint of `start_step` before the first step (rank 0).
     pub checkpoint_first: bool,
     /// Fault injection for tests: make this rank's loss at this 0-based step NaN.
@@ -397,6 +400,15 @@ fn run_steps(
             step: replica.step,
             source,
         })?;
+    model.set_precision(setup.precision);
+    tracing::info!(
+        job = %setup.job_id,
+        rank = setup.rank,
+        precision = %setup.precision,
+        backend = crate::model::bf16_backend_name(setup.precision),
+        "training GEMMs in {}",
+        setup.precision
+    );
     let mut grads = vec![0f32; layout.total_len()];
     let schedule = schedule_for(t);
 
@@ -828,6 +840,7 @@ fn stage_checkpoint(
             OptimizerKind::Lamb => "lamb".into(),
         },
         skipped_steps: replica.skipped_steps,
+        precision: setup.precision,
     };
     let text = serde_json::to_string_pretty(&state).map_err(|e| io(e.to_string()))?;
     write_file_atomic(&dir.join(TRAINER_STATE_FILE), text.as_bytes())

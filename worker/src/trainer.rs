@@ -11,6 +11,7 @@ use crate::step::{Event, InitialState, TrainError, TrainSetup};
 use keel_proto::auth::AuthChannel;
 use keel_proto::config::BertConfig;
 use keel_proto::jobspec::JobSpec;
+use keel_proto::precision::Precision;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{StartJob, StateSource, TrainingKey};
 use std::path::PathBuf;
@@ -118,6 +119,10 @@ async fn prepare_and_train(
         serde_json::from_str(&start.model_config_json)
             .map_err(|e| JobError::Assignment(format!("model config: {e}")))
     );
+    let precision = early!(
+        Precision::from_wire(&start.precision)
+            .map_err(|e| JobError::Assignment(format!("StartJob.precision: {e}")))
+    );
 
     // Step 6: files, verified and cached.
     let mut client = ctx.client.clone();
@@ -193,6 +198,7 @@ async fn prepare_and_train(
         initial,
         start_step: start.start_step,
         global_batch_size: start.global_batch_size,
+        precision,
         checkpoint_first: start.checkpoint_first,
         fault_nan_at_step: ctx.fault_nan_at_step,
         work_dir,

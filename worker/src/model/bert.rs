@@ -5,6 +5,7 @@
 //! Shapes: `b` sequences, `t` tokens per sequence, `n = b * t`, `c` hidden, `m` masked
 //! positions, `v` vocabulary.
 
+use keel_proto::precision::Precision;
 use std::ops::Range;
 
 use ndarray::Array2;
@@ -38,6 +39,8 @@ pub struct Bert<A: Element> {
     /// Gradient ranges in the order backward finishes them (see `forward_backward`).
     ready: ReadyRanges,
     state: State<A>,
+    /// Precision of every GEMM of forward and backward (fp32 unless set).
+    precision: Precision,
 }
 
 /// The flat-buffer ranges that become final together during the backward.
@@ -148,7 +151,19 @@ impl<A: Element> Bert<A> {
             layers,
             ready,
             state,
+            precision: Precision::Fp32,
         })
+    }
+
+    /// Sets the precision of every GEMM of forward and backward (`super::bf16`): fp32, or bf16
+    /// inputs with fp32 accumulation. Everything else stays fp32 (or f64) either way.
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
+    }
+
+    /// The precision set by [`Bert::set_precision`] (fp32 by default).
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
     /// The parameter layout this model reads its flat buffers with.
@@ -392,6 +407,7 @@ impl<A: Element> Bert<A> {
         opts: &StepOptions<A>,
         on_grad_ready: &mut dyn FnMut(Range<usize>, &[A]),
     ) -> Result<LossSums<A>, ModelError> {
+        let _precision = super::bf16::enter(self.precision);
         self.check_buffer("params", params.len())?;
         self.check_buffer("grads", grads.len())?;
         self.check_batch(batch, opts.dropout.is_some())?;
@@ -499,6 +515,7 @@ impl<A: Element> Bert<A> {
     ///
     /// Errors: as [`Bert::forward_backward`].
     pub fn forward_loss(&mut self, params: &[A], batch: &Batch) -> Result<LossSums<A>, ModelError> {
+        let _precision = super::bf16::enter(self.precision);
         self.check_buffer("params", params.len())?;
         self.check_batch(batch, false)?;
         let tok = self.tokens(batch)?;
@@ -542,6 +559,7 @@ impl<A: Element> Bert<A> {
         token_type_ids: &[u32],
         positions: &[usize],
     ) -> Result<Array2<A>, ModelError> {
+        let _precision = super::bf16::enter(self.precision);
         self.check_buffer("params", params.len())?;
         let t = input_ids.len();
         let mask = vec![1u8; t];
@@ -592,6 +610,7 @@ impl<A: Element> Bert<A> {
         params: &[A],
         batch: &Batch,
     ) -> Result<ForwardOutputs<A>, ModelError> {
+        let _precision = super::bf16::enter(self.precision);
         self.check_buffer("params", params.len())?;
         let tok = self.tokens(batch)?;
         self.encode(params, &tok, None);

@@ -36,6 +36,23 @@ pub trait Element:
     fn of(v: f64) -> Self;
     /// Widened to f64.
     fn to64(self) -> f64;
+    /// Rounded to bfloat16 (8 significant bits, nearest even), kept in this type
+    /// (`super::bf16::round_bf16_f32` / `round_bf16_f64`).
+    fn round_bf16(self) -> Self;
+
+    /// `c = alpha * bf16(a) bf16(b) + beta * c` on bf16 hardware, cut into `parts` (shapes as
+    /// in `super::gemm::gemm`); false, with nothing done, where this type or process has none
+    /// (the caller then emulates it).
+    fn gemm_bf16_native(
+        _alpha: Self,
+        _a: &ndarray::ArrayView2<'_, Self>,
+        _b: &ndarray::ArrayView2<'_, Self>,
+        _beta: Self,
+        _c: &mut ndarray::ArrayViewMut2<'_, Self>,
+        _parts: usize,
+    ) -> bool {
+        false
+    }
 
     /// `y = x * Phi(x)`, exact GELU (Hendrycks & Gimpel 2016, eq. 1).
     fn gelu_forward(y: &mut [Self], x: &[Self]) {
@@ -97,6 +114,19 @@ impl Element for f32 {
     fn to64(self) -> f64 {
         self as f64
     }
+    fn round_bf16(self) -> f32 {
+        super::bf16::round_bf16_f32(self)
+    }
+    fn gemm_bf16_native(
+        alpha: f32,
+        a: &ndarray::ArrayView2<'_, f32>,
+        b: &ndarray::ArrayView2<'_, f32>,
+        beta: f32,
+        c: &mut ndarray::ArrayViewMut2<'_, f32>,
+        parts: usize,
+    ) -> bool {
+        super::bf16::native_gemm_f32(alpha, a, b, beta, c, parts)
+    }
 }
 
 impl Element for f64 {
@@ -109,6 +139,9 @@ impl Element for f64 {
     }
     fn to64(self) -> f64 {
         self
+    }
+    fn round_bf16(self) -> f64 {
+        super::bf16::round_bf16_f64(self)
     }
 }
 

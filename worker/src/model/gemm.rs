@@ -10,13 +10,21 @@
 //! 1.61x the 1-thread speed with OpenBLAS threading, 1.8x with this). Each element of `C` is
 //! still one dot product over the whole `k`; only OpenBLAS's edge kernels may order its terms
 //! differently, so results with different thread counts agree to rounding, not bit for bit.
+//!
+//! In bf16 precision (`super::bf16::with_precision`) the same call rounds both inputs to bf16
+//! and accumulates in fp32, natively (oneDNN on AMX) or emulated (`super::bf16`). The flops of
+//! every call are also counted per GEMM class (the calling file: `linear`, `attention`,
+//! `mlm_head`) and per backend, so the bench can say what ran where.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use ndarray::{ArrayView2, ArrayViewMut2, Axis, s};
 
+use keel_proto::precision::Precision;
+
 use super::Element;
+use super::bf16::{self, Bf16Backend};
 use super::parallel;
 
 /// Smallest GEMM worth cutting among threads (flops): below it, starting a thread (~20 us)
@@ -30,6 +38,19 @@ static GEMM_NANOS: AtomicU64 = AtomicU64::new(0);
 static GEMM_FLOPS: AtomicU64 = AtomicU64::new(0);
 static GEMM_CALLS: AtomicU64 = AtomicU64::new(0);
 
+/// The GEMM classes the stats are kept per: named after the file that calls [`gemm`].
+pub const CLASSES: [&str; 4] = ["linear", "attention", "mlm_head", "other"];
+
+/// The backends the stats are kept per.
+pub const BACKENDS: [&str; 3] = ["fp32", "bf16-emulated", "bf16-native"];
+
+#[allow(clippy::declare_interior_mutable_const)] // only used to initialise the array below
+const ZERO: AtomicU64 = AtomicU64::new(0);
+#[allow(clippy::declare_interior_mutable_const)] // only used to initialise the array below
+const ROW: [AtomicU64; 3] = [ZERO; 3];
+/// Flops per `[class][backend]`.
+static CLASS_FLOPS: [[AtomicU64; 3]; 4] = [ROW; 4];
+
 /// Totals of all GEMM calls in this process since the last [`reset_stats`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GemmStats {
@@ -39,14 +60,35 @@ pub struct GemmStats {
     pub flops: u64,
     /// Wall time inside the calls (seconds).
     pub seconds: f64,
+    /// Flops per class ([`CLASSES`]) and backend ([`BACKENDS`]).
+    pub class_flops: [[u64; 3]; 4],
+}
+
+impl GemmStats {
+    /// Flops that ran at the bf16 rate (the native backend) over all flops (0 with none).
+    pub fn bf16_native_share(&self) -> f64 {
+        let native: u64 = self.class_flops.iter().map(|c| c[2]).sum();
+        if self.flops == 0 {
+            0.0
+        } else {
+            native as f64 / self.flops as f64
+        }
+    }
 }
 
 /// The totals so far.
 pub fn stats() -> GemmStats {
+    let mut class_flops = [[0; 3]; 4];
+    for (out, counters) in class_flops.iter_mut().zip(&CLASS_FLOPS) {
+        for (o, c) in out.iter_mut().zip(counters) {
+            *o = c.load(Ordering::Relaxed);
+        }
+    }
     GemmStats {
         calls: GEMM_CALLS.load(Ordering::Relaxed),
         flops: GEMM_FLOPS.load(Ordering::Relaxed),
         seconds: GEMM_NANOS.load(Ordering::Relaxed) as f64 * 1e-9,
+        class_flops,
     }
 }
 
@@ -55,10 +97,27 @@ pub fn reset_stats() {
     GEMM_NANOS.store(0, Ordering::Relaxed);
     GEMM_FLOPS.store(0, Ordering::Relaxed);
     GEMM_CALLS.store(0, Ordering::Relaxed);
+    for counters in &CLASS_FLOPS {
+        for c in counters {
+            c.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The class of a call from `file` (a path ending in `linear.rs`, ...).
+fn class_of(file: &str) -> usize {
+    let stem = file
+        .rsplit(['/', '\\'])
+        .next()
+        .unwrap_or(file)
+        .trim_end_matches(".rs");
+    CLASSES[..3].iter().position(|c| *c == stem).unwrap_or(3)
 }
 
 /// `c = alpha * a b + beta * c`, `a` `[m, k]`, `b` `[k, n]`, `c` `[m, n]` (any of them may be
-/// a transposed or row-strided view).
+/// a transposed or row-strided view), in this thread's precision (`super::bf16::current`):
+/// fp32 (the inputs as they are), or bf16 inputs with fp32 accumulation.
+#[track_caller]
 pub(crate) fn gemm<A: Element>(
     alpha: A,
     a: &ArrayView2<'_, A>,
@@ -87,15 +146,25 @@ pub(crate) fn gemm<A: Element>(
         .min(flops / MIN_SPLIT_FLOPS)
         .min(extent / MIN_SPLIT_EXTENT)
         .max(1);
-    multiply(alpha, a, b, beta, c, parts);
+    let class = class_of(std::panic::Location::caller().file());
+    let backend = match bf16::current() {
+        Precision::Fp32 => {
+            multiply(alpha, a, b, beta, c, parts);
+            0
+        }
+        Precision::Bf16 => match bf16::gemm(alpha, a, b, beta, c, parts) {
+            Bf16Backend::Emulated => 1,
+            Bf16Backend::Native => 2,
+        },
+    };
+    CLASS_FLOPS[class][backend].fetch_add(flops as u64, Ordering::Relaxed);
     GEMM_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
     GEMM_FLOPS.fetch_add(flops as u64, Ordering::Relaxed);
     GEMM_CALLS.fetch_add(1, Ordering::Relaxed);
 }
 
-/// `c = alpha * a b + beta * c` on `parts` threads: `c` cut by rows, or by columns when it
-/// is wider than tall.
-fn multiply<A: Element>(
+/// `c = alpha * a b + beta * c` by OpenBLAS on `parts` threads (see [`split_among`]).
+pub(crate) fn multiply<A: Element>(
     alpha: A,
     a: &ArrayView2<'_, A>,
     b: &ArrayView2<'_, A>,
@@ -103,32 +172,47 @@ fn multiply<A: Element>(
     c: &mut ArrayViewMut2<'_, A>,
     parts: usize,
 ) {
+    split_among(a, b, c, parts, &|a, b, c| {
+        ndarray::linalg::general_mat_mul(alpha, a, b, beta, c)
+    });
+}
+
+/// A single-threaded GEMM kernel `c (op)= a b` on views (OpenBLAS, oneDNN).
+pub(crate) type Kernel<'k, T, C> =
+    dyn Fn(&ArrayView2<'_, T>, &ArrayView2<'_, T>, &mut ArrayViewMut2<'_, C>) + Sync + 'k;
+
+/// Runs `kernel(a, b, c)` on `parts` threads: `c` cut by rows, or by columns when it is wider
+/// than tall (`C^T = B^T A^T`: the same call on transposed views).
+pub(crate) fn split_among<T: Sync, C: Send>(
+    a: &ArrayView2<'_, T>,
+    b: &ArrayView2<'_, T>,
+    c: &mut ArrayViewMut2<'_, C>,
+    parts: usize,
+    kernel: &Kernel<'_, T, C>,
+) {
     if parts <= 1 {
-        ndarray::linalg::general_mat_mul(alpha, a, b, beta, c);
+        kernel(a, b, c);
     } else if a.nrows() >= b.ncols() {
-        split_rows(alpha, a, b, beta, c, parts);
+        split_rows(a, b, c, parts, kernel);
     } else {
-        // C^T = B^T A^T: the same call on transposed views cuts C by columns.
         split_rows(
-            alpha,
             &b.t(),
             &a.t(),
-            beta,
             &mut c.view_mut().reversed_axes(),
             parts,
+            kernel,
         );
     }
 }
 
-/// `c = alpha * a b + beta * c` with the rows of `a` and `c` cut into `parts` contiguous
-/// blocks, each multiplied on its own thread by single-threaded OpenBLAS.
-fn split_rows<A: Element>(
-    alpha: A,
-    a: &ArrayView2<'_, A>,
-    b: &ArrayView2<'_, A>,
-    beta: A,
-    c: &mut ArrayViewMut2<'_, A>,
+/// `kernel` with the rows of `a` and `c` cut into `parts` contiguous blocks, each on its own
+/// thread.
+fn split_rows<T: Sync, C: Send>(
+    a: &ArrayView2<'_, T>,
+    b: &ArrayView2<'_, T>,
+    c: &mut ArrayViewMut2<'_, C>,
     parts: usize,
+    kernel: &Kernel<'_, T, C>,
 ) {
     let m = a.nrows();
     let mut blocks = Vec::with_capacity(parts);
@@ -139,7 +223,7 @@ fn split_rows<A: Element>(
         blocks.push((a.slice(s![r, ..]), block));
     }
     parallel::run_parts(blocks, |(a_block, mut c_block)| {
-        ndarray::linalg::general_mat_mul(alpha, &a_block, b, beta, &mut c_block);
+        kernel(&a_block, b, &mut c_block);
     });
 }
 

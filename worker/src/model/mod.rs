@@ -10,6 +10,8 @@
 //! # Layout
 //! - `element`: the scalar trait ([`Element`], implemented for f32 and f64).
 //! - `gemm`: the one matrix-multiply entry point (OpenBLAS through ndarray), timed for the bench.
+//! - `bf16`, `bf16_cpu`, `onednn`: the bf16 precision of that entry point (inputs rounded to
+//!   bf16, fp32 accumulation), the probe for AMX, and oneDNN's matmul behind a C shim.
 //! - One file per layer, each a forward/backward pair side by side: `linear`, `layernorm`,
 //!   `activation` (GELU, tanh-GELU, ReLU), `dropout`, `attention`, `embeddings`,
 //!   `encoder_layer`, `mlm_head`, `nsp_head`, `loss` (cross-entropy).
@@ -21,6 +23,10 @@
 mod activation;
 mod attention;
 mod bert;
+pub mod bf16;
+mod bf16_cpu;
+#[cfg(test)]
+mod bf16_gemm_tests;
 mod dropout;
 mod element;
 mod embeddings;
@@ -35,6 +41,7 @@ mod lookup_grads;
 mod loss;
 mod mlm_head;
 mod nsp_head;
+mod onednn;
 mod parallel;
 mod vmath;
 
@@ -143,6 +150,16 @@ pub struct LossSums<A> {
 /// them, each part a single-threaded OpenBLAS call, as are attention and elementwise work.
 pub fn set_blas_threads(n: usize) {
     parallel::set_threads(n);
+}
+
+/// The backend bf16 GEMMs take in this process for a job in `precision`: `fp32`,
+/// `bf16-native` (oneDNN on AMX) or `bf16-emulated`; for logs.
+pub fn bf16_backend_name(precision: keel_proto::precision::Precision) -> &'static str {
+    match (precision, bf16::backend()) {
+        (keel_proto::precision::Precision::Fp32, _) => "fp32",
+        (_, bf16::Bf16Backend::Native) => "bf16-native",
+        (_, bf16::Bf16Backend::Emulated) => "bf16-emulated",
+    }
 }
 
 /// The thread count set by [`set_blas_threads`] (1 by default).

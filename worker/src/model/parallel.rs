@@ -10,6 +10,8 @@
 //! Work started on one of those threads is not cut again.
 
 use std::cell::Cell;
+
+use keel_proto::precision::Precision;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 static THREADS: AtomicUsize = AtomicUsize::new(1);
@@ -19,9 +21,10 @@ thread_local! {
     static IN_PART: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Runs `f` with this thread marked as running one part of a split; the mark is taken off
-/// again however `f` ends (a panic too: the thread may be a pool thread that lives on).
-fn as_part<R>(f: impl FnOnce() -> R) -> R {
+/// Runs `f` with this thread marked as running one part of a split, in GEMM precision
+/// `precision` (the splitting thread's: `super::bf16` keeps it per thread); the mark is taken
+/// off again however `f` ends (a panic too: the thread may be a pool thread that lives on).
+fn as_part<R>(precision: Precision, f: impl FnOnce() -> R) -> R {
     struct Restore(bool);
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -29,7 +32,7 @@ fn as_part<R>(f: impl FnOnce() -> R) -> R {
         }
     }
     let _restore = Restore(IN_PART.with(|p| p.replace(true)));
-    f()
+    super::bf16::with_precision(precision, f)
 }
 
 unsafe extern "C" {
@@ -92,6 +95,7 @@ pub(crate) fn zip_units<A: Send, B: Sync, R: Send>(
         return vec![f(&mut out[..items * out_unit], &inp[..items * in_unit])];
     }
     let ranges = split(items, parts);
+    let precision = super::bf16::current();
     std::thread::scope(|scope| {
         let mut rest = &mut out[..items * out_unit];
         let mut first = None;
@@ -104,12 +108,12 @@ pub(crate) fn zip_units<A: Send, B: Sync, R: Send>(
                 first = Some((mine, src));
             } else {
                 let f = &f;
-                handles.push(scope.spawn(move || as_part(|| f(mine, src))));
+                handles.push(scope.spawn(move || as_part(precision, || f(mine, src))));
             }
         }
         let mut results = Vec::with_capacity(ranges.len());
         if let Some((mine, src)) = first {
-            results.push(as_part(|| f(mine, src)));
+            results.push(as_part(precision, || f(mine, src)));
         }
         for h in handles {
             match h.join() {
@@ -128,15 +132,16 @@ pub(crate) fn run_parts<T: Send>(work: Vec<T>, f: impl Fn(T) + Sync) {
         work.into_iter().for_each(f);
         return;
     }
+    let precision = super::bf16::current();
     std::thread::scope(|scope| {
         let mut items = work.into_iter();
         let first = items.next();
         for item in items {
             let f = &f;
-            scope.spawn(move || as_part(|| f(item)));
+            scope.spawn(move || as_part(precision, || f(item)));
         }
         if let Some(item) = first {
-            as_part(|| f(item));
+            as_part(precision, || f(item));
         }
     });
 }

@@ -1,0 +1,264 @@
+//! bf16 GEMMs: inputs rounded to bfloat16 (round to nearest even), products accumulated and
+//! written in fp32, as a TPU's matrix unit or a Xeon's AMX does (Kalamkar et al. 2019, "A
+//! Study of BFLOAT16 for Deep Learning Training"; Intel AMX `TDPBF16PS`).
+//!
+//! Two routes, chosen once per process ([`support`]):
+//! - **native**: oneDNN's bf16 matmul (`super::onednn`), used only where the CPU has AMX-BF16
+//!   and the kernel lets this process use the tiles. Not with AVX512_BF16 alone: measured on a
+//!   Sapphire Rapids Xeon capped to AVX512_CORE_BF16, oneDNN 2.6.3's bf16 matmul ran at 36-41
+//!   GFLOP/s against 55-103 for its f32 one (`/work/shared/STACK.md`, "bf16"); on AVX2 it
+//!   cannot create a bf16 matmul at all.
+//! - **emulated** everywhere else: both inputs rounded to bf16 and kept as f32 (low 16 bits
+//!   zero), then the fp32 GEMM (OpenBLAS). A product of two bf16 values (8 significant bits
+//!   each) has at most 16 significant bits, so it is exact in f32, and the accumulation is
+//!   fp32: the same arithmetic as the hardware up to the order of the sum. Slower than fp32
+//!   (the rounding pass), so `auto` never picks it; it is what `bf16` runs without hardware,
+//!   and what the tests check the numerics with on every machine.
+//!
+//! The precision is scoped per thread ([`with_precision`]) and carried into the model's worker
+//! threads by `super::parallel`, so two models in one process (tests) do not see each other's.
+//!
+//! Conversions: this first version rounds both operands on every call into buffers reused per
+//! thread (no allocation once they have grown, except on the short-lived threads that attention
+//! spawns per call). Rounding each weight once per step and each activation in the op that
+//! produces it would save those passes; `keel-worker bench` shows what they cost.
+
+use std::any::{Any, TypeId};
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+use keel_proto::precision::Precision;
+use ndarray::{ArrayView2, ArrayViewMut2, ShapeBuilder};
+
+use super::Element;
+use super::onednn::{self, InputType};
+
+thread_local! {
+    /// The precision of GEMMs started on this thread.
+    static PRECISION: Cell<Precision> = const { Cell::new(Precision::Fp32) };
+    /// Reused buffers of rounded operands, one pair per element type.
+    static SCRATCH: RefCell<HashMap<TypeId, Box<dyn Any>>> = RefCell::new(HashMap::new());
+}
+
+/// The precision of GEMMs on this thread now (fp32 unless inside [`with_precision`]).
+pub(crate) fn current() -> Precision {
+    PRECISION.with(Cell::get)
+}
+
+/// Runs `f` with this thread's GEMMs in precision `p`; the previous precision is restored
+/// however `f` ends.
+pub(crate) fn with_precision<R>(p: Precision, f: impl FnOnce() -> R) -> R {
+    let _scope = enter(p);
+    f()
+}
+
+/// While alive, this thread's GEMMs run in the precision given to [`enter`]; dropping it
+/// restores the one before.
+pub(crate) struct PrecisionScope(Precision);
+
+impl Drop for PrecisionScope {
+    fn drop(&mut self) {
+        PRECISION.with(|c| c.set(self.0));
+    }
+}
+
+/// Sets this thread's GEMM precision to `p` until the returned scope is dropped.
+#[must_use = "the precision is restored when the scope is dropped"]
+pub(crate) fn enter(p: Precision) -> PrecisionScope {
+    PrecisionScope(PRECISION.with(|c| c.replace(p)))
+}
+
+/// `x` rounded to bf16 (round to nearest, ties to even), as an f32 whose low 16 bits are 0.
+/// NaN stays NaN (quiet); values past bf16's largest finite value round to infinity.
+pub fn round_bf16_f32(x: f32) -> f32 {
+    f32::from_bits(u32::from(bf16_bits(x)) << 16)
+}
+
+/// The bf16 bit pattern of `x` rounded to nearest even (the high half of an f32).
+pub fn bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    if x.is_nan() {
+        return ((bits >> 16) | 0x0040) as u16;
+    }
+    let rounding = 0x7fff + ((bits >> 16) & 1);
+    (bits.wrapping_add(rounding) >> 16) as u16
+}
+
+/// `x` rounded to 8 significant bits, nearest even, directly from f64 (no double rounding
+/// through f32). The exponent range is f64's, wider than bf16's: only for the f64 checks.
+pub fn round_bf16_f64(x: f64) -> f64 {
+    if !x.is_finite() {
+        return x;
+    }
+    let bits = x.to_bits();
+    let drop = 52 - 7;
+    let rounding = (1u64 << (drop - 1)) - 1 + ((bits >> drop) & 1);
+    f64::from_bits((bits.wrapping_add(rounding) >> drop) << drop)
+}
+
+/// Which backend ran a bf16 GEMM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Backend {
+    /// oneDNN's bf16 matmul on AMX.
+    Native,
+    /// Inputs rounded to bf16, multiplied by the fp32 GEMM.
+    Emulated,
+}
+
+/// Whether this process runs bf16 GEMMs on hardware, and why (decided once per process).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bf16Support {
+    /// AMX-BF16 usable through oneDNN: bf16 GEMMs take the native route.
+    pub native: bool,
+    /// What was found, for registration, logs and the bench (CPU features, kernel permission,
+    /// the oneDNN implementation, or what failed).
+    pub detail: String,
+}
+
+/// What this process can do (probed on first use: CPUID, the kernel's AMX permission, and a
+/// oneDNN bf16 matmul created and run once). `KEEL_BF16_BACKEND=emulated` in the environment
+/// forces the emulated route (to compare the two on an AMX machine).
+pub fn support() -> &'static Bf16Support {
+    static SUPPORT: OnceLock<Bf16Support> = OnceLock::new();
+    SUPPORT.get_or_init(super::bf16_cpu::detect)
+}
+
+/// The backend bf16 GEMMs take in this process.
+pub fn backend() -> Bf16Backend {
+    if support().native {
+        Bf16Backend::Native
+    } else {
+        Bf16Backend::Emulated
+    }
+}
+
+/// Runs `f` with this thread's reusable pair of `T` buffers.
+fn with_scratch<T: Default + Clone + 'static, R>(
+    f: impl FnOnce(&mut Vec<T>, &mut Vec<T>) -> R,
+) -> R {
+    SCRATCH.with(|s| {
+        let mut map = s.borrow_mut();
+        let entry = map
+            .entry(TypeId::of::<T>())
+            .or_insert_with(|| Box::new((Vec::<T>::new(), Vec::<T>::new())));
+        let (x, y) = entry
+            .downcast_mut::<(Vec<T>, Vec<T>)>()
+            .expect("SCRATCH holds a (Vec<T>, Vec<T>) under TypeId::of::<T>()");
+        f(x, y)
+    })
+}
+
+/// `v` converted elementwise by `f` into `buf`, kept in `v`'s memory order when it is
+/// row-major or column-major (so BLAS/oneDNN see the same transposes), else row-major.
+fn converted<'b, S: Copy, T: Clone>(
+    v: &ArrayView2<'_, S>,
+    buf: &'b mut Vec<T>,
+    f: impl Fn(S) -> T,
+) -> ArrayView2<'b, T> {
+    let (r, c) = v.dim();
+    buf.clear();
+    let column_major = !v.is_standard_layout() && v.t().is_standard_layout();
+    if column_major {
+        buf.extend(v.t().iter().map(|&x| f(x)));
+        ArrayView2::from_shape((r, c).f(), &buf[..])
+    } else {
+        buf.extend(v.iter().map(|&x| f(x)));
+        ArrayView2::from_shape((r, c), &buf[..])
+    }
+    .expect("a buffer of exactly r * c elements fits [r, c]")
+}
+
+/// `c = alpha * bf16(a) bf16(b) + beta * c` on `parts` threads, fp32 (or f64) accumulation:
+/// natively when [`support`] says so and `A` is f32, else emulated. Returns the route taken.
+pub(crate) fn gemm<A: Element>(
+    alpha: A,
+    a: &ArrayView2<'_, A>,
+    b: &ArrayView2<'_, A>,
+    beta: A,
+    c: &mut ArrayViewMut2<'_, A>,
+    parts: usize,
+) -> Bf16Backend {
+    if A::gemm_bf16_native(alpha, a, b, beta, c, parts) {
+        return Bf16Backend::Native;
+    }
+    with_scratch::<A, _>(|ba, bb| {
+        let ar = converted(a, ba, A::round_bf16);
+        let br = converted(b, bb, A::round_bf16);
+        super::gemm::multiply(alpha, &ar, &br, beta, c, parts);
+    });
+    Bf16Backend::Emulated
+}
+
+/// The native route for f32: both operands to bf16 bit patterns, then oneDNN per part.
+/// Returns false (nothing done) when this process has no native bf16.
+///
+/// Panics if oneDNN fails to create or run a bf16 matmul after the startup probe created and
+/// ran one (an invariant: it fails on bad arguments or no memory, not on data).
+pub(crate) fn native_gemm_f32(
+    alpha: f32,
+    a: &ArrayView2<'_, f32>,
+    b: &ArrayView2<'_, f32>,
+    beta: f32,
+    c: &mut ArrayViewMut2<'_, f32>,
+    parts: usize,
+) -> bool {
+    if !support().native {
+        return false;
+    }
+    with_scratch::<u16, _>(|ba, bb| {
+        let a16 = converted(a, ba, bf16_bits);
+        let b16 = converted(b, bb, bf16_bits);
+        super::gemm::split_among(&a16, &b16, c, parts, &|a, b, c| {
+            if let Err(e) = onednn::matmul(InputType::Bf16, alpha, a, b, beta, c) {
+                panic!("oneDNN bf16 matmul failed after the startup probe succeeded: {e}");
+            }
+        });
+    });
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_is_to_nearest_even_at_8_significant_bits() {
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1).
+        assert_eq!(round_bf16_f32(1.0 + 2f32.powi(-8)), 1.0);
+        // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even (1 + 2^-6).
+        assert_eq!(
+            round_bf16_f32(1.0 + 3.0 * 2f32.powi(-8)),
+            1.0 + 2f32.powi(-6)
+        );
+        // Just above a tie rounds up.
+        assert_eq!(
+            round_bf16_f32(1.0 + 2f32.powi(-8) + 2f32.powi(-20)),
+            1.0 + 2f32.powi(-7)
+        );
+        assert_eq!(round_bf16_f32(-3.0), -3.0);
+        assert!(round_bf16_f32(f32::NAN).is_nan());
+        assert_eq!(round_bf16_f32(f32::MAX), f32::INFINITY);
+        assert_eq!(bf16_bits(1.0), 0x3f80);
+        for i in 0..10_000 {
+            let x = (i as f32 * 0.7311).sin() * 1e3;
+            let r = round_bf16_f32(x);
+            assert_eq!(r.to_bits() & 0xffff, 0);
+            // Half a unit in the 8th significant bit: at most 2^-8 of |x|.
+            assert!((r - x).abs() <= 2f32.powi(-8) * x.abs(), "{x} -> {r}");
+            assert_eq!(round_bf16_f64(f64::from(x)), f64::from(r), "{x}");
+        }
+    }
+
+    #[test]
+    fn precision_is_scoped_to_the_thread_and_restored() {
+        assert_eq!(current(), Precision::Fp32);
+        with_precision(Precision::Bf16, || {
+            assert_eq!(current(), Precision::Bf16);
+            std::thread::scope(|s| {
+                s.spawn(|| assert_eq!(current(), Precision::Fp32));
+            });
+        });
+        assert_eq!(current(), Precision::Fp32);
+    }
+}

@@ -1,0 +1,387 @@
+//! oneDNN's matmul primitive (Intel's deep-learning primitives, what PyTorch uses on CPU;
+//! Debian 12 ships 2.6.3 as `libdnnl2`) through the C shim `csrc/dnnl_matmul.c`, with the
+//! primitives cached per shape, strides, data type, alpha and beta.
+//!
+//! Why oneDNN: it is the only library in Debian 12 with a fast bf16 GEMM (OpenBLAS 0.3.21
+//! there is built without `sbgemm`); with AMX its bf16 matmul ran at 290-1,000 GFLOP/s on one
+//! core at BERT shapes (`/work/shared/STACK.md`, "bf16"). OpenBLAS stays the fp32 backend.
+//!
+//! Why a C shim rather than `extern "C"` declarations of the C API: oneDNN 2.x's memory
+//! descriptor is a large by-value struct whose layout Rust would have to mirror exactly; the
+//! shim keeps it on the C side and exports three functions over plain integers and pointers.
+//!
+//! Threads: Keel owns them. Each call runs oneDNN on the calling thread alone (the shim sets
+//! that thread's OpenMP team to 1 before every call); large GEMMs are cut among Keel's threads
+//! by `super::gemm` as for OpenBLAS. Creating a primitive takes 0.1-several ms (it JITs code),
+//! running one only microseconds of overhead, hence the cache: a model has a few dozen shapes.
+
+use std::collections::HashMap;
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use ndarray::{ArrayView2, ArrayViewMut2};
+
+/// The shim's primitive (opaque).
+#[repr(C)]
+struct RawMatmul {
+    _private: [u8; 0],
+}
+
+unsafe extern "C" {
+    fn keel_dnnl_matmul_create(
+        bf16: c_int,
+        m: i64,
+        k: i64,
+        n: i64,
+        a_rs: i64,
+        a_cs: i64,
+        b_rs: i64,
+        b_cs: i64,
+        c_rs: i64,
+        c_cs: i64,
+        alpha: f32,
+        beta: f32,
+        out: *mut *mut RawMatmul,
+        impl_name: *mut c_char,
+        impl_len: usize,
+    ) -> c_int;
+    fn keel_dnnl_matmul_run(
+        mm: *const RawMatmul,
+        a: *const c_void,
+        b: *const c_void,
+        c: *mut f32,
+    ) -> c_int;
+    fn keel_dnnl_matmul_destroy(mm: *mut RawMatmul);
+}
+
+/// The input data type of a matmul (the output is always f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum InputType {
+    /// f32 inputs: not used by the model (OpenBLAS is the fp32 backend); it lets the tests
+    /// exercise this FFI layer on CPUs without bf16 (oneDNN's f32 matmul runs everywhere).
+    #[cfg_attr(not(test), allow(dead_code))]
+    F32,
+    /// bf16 inputs (bit patterns in `u16`: the high half of the f32).
+    Bf16,
+}
+
+/// Errors of oneDNN (its `dnnl_status_t`) or of a view it cannot take.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum DnnlError {
+    /// oneDNN returned this status (2 = invalid arguments, 3 = unimplemented: e.g. no bf16
+    /// matmul on this CPU; see `dnnl_status_t` in `dnnl_types.h`).
+    #[error("oneDNN {what} failed with status {status} ({})", status_name(*status))]
+    Status {
+        /// `creating a bf16 [m, k] x [k, n] matmul`, ...
+        what: String,
+        /// The `dnnl_status_t`.
+        status: i32,
+    },
+    /// A view with a negative stride (ndarray allows them; oneDNN does not).
+    #[error("oneDNN matmul needs non-negative strides, got {0:?}")]
+    NegativeStride([isize; 2]),
+}
+
+fn status_name(status: i32) -> &'static str {
+    match status {
+        1 => "out of memory",
+        2 => "invalid arguments",
+        3 => "unimplemented",
+        4 => "iterator ends",
+        5 => "runtime error",
+        6 => "not required",
+        _ => "unknown",
+    }
+}
+
+/// What identifies a primitive: everything it was created with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Key {
+    input: InputType,
+    mkn: [usize; 3],
+    strides: [i64; 6],
+    alpha: u32,
+    beta: u32,
+}
+
+/// A created primitive. oneDNN primitives are immutable once created and may be executed
+/// from several threads at once (the shim gives each call its own scratchpad).
+struct Matmul {
+    raw: *mut RawMatmul,
+    implementation: String,
+}
+
+// SAFETY: the primitive is immutable after creation; concurrent execution is allowed by
+// oneDNN with a user scratchpad per call (see the shim), and it is destroyed exactly once.
+unsafe impl Send for Matmul {}
+// SAFETY: as above: `run` only reads it.
+unsafe impl Sync for Matmul {}
+
+impl Drop for Matmul {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from `keel_dnnl_matmul_create` and is dropped once.
+        unsafe { keel_dnnl_matmul_destroy(self.raw) }
+    }
+}
+
+/// Most primitives kept: a model has a few dozen GEMM shapes; a stream of new shapes (eval
+/// batches of many sizes, say) empties the cache rather than growing it without bound.
+const CACHE_LIMIT: usize = 1024;
+
+fn cache() -> &'static Mutex<HashMap<Key, Arc<Matmul>>> {
+    static CACHE: OnceLock<Mutex<HashMap<Key, Arc<Matmul>>>> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn strides_of<T>(v: &ArrayView2<'_, T>) -> Result<[i64; 2], DnnlError> {
+    let s = v.strides();
+    if s[0] < 0 || s[1] < 0 {
+        return Err(DnnlError::NegativeStride([s[0], s[1]]));
+    }
+    Ok([s[0] as i64, s[1] as i64])
+}
+
+/// The cached primitive for this call, created on a miss.
+fn primitive(key: Key) -> Result<Arc<Matmul>, DnnlError> {
+    if let Some(p) = cache().lock().ok().and_then(|c| c.get(&key).cloned()) {
+        return Ok(p);
+    }
+    let [m, k, n] = key.mkn;
+    let s = key.strides;
+    let mut raw = std::ptr::null_mut();
+    let mut name = [0 as c_char; 128];
+    // SAFETY: plain integers in; `raw` and `name` are valid out-pointers of the given sizes.
+    let status = unsafe {
+        keel_dnnl_matmul_create(
+            c_int::from(key.input == InputType::Bf16),
+            m as i64,
+            k as i64,
+            n as i64,
+            s[0],
+            s[1],
+            s[2],
+            s[3],
+            s[4],
+            s[5],
+            f32::from_bits(key.alpha),
+            f32::from_bits(key.beta),
+            &mut raw,
+            name.as_mut_ptr(),
+            name.len(),
+        )
+    };
+    if status != 0 || raw.is_null() {
+        return Err(DnnlError::Status {
+            what: format!("creating a {:?} [{m}, {k}] x [{k}, {n}] matmul", key.input),
+            status,
+        });
+    }
+    // SAFETY: the shim NUL-terminates `name` within its length.
+    let implementation = unsafe { CStr::from_ptr(name.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    let p = Arc::new(Matmul {
+        raw,
+        implementation,
+    });
+    if let Ok(mut c) = cache().lock() {
+        if c.len() >= CACHE_LIMIT {
+            c.clear();
+        }
+        c.insert(key, p.clone());
+    }
+    Ok(p)
+}
+
+/// `c = alpha * a b + beta * c` by oneDNN on this thread: `a` `[m, k]`, `b` `[k, n]` of `T`
+/// (`f32` with [`InputType::F32`], bf16 bit patterns `u16` with [`InputType::Bf16`]), `c`
+/// `[m, n]` f32; any non-negative strides (transposed and row-strided views included).
+/// Returns the name of the implementation oneDNN chose (e.g. `brg:avx512_core_amx_bf16`).
+///
+/// Errors: [`DnnlError::Status`] when oneDNN cannot create or run the primitive (bf16 on a
+/// CPU it has no bf16 kernel for: "unimplemented"), [`DnnlError::NegativeStride`].
+pub(crate) fn matmul<T: Copy>(
+    input: InputType,
+    alpha: f32,
+    a: &ArrayView2<'_, T>,
+    b: &ArrayView2<'_, T>,
+    beta: f32,
+    c: &mut ArrayViewMut2<'_, f32>,
+) -> Result<String, DnnlError> {
+    let expected = match input {
+        InputType::F32 => std::mem::size_of::<f32>(),
+        InputType::Bf16 => std::mem::size_of::<u16>(),
+    };
+    assert_eq!(
+        std::mem::size_of::<T>(),
+        expected,
+        "element size of {input:?}"
+    );
+    let (m, k) = a.dim();
+    let n = b.ncols();
+    assert_eq!(b.nrows(), k, "inner dimensions");
+    assert_eq!(c.dim(), (m, n), "output shape");
+    let [a_rs, a_cs] = strides_of(a)?;
+    let [b_rs, b_cs] = strides_of(b)?;
+    let [c_rs, c_cs] = strides_of(&c.view())?;
+    let p = primitive(Key {
+        input,
+        mkn: [m, k, n],
+        strides: [a_rs, a_cs, b_rs, b_cs, c_rs, c_cs],
+        alpha: alpha.to_bits(),
+        beta: beta.to_bits(),
+    })?;
+    // SAFETY: the primitive was created for exactly these shapes and strides; the pointers
+    // are the views' first elements, valid for those strides; `c` is borrowed mutably.
+    let status = unsafe {
+        keel_dnnl_matmul_run(p.raw, a.as_ptr().cast(), b.as_ptr().cast(), c.as_mut_ptr())
+    };
+    if status != 0 {
+        return Err(DnnlError::Status {
+            what: format!("running a {input:?} [{m}, {k}] x [{k}, {n}] matmul"),
+            status,
+        });
+    }
+    Ok(p.implementation.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use ndarray::{Array2, ShapeBuilder};
+
+    use super::{InputType, Key, matmul, primitive};
+    use crate::model::bf16::{bf16_bits, round_bf16_f32};
+
+    fn filled(r: usize, c: usize, seed: usize, column_major: bool) -> Array2<f32> {
+        let f = move |(i, j): (usize, usize)| {
+            (((i * 131 + j * 71 + seed * 17) % 97) as f32 - 48.0) / 37.0
+        };
+        if column_major {
+            Array2::from_shape_fn((r, c).f(), f)
+        } else {
+            Array2::from_shape_fn((r, c), f)
+        }
+    }
+
+    fn reference(
+        alpha: f64,
+        a: &Array2<f32>,
+        b: &Array2<f32>,
+        beta: f64,
+        c: &Array2<f32>,
+    ) -> Array2<f64> {
+        let a = a.mapv(f64::from);
+        let b = b.mapv(f64::from);
+        a.dot(&b) * alpha + c.mapv(f64::from) * beta
+    }
+
+    /// Largest `|x - ref|` over `sum_k |a_ik b_kj|`-scaled units: the fp32 accumulation bound
+    /// is `k * 2^-24` of that sum (Higham, "Accuracy and Stability", eq. 3.5).
+    fn worst_relative(got: &Array2<f32>, want: &Array2<f64>, scale: f64) -> f64 {
+        got.iter()
+            .zip(want.iter())
+            .map(|(g, w)| (f64::from(*g) - w).abs() / scale)
+            .fold(0.0, f64::max)
+    }
+
+    /// oneDNN's f32 matmul (works on every x86-64 CPU, AVX2 included) through the shim gives
+    /// the fp64 product within fp32 accumulation error, for all four transposes, a
+    /// row-strided output, alpha and beta, and the cache hands back the same primitive.
+    #[test]
+    fn f32_matmul_matches_fp64_for_every_layout() {
+        for &(m, k, n) in &[(96, 64, 40), (7, 300, 90), (128, 128, 64), (33, 1, 65)] {
+            for layout in 0..4 {
+                let (ta, tb) = (layout & 1 == 1, layout & 2 == 2);
+                let a = filled(m, k, 1, ta);
+                let b = filled(k, n, 2, tb);
+                let c0 = filled(m, n + 3, 3, false);
+                let (alpha, beta) = (0.75f32, 0.5f32);
+                let mut wide = c0.clone();
+                let mut c = wide.slice_mut(ndarray::s![.., ..n]);
+                let name = matmul(InputType::F32, alpha, &a.view(), &b.view(), beta, &mut c)
+                    .unwrap_or_else(|e| panic!("{m}x{k}x{n} layout {layout}: {e}"));
+                assert!(!name.is_empty());
+                let got = c.to_owned();
+                let want = reference(
+                    f64::from(alpha),
+                    &a,
+                    &b,
+                    f64::from(beta),
+                    &c0.slice(ndarray::s![.., ..n]).to_owned(),
+                );
+                let scale = (k as f64) * (48.0 / 37.0f64).powi(2);
+                let worst = worst_relative(&got, &want, scale);
+                assert!(
+                    worst <= (k as f64 + 2.0) * 2f64.powi(-24),
+                    "{m}x{k}x{n} layout {layout}: error {worst:e} of the |a||b| sum"
+                );
+                // The columns past n were not touched.
+                assert_eq!(
+                    wide.slice(ndarray::s![.., n..]),
+                    c0.slice(ndarray::s![.., n..])
+                );
+            }
+        }
+    }
+
+    /// A second request for the same shape, strides, alpha and beta gets the cached primitive.
+    #[test]
+    fn primitives_are_cached_per_key() {
+        let key = Key {
+            input: InputType::F32,
+            mkn: [17, 9, 5],
+            strides: [9, 1, 1, 9, 5, 1],
+            alpha: 1f32.to_bits(),
+            beta: 0f32.to_bits(),
+        };
+        let first = primitive(key).expect("oneDNN creates an f32 matmul on any x86-64 CPU");
+        let again = primitive(key).expect("cached");
+        assert!(std::sync::Arc::ptr_eq(&first, &again));
+        let other = primitive(Key {
+            beta: 1f32.to_bits(),
+            ..key
+        })
+        .expect("beta = 1");
+        assert!(!std::sync::Arc::ptr_eq(&first, &other));
+    }
+
+    /// oneDNN's bf16 matmul, where this CPU has one (AVX512_BF16 or AMX; on AVX2 oneDNN 2.6
+    /// cannot create it, and the test says so and checks nothing more). The products of bf16
+    /// values are exact in f32, so the result is the fp64 product of the rounded inputs within
+    /// fp32 accumulation error.
+    #[test]
+    fn bf16_matmul_matches_fp64_of_rounded_inputs_where_supported() {
+        let (m, k, n) = (64, 256, 48);
+        let a = filled(m, k, 1, false).mapv(round_bf16_f32);
+        let b = filled(k, n, 2, true).mapv(round_bf16_f32);
+        let a16 = a.mapv(bf16_bits);
+        let b16 = b.mapv(bf16_bits);
+        let b16 = {
+            let mut t = Array2::<u16>::zeros((k, n).f());
+            t.assign(&b16);
+            t
+        };
+        let mut c = Array2::<f32>::zeros((m, n));
+        match matmul(
+            InputType::Bf16,
+            1.0,
+            &a16.view(),
+            &b16.view(),
+            0.0,
+            &mut c.view_mut(),
+        ) {
+            Err(e) => {
+                println!("SKIPPED: this CPU has no oneDNN bf16 matmul ({e})");
+                return;
+            }
+            Ok(name) => println!("oneDNN bf16 implementation: {name}"),
+        }
+        let want = reference(1.0, &a, &b, 0.0, &Array2::zeros((m, n)));
+        let scale = (k as f64) * (48.0 / 37.0f64).powi(2);
+        let worst = worst_relative(&c, &want, scale);
+        assert!(
+            worst <= (k as f64 + 2.0) * 2f64.powi(-24),
+            "error {worst:e}"
+        );
+    }
+}
