@@ -164,6 +164,9 @@ fn finish(
     if let Some(dir) = &spec.model.init_checkpoint {
         check_init_checkpoint(dir, &config, heads).map_err(fail)?;
     }
+    let memory_bytes = crate::admission::estimate_for(&config, spec, "model config")
+        .map_err(|e| fail(e.to_string()))?
+        .total_bytes;
     let model_config_json = config.to_json_pretty();
     write_file_atomic(&job_dir.join(JOB_CONFIG_FILE), model_config_json.as_bytes())?;
     Ok(PreparedJob {
@@ -171,6 +174,7 @@ fn finish(
         total_sequences,
         model_config_json,
         shared_files,
+        memory_bytes,
     })
 }
 

@@ -155,6 +155,16 @@ fn assign_workers(shared: &Arc<Shared>) {
         return;
     }
     for id in waiting {
+        let needed = reg
+            .jobs
+            .get(&id)
+            .and_then(|j| j.prepared.as_ref())
+            .map(|p| p.memory_bytes);
+        if let Some(reason) = needed.and_then(|n| crate::admission::no_worker_can_hold(&reg, n)) {
+            // Assigning it would only make every worker fail (or abort) on it, again and again.
+            reg.end_job(&id, JobState::Failed, Some(reason));
+            continue;
+        }
         let idle = recovery::idle_workers(&reg, &id);
         let Ok(job) = reg.job_mut(&id) else { continue };
         let (min, max) = (job.spec.cluster.min_workers, job.spec.cluster.max_workers);

@@ -111,6 +111,7 @@ impl Coordinator for CoordinatorService {
         let spec =
             JobSpec::from_toml_str(&req.spec_toml, origin).map_err(CoordinatorError::from)?;
         let mut reg = self.shared.lock();
+        crate::admission::check_submission(&spec, &reg)?;
         reg.next_job += 1;
         let id = format!("job-{}", reg.next_job);
         let dir = self.shared.data_dir.join("jobs").join(&id);
@@ -264,6 +265,7 @@ impl Coordinator for CoordinatorService {
             commands: None,
             disconnected: false,
             holds: req.held.filter(|k| !k.job_id.is_empty()),
+            memory_limit: req.memory_limit_bytes,
         };
         tracing::info!(worker = %entry.describe(), threads = entry.threads, host = %entry.hostname, holds = %entry.holds.as_ref().map_or_else(String::new, |k| format!("{} generation {} step {}", k.job_id, k.generation, k.step)), "worker registered");
         reg.workers.insert(id.clone(), entry);

@@ -35,6 +35,9 @@ pub struct JobContext {
     pub progress: Arc<AtomicU64>,
     /// Fault injection for tests: NaN loss on this rank at this 0-based step.
     pub fault_nan_at_step: Option<u64>,
+    /// Bytes of memory a job may use on this worker; an assignment estimated to need more is
+    /// refused before anything is allocated. `None`: not checked.
+    pub memory_limit: Option<u64>,
 }
 
 /// Why a job stopped on this worker.
@@ -89,6 +92,42 @@ pub async fn run_job(
     }
 }
 
+/// Checks an assignment's model against this worker's memory: the config must pass
+/// [`BertConfig::validate`] (its size caps included) and [`keel_proto::memory::estimate`] for
+/// the job's micro-batch at `max_seq_length` must not exceed `memory_limit` bytes.
+///
+/// Errors: [`JobError::Assignment`] naming the field, or the estimate and the limit.
+fn check_fits(
+    config: &BertConfig,
+    spec: &JobSpec,
+    memory_limit: Option<u64>,
+) -> Result<(), JobError> {
+    config
+        .validate()
+        .map_err(|e| JobError::Assignment(format!("model config: {e}")))?;
+    let estimate = keel_proto::memory::estimate(
+        config,
+        spec.train.micro_batch_size,
+        spec.data.max_seq_length,
+    )
+    .map_err(|e| JobError::Assignment(format!("model config: {e}")))?;
+    if let Some(limit) = memory_limit
+        && estimate.total_bytes > limit
+    {
+        use keel_proto::memory::format_bytes;
+        return Err(JobError::Assignment(format!(
+            "this worker cannot hold the model: training it needs an estimated {} ({} parameters, \
+             micro_batch_size {} at max_seq_length {}) but this worker's memory limit is {}",
+            format_bytes(estimate.total_bytes),
+            estimate.params,
+            spec.train.micro_batch_size,
+            spec.data.max_seq_length,
+            format_bytes(limit)
+        )));
+    }
+    Ok(())
+}
+
 /// [`run_job`]'s body; errors before training starts hand the held replica back.
 async fn prepare_and_train(
     ctx: JobContext,
@@ -118,6 +157,9 @@ async fn prepare_and_train(
         serde_json::from_str(&start.model_config_json)
             .map_err(|e| JobError::Assignment(format!("model config: {e}")))
     );
+    // Before any allocation: a config that is out of bounds, or a model this worker cannot
+    // hold, is refused with a message for the coordinator, never an abort on allocation.
+    early!(check_fits(&config, &spec, ctx.memory_limit));
 
     // Step 6: files, verified and cached.
     let mut client = ctx.client.clone();
