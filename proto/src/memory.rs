@@ -78,14 +78,14 @@ pub fn estimate(
     let cc = mul(c, c, "hidden_size")?;
     let cf = mul(c, f, "intermediate_size")?;
     // Embeddings.
-    let mut n = mul(v, c, "vocab_size")?;
-    n = add(
-        n,
+    let mut emb = mul(v, c, "vocab_size")?;
+    emb = add(
+        emb,
         mul(p, c, "max_position_embeddings")?,
         "max_position_embeddings",
     )?;
-    n = add(n, mul(tt, c, "type_vocab_size")?, "type_vocab_size")?;
-    n = add(n, mul(2, c, "hidden_size")?, "hidden_size")?;
+    emb = add(emb, mul(tt, c, "type_vocab_size")?, "type_vocab_size")?;
+    emb = add(emb, mul(2, c, "hidden_size")?, "hidden_size")?;
     // One encoder layer.
     let mut layer = mul(4, add(cc, c, "hidden_size")?, "hidden_size")?;
     layer = add(layer, mul(2, cf, "intermediate_size")?, "intermediate_size")?;
@@ -94,7 +94,6 @@ pub fn estimate(
         add(f, mul(5, c, "hidden_size")?, "intermediate_size")?,
         "hidden_size",
     )?;
-    n = add(n, mul(l, layer, "num_hidden_layers")?, "num_hidden_layers")?;
     // MLM head, pooler and NSP head.
     let heads = add(
         mul(
@@ -105,8 +104,23 @@ pub fn estimate(
         add(v, 2, "vocab_size")?,
         "vocab_size",
     )?;
-    let params = add(n, heads, "hidden_size")?;
-    let state_values = mul(4, params, "hidden_size")?;
+    // Each part is turned into bytes before it is multiplied by the layer count, so that an
+    // overflow is charged to the factor that caused it.
+    let state = |values: u64, field| mul(4 * F32, values, field);
+    let params = add(
+        add(emb, heads, "vocab_size")?,
+        mul(l, layer, "num_hidden_layers")?,
+        "num_hidden_layers",
+    )?;
+    let state_bytes = add(
+        add(
+            state(emb, "vocab_size")?,
+            state(heads, "vocab_size")?,
+            "vocab_size",
+        )?,
+        mul(l, state(layer, "hidden_size")?, "num_hidden_layers")?,
+        "num_hidden_layers",
+    )?;
 
     let bt = mul(b, t, "train.micro_batch_size")?;
     let per_token = add(
@@ -124,7 +138,6 @@ pub fn estimate(
         attention,
         "data.max_seq_length",
     )?;
-    let mut acts = mul(l, layer_acts, "num_hidden_layers")?;
     let head_acts = mul(
         bt,
         add(
@@ -134,11 +147,29 @@ pub fn estimate(
         )?,
         "vocab_size",
     )?;
-    acts = add(acts, head_acts, "vocab_size")?;
-
-    let state_bytes = mul(F32, state_values, "hidden_size")?;
-    let activation_bytes = mul(F32, acts, "train.micro_batch_size")?;
-    let total_bytes = add(state_bytes, activation_bytes, "train.micro_batch_size")?;
+    let activation_bytes = add(
+        mul(
+            l,
+            mul(F32, layer_acts, "train.micro_batch_size")?,
+            "num_hidden_layers",
+        )?,
+        mul(F32, head_acts, "vocab_size")?,
+        "num_hidden_layers",
+    )?;
+    // Charged to the layer count when the per-layer terms dominate, to the vocabulary (the
+    // embeddings and the MLM logits) otherwise.
+    let layer_bytes =
+        mul(l, state(layer, "hidden_size")?, "num_hidden_layers")?.saturating_add(mul(
+            l,
+            mul(F32, layer_acts, "train.micro_batch_size")?,
+            "num_hidden_layers",
+        )?);
+    let field = if layer_bytes >= state_bytes.saturating_add(activation_bytes) / 2 {
+        "num_hidden_layers"
+    } else {
+        "vocab_size"
+    };
+    let total_bytes = add(state_bytes, activation_bytes, field)?;
     Ok(MemoryEstimate {
         params,
         state_bytes,

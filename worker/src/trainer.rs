@@ -334,3 +334,44 @@ async fn report_events(
     }
     last_upload.map_err(JobError::from)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPEC: &str = r#"
+[data]
+corpus = ["/corpus.txt"]
+vocab_size = 1000
+max_seq_length = 128
+[model]
+preset = "tiny"
+[train]
+micro_batch_size = 8
+max_steps = 10
+"#;
+
+    #[test]
+    fn an_assignment_this_worker_cannot_hold_is_refused_before_allocating() {
+        let spec = JobSpec::from_toml_str(SPEC, "job.toml").unwrap();
+        let tiny = BertConfig::preset("tiny", 1000).unwrap();
+        let needed = keel_proto::memory::estimate(&tiny, 8, 128)
+            .unwrap()
+            .total_bytes;
+        assert!(check_fits(&tiny, &spec, Some(needed)).is_ok());
+        assert!(check_fits(&tiny, &spec, None).is_ok());
+        let err = check_fits(&tiny, &spec, Some(needed - 1)).unwrap_err();
+        assert!(!err.is_recoverable());
+        assert!(err.to_string().contains("cannot hold"), "{err}");
+        // The issue's config (from a coordinator that does not check) is refused by field,
+        // before the 22 TB allocation.
+        let mut huge = tiny.clone();
+        huge.hidden_size = 1 << 20;
+        let err = check_fits(&huge, &spec, None).unwrap_err().to_string();
+        assert!(err.contains("hidden_size"), "{err}");
+        let mut wrapping = tiny;
+        wrapping.num_hidden_layers = 1 << 40;
+        let err = check_fits(&wrapping, &spec, None).unwrap_err().to_string();
+        assert!(err.contains("num_hidden_layers"), "{err}");
+    }
+}
