@@ -333,3 +333,39 @@ fn pull_stops_past_the_manifest_size_and_fill_mask_checks_the_header() {
         started.elapsed().as_secs_f64()
     );
 }
+
+#[test]
+fn a_job_whose_preparation_keeps_being_interrupted_is_failed_not_retried() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (mut coord, addr) = start_coordinator(root);
+    let id = submit(&JobFile::new(kjv_lines(root, 500)).write(root), &addr, root).unwrap();
+    let job_dir = root.join("coordinator/jobs").join(&id);
+    // No worker: once prepared it waits; the attempt marker is gone by then.
+    let waiting = poll(Duration::from_secs(60), || {
+        (status(&id, &addr, root)["state"] == "waiting-for-workers").then_some(())
+    });
+    assert!(waiting.is_some(), "{}", status(&id, &addr, root));
+    assert!(!job_dir.join("preparation-attempts").exists());
+    let _ = coord.child.kill();
+    let _ = coord.child.wait();
+    // As a coordinator killed twice while preparing leaves it: state preparing, two attempts
+    // begun and never ended.
+    let record = job_dir.join("job-state.json");
+    let text = std::fs::read_to_string(&record).unwrap();
+    let mut value: serde_json::Value = serde_json::from_str(&text).unwrap();
+    value["state"] = serde_json::json!("JOB_STATE_PREPARING");
+    std::fs::write(&record, serde_json::to_string(&value).unwrap()).unwrap();
+    std::fs::remove_dir_all(job_dir.join("data")).unwrap();
+    std::fs::write(job_dir.join("preparation-attempts"), "2").unwrap();
+    let (coord2, addr2) = start_coordinator_with(root, &[]);
+    let s = status(&id, &addr2, root);
+    assert_eq!(s["state"], "failed", "{s}");
+    assert!(
+        s["error"].as_str().unwrap().contains("interrupted 2 times"),
+        "{s}"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(!coord2.log_text().contains("preparing data and model"));
+    assert!(!job_dir.join("data").exists(), "it was prepared again");
+}

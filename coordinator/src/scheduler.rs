@@ -108,8 +108,13 @@ pub fn spawn_prepare(
     tokio::spawn(async move {
         tracing::info!(job = %id, "preparing data and model");
         let id2 = id.clone();
-        let result =
-            tokio::task::spawn_blocking(move || prepare_job::prepare(&id2, &spec, &dir)).await;
+        let result = tokio::task::spawn_blocking(move || {
+            prepare_job::begin_attempt(&dir)?;
+            let result = prepare_job::prepare(&id2, &spec, &dir);
+            prepare_job::end_attempt(&dir);
+            result
+        })
+        .await;
         let mut reg = shared.lock();
         match result {
             Ok(Ok(prepared)) => {
