@@ -93,7 +93,12 @@ pub async fn pull(
 }
 
 /// Writes a stream of file chunks into `dir`, checking offsets and each file's sha256, each
-/// file fsynced. Returns the names written. Names come from the server: only plain names
+/// file fsynced. Returns the names written. When the stream starts with `manifest.json` (as
+/// coordinators since the manifest-first order send it), every later file must be listed in
+/// it, announce its recorded size, and is stopped at the first byte past that size, before
+/// the byte is written; the manifest itself may not pass
+/// [`keel_proto::limits::MAX_RECORD_BYTES`]. A stream with the manifest last is checked after
+/// the transfer, by [`Manifest::verify`], as before. Names come from the server: only plain names
 /// (no directory part, no `..`) are accepted, each once, so nothing is written outside `dir`;
 /// with `only`, that one name alone (so the metrics stream cannot replace a verified file).
 ///
@@ -107,8 +112,11 @@ where
     S: futures::Stream<Item = Result<FileChunk, tonic::Status>> + Unpin,
 {
     use futures::StreamExt;
-    let mut names = Vec::new();
+    let mut names: Vec<String> = Vec::new();
     let mut current: Option<(String, std::fs::File, Sha256, u64)> = None;
+    // The manifest, once received first; then every file's recorded size is its bound.
+    let mut manifest: Option<Manifest> = None;
+    let manifest_name = keel_proto::checkpoint::MANIFEST_FILE;
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.context("receiving files from the coordinator")?;
         check_plain_name(&chunk.name)
@@ -128,6 +136,22 @@ where
             if names.contains(&chunk.name) {
                 anyhow::bail!("{}: the coordinator sent this file twice", chunk.name);
             }
+            // A manifest from before sizes were recorded bounds nothing: checked afterwards.
+            if let Some(m) = manifest.as_ref().filter(|m| !m.sizes.is_empty()) {
+                let Some(&size) = m.sizes.get(&chunk.name) else {
+                    anyhow::bail!(
+                        "{}: the coordinator sent a file its manifest does not list with a size",
+                        chunk.name
+                    );
+                };
+                if chunk.size != size {
+                    anyhow::bail!(
+                        "{}: the coordinator announces {} bytes but the manifest records {size}",
+                        chunk.name,
+                        chunk.size
+                    );
+                }
+            }
             let path = dir.join(&chunk.name);
             let file = std::fs::File::create(&path)
                 .with_context(|| format!("creating {}", path.display()))?;
@@ -142,9 +166,25 @@ where
                 chunk.offset
             );
         }
+        let bound = if *name == manifest_name && only.is_none() {
+            Some(keel_proto::limits::MAX_RECORD_BYTES)
+        } else {
+            manifest
+                .as_ref()
+                .and_then(|m| m.sizes.get(name.as_str()).copied())
+        };
+        let end = *written + chunk.data.len() as u64;
+        if let Some(bound) = bound
+            && end > bound
+        {
+            anyhow::bail!(
+                "{name}: the coordinator sent more than the {bound} bytes recorded for it \
+                 (stopped at byte {bound}, before writing past it)"
+            );
+        }
         file.write_all(&chunk.data)?;
         hasher.update(&chunk.data);
-        *written += chunk.data.len() as u64;
+        *written = end;
         if chunk.last {
             file.sync_all()?;
             let got = keel_proto::checkpoint::hex(&hasher.clone().finalize());
@@ -153,6 +193,9 @@ where
                     "{name}: received sha256 {got}, the coordinator sent {}",
                     chunk.sha256
                 );
+            }
+            if names.is_empty() && *name == manifest_name && only.is_none() {
+                manifest = Some(Manifest::read(dir)?);
             }
             names.push(name.clone());
             current = None;
@@ -237,5 +280,44 @@ mod tests {
         assert!(err.to_string().contains("only metrics.jsonl"), "{err}");
         let kept = std::fs::read(dir.path().join("model.safetensors")).unwrap();
         assert_eq!(kept, b"verified");
+    }
+
+    #[tokio::test]
+    async fn after_a_manifest_first_a_file_stops_at_the_first_byte_past_its_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let manifest = Manifest {
+            files: [("model.safetensors".to_string(), "0".repeat(64))].into(),
+            sizes: [("model.safetensors".to_string(), 4)].into(),
+        };
+        let text = serde_json::to_vec(&manifest).unwrap();
+        // The chunk announces the recorded size but carries one byte more.
+        let mut chunk = whole_file("model.safetensors", b"12345").unwrap();
+        chunk.size = 4;
+        let err = receive(
+            vec![whole_file("manifest.json", &text), Ok(chunk)],
+            dir.path(),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("more than the 4 bytes recorded"), "{err}");
+        let written = std::fs::metadata(dir.path().join("model.safetensors"))
+            .unwrap()
+            .len();
+        assert_eq!(written, 0, "nothing of the oversized chunk was written");
+        // A file the manifest does not list is refused before it is created.
+        let dir = tempfile::tempdir().unwrap();
+        let err = receive(
+            vec![
+                whole_file("manifest.json", &text),
+                whole_file("extra.bin", b"x"),
+            ],
+            dir.path(),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("does not list"), "{err}");
+        assert!(!dir.path().join("extra.bin").exists());
     }
 }

@@ -20,6 +20,9 @@ pub struct PreparedJob {
     pub model_config_json: String,
     /// `(role, path)` of files every rank fetches (heldout, vocab, tokenizer, init weights).
     pub shared_files: Vec<(String, PathBuf)>,
+    /// Estimated bytes to train the model on one rank (`keel_proto::memory::estimate`):
+    /// only workers whose memory limit holds it are given the job.
+    pub memory_bytes: u64,
 }
 
 /// A job, from submission to its end.

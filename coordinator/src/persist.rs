@@ -10,7 +10,7 @@
 //! | state on disk | state after restart |
 //! |---|---|
 //! | completed, failed, cancelled | unchanged |
-//! | queued, preparing | queued (preparation runs again and reuses a complete data folder) |
+//! | queued, preparing | queued (preparation runs again and reuses a complete data folder), or failed after [`prepare_job::MAX_INTERRUPTED_PREPARATIONS`] interrupted preparations |
 //! | waiting for workers, running, recovering | recovering, with no workers attached |
 //!
 //! A file that cannot be read or parsed is logged (naming it) and skipped; it never stops the
@@ -418,6 +418,17 @@ pub fn load_jobs(jobs_dir: &Path) -> Vec<Job> {
                 continue;
             }
         };
+        let interrupted = prepare_job::interrupted_preparations(&job.dir);
+        if interrupted >= prepare_job::MAX_INTERRUPTED_PREPARATIONS && !job.is_finished() {
+            // It is restored failed (saved below), so it is never prepared again.
+            job.state = JobState::Failed;
+            job.error = Some(format!(
+                "its preparation was interrupted {interrupted} times (the coordinator stopped \
+                 or was killed while preparing it, perhaps for memory): not retried; fix the \
+                 inputs and submit it again"
+            ));
+            tracing::error!(job = %job.id, interrupted, "not preparing it again");
+        }
         if job.state == JobState::Recovering {
             match prepare_job::reuse(&job.id, &job.spec, &job.dir) {
                 Ok(Some(prepared)) => job.prepared = Some(Arc::new(prepared)),

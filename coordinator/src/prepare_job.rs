@@ -19,6 +19,38 @@ use std::path::{Path, PathBuf};
 /// File name of the model config kept in the job folder (copied into every checkpoint).
 pub const JOB_CONFIG_FILE: &str = "config.json";
 
+/// File in the job folder counting preparations that started and never ended (the
+/// coordinator stopped, or was killed, while preparing): written before each attempt, removed
+/// when it ends either way.
+pub const ATTEMPTS_FILE: &str = "preparation-attempts";
+
+/// Preparations that may be interrupted before a restart stops retrying the job (it then
+/// fails, saying so): a job that kills the coordinator each time it is prepared (memory)
+/// would otherwise do so at every restart.
+pub const MAX_INTERRUPTED_PREPARATIONS: u32 = 2;
+
+/// Preparations of the job in `job_dir` that started and did not end (0 if none).
+pub fn interrupted_preparations(job_dir: &Path) -> u32 {
+    std::fs::read_to_string(job_dir.join(ATTEMPTS_FILE))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Records that a preparation of the job in `job_dir` starts (one more attempt).
+///
+/// Errors: `Io` if the file cannot be written.
+pub fn begin_attempt(job_dir: &Path) -> Result<(), CoordinatorError> {
+    let n = interrupted_preparations(job_dir) + 1;
+    write_file_atomic(&job_dir.join(ATTEMPTS_FILE), n.to_string().as_bytes())?;
+    Ok(())
+}
+
+/// Records that the preparation ended (succeeded or failed with a reason).
+pub fn end_attempt(job_dir: &Path) {
+    let _ = std::fs::remove_file(job_dir.join(ATTEMPTS_FILE));
+}
+
 /// Prepares a job: tokenizes and shards the corpus into `job_dir/data`, builds the model
 /// config (`job_dir/config.json`) and lists the files every rank fetches. A data folder that
 /// an earlier run of the same job completed (its manifest is written last) is reused as it
@@ -164,6 +196,9 @@ fn finish(
     if let Some(dir) = &spec.model.init_checkpoint {
         check_init_checkpoint(dir, &config, heads).map_err(fail)?;
     }
+    let memory_bytes = crate::admission::estimate_for(&config, spec, "model config")
+        .map_err(|e| fail(e.to_string()))?
+        .total_bytes;
     let model_config_json = config.to_json_pretty();
     write_file_atomic(&job_dir.join(JOB_CONFIG_FILE), model_config_json.as_bytes())?;
     Ok(PreparedJob {
@@ -171,6 +206,7 @@ fn finish(
         total_sequences,
         model_config_json,
         shared_files,
+        memory_bytes,
     })
 }
 

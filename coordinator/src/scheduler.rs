@@ -109,8 +109,13 @@ pub fn spawn_prepare(
     tokio::spawn(async move {
         tracing::info!(job = %id, "preparing data and model");
         let id2 = id.clone();
-        let result =
-            tokio::task::spawn_blocking(move || prepare_job::prepare(&id2, &spec, &dir)).await;
+        let result = tokio::task::spawn_blocking(move || {
+            prepare_job::begin_attempt(&dir)?;
+            let result = prepare_job::prepare(&id2, &spec, &dir);
+            prepare_job::end_attempt(&dir);
+            result
+        })
+        .await;
         let mut reg = shared.lock();
         match result {
             Ok(Ok(prepared)) => {
@@ -156,6 +161,16 @@ fn assign_workers(shared: &Arc<Shared>) {
         return;
     }
     for id in waiting {
+        let needed = reg
+            .jobs
+            .get(&id)
+            .and_then(|j| j.prepared.as_ref())
+            .map(|p| p.memory_bytes);
+        if let Some(reason) = needed.and_then(|n| crate::admission::no_worker_can_hold(&reg, n)) {
+            // Assigning it would only make every worker fail (or abort) on it, again and again.
+            reg.end_job(&id, JobState::Failed, Some(reason));
+            continue;
+        }
         let idle = recovery::idle_workers(&reg, &id);
         let Ok(job) = reg.job_mut(&id) else { continue };
         let (min, max) = (job.spec.cluster.min_workers, job.spec.cluster.max_workers);

@@ -123,6 +123,7 @@ impl Coordinator for CoordinatorService {
         };
         checked.map_err(CoordinatorError::from)?;
         let mut reg = self.shared.lock();
+        crate::admission::check_submission(&spec, &reg)?;
         reg.next_job += 1;
         let id = format!("job-{}", reg.next_job);
         let dir = self.shared.data_dir.join("jobs").join(&id);
@@ -292,6 +293,7 @@ impl Coordinator for CoordinatorService {
             commands: None,
             disconnected: false,
             holds: req.held.filter(|k| !k.job_id.is_empty()),
+            memory_limit: req.memory_limit_bytes,
         };
         // Fields without a value (no host name sent, nothing held) are left out of the line
         // rather than logged as `host= holds=`: a `None` field is not recorded.

@@ -44,6 +44,9 @@ pub struct WorkerEntry {
     pub disconnected: bool,
     /// What it said at registration that it holds in memory: `(job, generation, step)`.
     pub holds: Option<TrainingKey>,
+    /// Bytes of memory it advertised it can use (`None` from workers older than the field):
+    /// it is given only jobs whose estimated training memory fits (`crate::admission`).
+    pub memory_limit: Option<u64>,
 }
 
 impl WorkerEntry {

@@ -200,7 +200,7 @@ fn prune(keep: usize, max_steps: u64, job_dir: &Path, steps: &mut Vec<u64>) {
     }
 }
 
-/// The files of a stored checkpoint, sorted by name, manifest last.
+/// The files of a stored checkpoint, manifest first, then the others by name.
 ///
 /// Errors: `NotFound` if the folder does not exist; `Io`.
 pub fn checkpoint_files(
@@ -223,6 +223,8 @@ pub fn checkpoint_files(
             files.push((name, entry.path()));
         }
     }
-    files.sort_by_key(|(name, _)| (name == keel_proto::checkpoint::MANIFEST_FILE, name.clone()));
+    // The manifest first: the client then knows every file's size before its first byte and
+    // stops a file at the first byte past it (clients that read it last still find it).
+    files.sort_by_key(|(name, _)| (name != keel_proto::checkpoint::MANIFEST_FILE, name.clone()));
     Ok(files)
 }

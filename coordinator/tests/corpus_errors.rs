@@ -218,3 +218,80 @@ fn options_follow_the_job_file() {
     );
     assert_eq!(o.heldout_fraction, 0.02);
 }
+
+#[test]
+fn a_multi_gigabyte_line_a_device_or_a_fifo_is_refused_naming_the_file_and_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    // 3 GiB without a newline, sparse (no disk): refused after 16 MiB, not buffered whole.
+    let sparse = dir.path().join("no-newline.txt");
+    std::fs::File::create(&sparse)
+        .unwrap()
+        .set_len(3 << 30)
+        .unwrap();
+    let started = std::time::Instant::now();
+    let err = prepare(&opts(vec![sparse], &dir.path().join("o1"), Objective::Mlm))
+        .unwrap_err()
+        .to_string();
+    println!(
+        "3 GiB line refused in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(err.contains("no-newline.txt"), "{err}");
+    assert!(
+        err.contains("line 1") && err.contains("16777216-byte line limit"),
+        "{err}"
+    );
+
+    // /dev/zero as the vocabulary, and as a corpus named explicitly.
+    let mut o = opts(
+        vec![kjv_file(dir.path())],
+        &dir.path().join("o2"),
+        Objective::Mlm,
+    );
+    o.vocab = VocabSource::File {
+        path: PathBuf::from("/dev/zero"),
+        lowercase: true,
+    };
+    let err = prepare(&o).unwrap_err().to_string();
+    assert!(
+        err.contains("/dev/zero") && err.contains("not a regular file"),
+        "{err}"
+    );
+    let err = prepare(&opts(
+        vec![PathBuf::from("/dev/zero")],
+        &dir.path().join("o3"),
+        Objective::Mlm,
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("/dev/zero"), "{err}");
+
+    // A FIFO vocabulary with no writer: refused at once instead of blocking forever.
+    let fifo = dir.path().join("vocab.fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let mut o = opts(
+        vec![kjv_file(dir.path())],
+        &dir.path().join("o4"),
+        Objective::Mlm,
+    );
+    o.vocab = VocabSource::File {
+        path: fifo,
+        lowercase: true,
+    };
+    let err = prepare(&o).unwrap_err().to_string();
+    assert!(
+        err.contains("vocab.fifo") && err.contains("a FIFO"),
+        "{err}"
+    );
+}
+
+/// A few KJV documents in `dir/kjv.txt`.
+fn kjv_file(dir: &Path) -> PathBuf {
+    let path = dir.join("kjv.txt");
+    std::fs::write(&path, kjv_head(200)).unwrap();
+    path
+}

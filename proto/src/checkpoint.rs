@@ -41,6 +41,9 @@ pub enum CheckpointError {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// A file could not be read within Keel's bounds (not a regular file, too large).
+    #[error(transparent)]
+    Limit(#[from] crate::limits::LimitError),
     /// A JSON file did not parse.
     #[error("{path}: {source}")]
     Json {
@@ -163,12 +166,17 @@ impl Manifest {
         Ok(Self { files, sizes })
     }
 
-    /// Reads `manifest.json` from `dir`.
+    /// Reads `manifest.json` from `dir` (a regular file of at most
+    /// [`crate::limits::MAX_RECORD_BYTES`]).
     ///
-    /// Errors: [`CheckpointError::Io`], [`CheckpointError::Json`].
+    /// Errors: [`CheckpointError::Limit`], [`CheckpointError::Json`].
     pub fn read(dir: &Path) -> Result<Self, CheckpointError> {
         let path = dir.join(MANIFEST_FILE);
-        let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+        let text = crate::limits::read_bounded_to_string(
+            &path,
+            crate::limits::MAX_RECORD_BYTES,
+            "a checkpoint manifest",
+        )?;
         serde_json::from_str(&text).map_err(|source| CheckpointError::Json { path, source })
     }
 

@@ -39,6 +39,9 @@ pub enum ConfigError {
         /// The cause.
         source: std::io::Error,
     },
+    /// The file could not be read within Keel's bounds (not a regular file, too large).
+    #[error("{0}")]
+    Limit(Box<crate::limits::LimitError>),
     /// The file is not a valid BERT config.json.
     #[error("parsing config {path}: {source}")]
     Parse {
@@ -48,6 +51,24 @@ pub enum ConfigError {
         source: serde_json::Error,
     },
 }
+
+/// Caps on the sizes of a config, far above every published BERT (large: hidden 1024,
+/// 24 layers, 16 heads, intermediate 4096, 512 positions; multilingual vocabularies of 250k)
+/// and low enough that no product of them overflows 64 bits. Whether a model within the caps
+/// fits a worker is [`crate::memory::estimate`]'s question.
+pub const MAX_HIDDEN_SIZE: usize = 16_384;
+/// Cap on `num_hidden_layers` (see [`MAX_HIDDEN_SIZE`]).
+pub const MAX_LAYERS: usize = 256;
+/// Cap on `num_attention_heads`.
+pub const MAX_HEADS: usize = 256;
+/// Cap on `intermediate_size` (4 x [`MAX_HIDDEN_SIZE`]).
+pub const MAX_INTERMEDIATE_SIZE: usize = 65_536;
+/// Cap on `vocab_size` (2^20 tokens).
+pub const MAX_VOCAB_SIZE: usize = 1 << 20;
+/// Cap on `max_position_embeddings` (attention is quadratic in the sequence length).
+pub const MAX_POSITIONS: usize = 32_768;
+/// Cap on `type_vocab_size` (BERT uses 2).
+pub const MAX_TYPE_VOCAB_SIZE: usize = 1_024;
 
 /// The activation of the feed-forward block and of the MLM head transform (`hidden_act`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -201,6 +222,7 @@ impl BertConfig {
     /// Checks that a model can be built from this config.
     ///
     /// Errors: [`ConfigError::InvalidField`] naming the first offending field: a zero size,
+    /// a size over its cap ([`MAX_HIDDEN_SIZE`] and the others below it),
     /// `hidden_size` not divisible by `num_attention_heads`, a probability outside `[0, 1)`,
     /// a negative or non-finite `initializer_range` / `layer_norm_eps`, `pad_token_id` outside
     /// the vocabulary, a non-absolute position embedding, a decoder config, untied embeddings.
@@ -218,6 +240,27 @@ impl BertConfig {
         ] {
             if value == 0 {
                 return invalid(field, "must be positive".to_string());
+            }
+        }
+        for (field, value, cap) in [
+            ("vocab_size", self.vocab_size, MAX_VOCAB_SIZE),
+            ("hidden_size", self.hidden_size, MAX_HIDDEN_SIZE),
+            ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
+            ("num_attention_heads", self.num_attention_heads, MAX_HEADS),
+            (
+                "intermediate_size",
+                self.intermediate_size,
+                MAX_INTERMEDIATE_SIZE,
+            ),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                MAX_POSITIONS,
+            ),
+            ("type_vocab_size", self.type_vocab_size, MAX_TYPE_VOCAB_SIZE),
+        ] {
+            if value > cap {
+                return invalid(field, format!("{value} is more than Keel's cap of {cap}"));
             }
         }
         if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
@@ -289,14 +332,19 @@ impl BertConfig {
 
     /// Reads and validates a `config.json`.
     ///
-    /// Errors: [`ConfigError::Io`], [`ConfigError::Parse`] (with line and column), or the
+    /// Only a regular file of at most [`crate::limits::MAX_CONFIG_BYTES`] is read.
+    ///
+    /// Errors: [`ConfigError::Limit`] (unreadable, not a regular file, too large),
+    /// [`ConfigError::Parse`] (with line and column), or the
     /// [`ConfigError::InvalidField`] of [`BertConfig::validate`].
     pub fn from_json_file(path: impl AsRef<Path>) -> Result<BertConfig, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text = crate::limits::read_bounded_to_string(
+            path,
+            crate::limits::MAX_CONFIG_BYTES,
+            "a model config",
+        )
+        .map_err(|e| ConfigError::Limit(Box::new(e)))?;
         let config: BertConfig =
             serde_json::from_str(&text).map_err(|source| ConfigError::Parse {
                 path: path.display().to_string(),
@@ -383,6 +431,33 @@ mod tests {
                 assert_eq!(field, "hidden_dropout_prob")
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn sizes_over_their_caps_name_the_field() {
+        for (field, set) in [
+            (
+                "hidden_size",
+                (|c: &mut BertConfig| c.hidden_size = 1 << 20) as fn(&mut BertConfig),
+            ),
+            ("num_hidden_layers", |c| c.num_hidden_layers = 1 << 40),
+            ("num_attention_heads", |c| c.num_attention_heads = 1 << 62),
+            ("vocab_size", |c| c.vocab_size = 1 << 30),
+            ("max_position_embeddings", |c| {
+                c.max_position_embeddings = 1 << 20
+            }),
+            ("intermediate_size", |c| c.intermediate_size = usize::MAX),
+        ] {
+            let mut c = BertConfig::preset("tiny", 100).unwrap();
+            set(&mut c);
+            match c.validate() {
+                Err(ConfigError::InvalidField { field: got, reason }) => {
+                    assert_eq!(got, field);
+                    assert!(reason.contains("cap"), "{reason}");
+                }
+                other => panic!("{field}: {other:?}"),
+            }
         }
     }
 

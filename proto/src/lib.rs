@@ -10,6 +10,8 @@
 //! - `tokenizer`, `shard`, `split`: WordPiece vocabulary, the binary shard format, and how
 //!   sequences are split among workers.
 //! - `jobspec`, `checkpoint`: the job file (TOML) and the checkpoint folder.
+//! - `limits`, `memory`: bounds on the files a job names (regular files, sizes, line lengths)
+//!   and the memory a model needs to train, checked against what a worker has.
 //! - `protocol`: the control-plane protocol as numbered steps, and its timeouts.
 //! - `auth`, `tls`, `security`: the cluster token every call carries, optional TLS, and both
 //!   bundled for servers and clients.
@@ -35,6 +37,8 @@ pub mod checkpoint;
 pub mod config;
 pub mod incoming;
 pub mod jobspec;
+pub mod limits;
+pub mod memory;
 pub mod params;
 pub mod precision;
 pub mod protocol;

@@ -44,6 +44,9 @@ pub enum TokenizerError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// A file could not be read within Keel's bounds (not a regular file, too large).
+    #[error(transparent)]
+    Limit(#[from] crate::limits::LimitError),
     /// The `tokenizers` crate refused a file or an operation.
     #[error("{context}: {message}")]
     Tokenizers {
@@ -238,13 +241,17 @@ impl KeelTokenizer {
     /// Loads a BERT `vocab.txt` (one token per line, id = line number), lowercasing (and
     /// stripping accents) when `lowercase` is true, as `BertTokenizerFast(vocab, do_lower_case)`.
     ///
-    /// Errors: `Io` if the file cannot be read, `Tokenizers` if it is malformed,
-    /// `MissingSpecialToken` if one of the five special tokens is absent.
+    /// Only a regular file of at most [`crate::limits::MAX_VOCAB_BYTES`] is read.
+    ///
+    /// Errors: `Limit` if the file cannot be read, is not a regular file (`/dev/zero`, a FIFO)
+    /// or is too large, `Tokenizers` if it is malformed, `MissingSpecialToken` if one of the
+    /// five special tokens is absent.
     pub fn from_vocab_file(path: &Path, lowercase: bool) -> Result<Self, TokenizerError> {
-        let text = fs::read_to_string(path).map_err(|source| TokenizerError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = crate::limits::read_bounded_to_string(
+            path,
+            crate::limits::MAX_VOCAB_BYTES,
+            "a vocab.txt",
+        )?;
         let mut seen: HashSet<&str> = HashSet::new();
         for (i, line) in text.lines().enumerate() {
             let token = line.trim_end_matches('\r');
@@ -296,8 +303,13 @@ impl KeelTokenizer {
     /// Errors: `Tokenizers` for an unreadable or invalid file, `NotWordPiece`,
     /// `MissingSpecialToken`.
     pub fn from_tokenizer_json(path: &Path) -> Result<Self, TokenizerError> {
+        let bytes = crate::limits::read_bounded(
+            path,
+            crate::limits::MAX_TOKENIZER_JSON_BYTES,
+            "a tokenizer.json",
+        )?;
         let tokenizer =
-            Tokenizer::from_file(path).map_err(|e| lib_err(path.display().to_string(), e))?;
+            Tokenizer::from_bytes(bytes).map_err(|e| lib_err(path.display().to_string(), e))?;
         if !matches!(
             tokenizer.get_model(),
             tokenizers::models::ModelWrapper::WordPiece(_)

@@ -119,8 +119,68 @@ fn tensor_f64(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Vec<f64>
     }
 }
 
+/// Largest safetensors header read (bytes: 100 MiB, the `safetensors` crate's own cap).
+const MAX_HEADER_BYTES: u64 = 100 << 20;
+
+/// Reads a safetensors file whole, after checking its header against its size: the header
+/// (8-byte little-endian length `n`, then `n` bytes of JSON) must fit in the file, and the
+/// tensors' `data_offsets` must end exactly at the file's end. So a file grown past its
+/// tensors (a 2 GB sparse tail) or cut short is refused after reading `8 + n` bytes, not the
+/// whole file. Only a regular file is read.
+///
+/// Errors: [`WeightsError::Io`]; [`WeightsError::Format`] naming the file and the sizes.
 fn read_file(path: &Path) -> Result<Vec<u8>, WeightsError> {
-    std::fs::read(path).map_err(io_err(path))
+    use std::io::Read;
+    let format = |reason: String| WeightsError::Format {
+        path: path.display().to_string(),
+        reason,
+    };
+    let (mut file, size) = crate::limits::open_regular(path).map_err(|e| match e {
+        crate::limits::LimitError::Io { source, .. } => io_err(path)(source),
+        other => format(other.to_string()),
+    })?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)
+        .map_err(|_| format(format!("{size} bytes is too short for a header")))?;
+    let n = u64::from_le_bytes(len);
+    if n > MAX_HEADER_BYTES || n > size.saturating_sub(8) {
+        return Err(format(format!(
+            "the header claims {n} bytes but the file has {size} (and headers are at most \
+             {MAX_HEADER_BYTES})"
+        )));
+    }
+    let mut raw = vec![0u8; n as usize];
+    file.read_exact(&mut raw).map_err(io_err(path))?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&raw).map_err(|e| format(format!("header: {e}")))?;
+    let mut data_end = 0u64;
+    for (name, entry) in &header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let end = entry
+            .get("data_offsets")
+            .and_then(|o| o.get(1))
+            .and_then(serde_json::Value::as_u64)
+            .ok_or_else(|| format(format!("header: tensor `{name}` has no data_offsets")))?;
+        data_end = data_end.max(end);
+    }
+    let expected = 8 + n + data_end;
+    if expected != size {
+        return Err(format(format!(
+            "the header describes {expected} bytes but the file has {size}: it was truncated \
+             or grown"
+        )));
+    }
+    let mut bytes = Vec::with_capacity(size as usize);
+    bytes.extend_from_slice(&len);
+    bytes.extend_from_slice(&raw);
+    // Bounded by the size just checked: a file that grows meanwhile is cut, then refused by
+    // the parser for its missing or extra bytes.
+    file.take(data_end)
+        .read_to_end(&mut bytes)
+        .map_err(io_err(path))?;
+    Ok(bytes)
 }
 
 fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>, WeightsError> {

@@ -51,6 +51,32 @@ pub struct Args {
     /// Fault injection for tests: this worker's loss is NaN at this 0-based step of every job.
     #[arg(long, hide = true)]
     pub fault_nan_at_step: Option<u64>,
+    /// Memory this worker may use for a job, in bytes (suffixes K, M, G, T: powers of 1024),
+    /// advertised to the coordinator, which assigns only jobs estimated to fit; default:
+    /// MemTotal of /proc/meminfo, or the cgroup's memory limit if lower.
+    #[arg(long, env = "KEEL_MEMORY_LIMIT", value_parser = parse_bytes)]
+    pub memory_limit: Option<u64>,
+}
+
+/// `--memory-limit`'s value: a byte count with an optional K/M/G/T suffix (powers of 1024).
+///
+/// Errors: a message naming the value when it is not a number or overflows 64 bits.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let (digits, shift) = match t.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&t[..i], 10),
+        Some((i, 'M' | 'm')) => (&t[..i], 20),
+        Some((i, 'G' | 'g')) => (&t[..i], 30),
+        Some((i, 'T' | 't')) => (&t[..i], 40),
+        _ => (t, 0),
+    };
+    let n: u64 = digits
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a byte count such as 8G or 1073741824"))?;
+    n.checked_mul(1u64 << shift)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| format!("{text:?} is zero or more than 2^64 bytes"))
 }
 
 /// What [`run`] needs.
@@ -70,6 +96,9 @@ pub struct Config {
     pub client_security: ClientSecurity,
     /// Fault injection for tests (see [`Args::fault_nan_at_step`]).
     pub fault_nan_at_step: Option<u64>,
+    /// Bytes of memory a job may use here (see [`Args::memory_limit`]); `None`: unknown, not
+    /// checked.
+    pub memory_limit: Option<u64>,
 }
 
 /// Errors that stop a worker process.
@@ -117,7 +146,7 @@ pub fn main(args: Args) -> anyhow::Result<()> {
         let listener = TcpListener::bind(&args.listen)
             .await
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
-        tracing::info!(listen = %listener.local_addr()?, advertise = %advertise_addr, threads, "worker starting");
+        tracing::info!(listen = %listener.local_addr()?, advertise = %advertise_addr, threads, memory_limit = ?args.memory_limit, "worker starting");
         let config = Config {
             coordinator: args.coordinator.clone(),
             advertise_addr,
@@ -126,6 +155,9 @@ pub fn main(args: Args) -> anyhow::Result<()> {
             server_security,
             client_security,
             fault_nan_at_step: args.fault_nan_at_step,
+            memory_limit: args
+                .memory_limit
+                .or_else(keel_proto::memory::machine_memory_limit),
         };
         run(config, listener, keel_proto::admin::shutdown_signal()).await?;
         Ok(())
@@ -350,6 +382,7 @@ async fn session(
             held_steps,
             bf16_native: bf16.native,
             bf16_detail: bf16.detail.clone(),
+            memory_limit_bytes: config.memory_limit,
         })
         .await?
         .into_inner();
@@ -453,6 +486,7 @@ fn start_job(
         control,
         progress,
         fault_nan_at_step: config.fault_nan_at_step,
+        memory_limit: config.memory_limit,
     };
     tokio::spawn(run_and_report(ctx, start, held, state.clone()));
 }

@@ -36,6 +36,9 @@ pub struct JobContext {
     pub progress: Arc<AtomicU64>,
     /// Fault injection for tests: NaN loss on this rank at this 0-based step.
     pub fault_nan_at_step: Option<u64>,
+    /// Bytes of memory a job may use on this worker; an assignment estimated to need more is
+    /// refused before anything is allocated. `None`: not checked.
+    pub memory_limit: Option<u64>,
 }
 
 /// Why a job stopped on this worker.
@@ -90,6 +93,42 @@ pub async fn run_job(
     }
 }
 
+/// Checks an assignment's model against this worker's memory: the config must pass
+/// [`BertConfig::validate`] (its size caps included) and [`keel_proto::memory::estimate`] for
+/// the job's micro-batch at `max_seq_length` must not exceed `memory_limit` bytes.
+///
+/// Errors: [`JobError::Assignment`] naming the field, or the estimate and the limit.
+fn check_fits(
+    config: &BertConfig,
+    spec: &JobSpec,
+    memory_limit: Option<u64>,
+) -> Result<(), JobError> {
+    config
+        .validate()
+        .map_err(|e| JobError::Assignment(format!("model config: {e}")))?;
+    let estimate = keel_proto::memory::estimate(
+        config,
+        spec.train.micro_batch_size,
+        spec.data.max_seq_length,
+    )
+    .map_err(|e| JobError::Assignment(format!("model config: {e}")))?;
+    if let Some(limit) = memory_limit
+        && estimate.total_bytes > limit
+    {
+        use keel_proto::memory::format_bytes;
+        return Err(JobError::Assignment(format!(
+            "this worker cannot hold the model: training it needs an estimated {} ({} parameters, \
+             micro_batch_size {} at max_seq_length {}) but this worker's memory limit is {}",
+            format_bytes(estimate.total_bytes),
+            estimate.params,
+            spec.train.micro_batch_size,
+            spec.data.max_seq_length,
+            format_bytes(limit)
+        )));
+    }
+    Ok(())
+}
+
 /// [`run_job`]'s body; errors before training starts hand the held replica back.
 async fn prepare_and_train(
     ctx: JobContext,
@@ -119,6 +158,9 @@ async fn prepare_and_train(
         serde_json::from_str(&start.model_config_json)
             .map_err(|e| JobError::Assignment(format!("model config: {e}")))
     );
+    // Before any allocation: a config that is out of bounds, or a model this worker cannot
+    // hold, is refused with a message for the coordinator, never an abort on allocation.
+    early!(check_fits(&config, &spec, ctx.memory_limit));
     let precision = early!(
         Precision::from_wire(&start.precision)
             .map_err(|e| JobError::Assignment(format!("StartJob.precision: {e}")))
@@ -297,4 +339,45 @@ async fn report_events(
         }
     }
     last_upload.map_err(JobError::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPEC: &str = r#"
+[data]
+corpus = ["/corpus.txt"]
+vocab_size = 1000
+max_seq_length = 128
+[model]
+preset = "tiny"
+[train]
+micro_batch_size = 8
+max_steps = 10
+"#;
+
+    #[test]
+    fn an_assignment_this_worker_cannot_hold_is_refused_before_allocating() {
+        let spec = JobSpec::from_toml_str(SPEC, "job.toml").unwrap();
+        let tiny = BertConfig::preset("tiny", 1000).unwrap();
+        let needed = keel_proto::memory::estimate(&tiny, 8, 128)
+            .unwrap()
+            .total_bytes;
+        assert!(check_fits(&tiny, &spec, Some(needed)).is_ok());
+        assert!(check_fits(&tiny, &spec, None).is_ok());
+        let err = check_fits(&tiny, &spec, Some(needed - 1)).unwrap_err();
+        assert!(!err.is_recoverable());
+        assert!(err.to_string().contains("cannot hold"), "{err}");
+        // The issue's config (from a coordinator that does not check) is refused by field,
+        // before the 22 TB allocation.
+        let mut huge = tiny.clone();
+        huge.hidden_size = 1 << 20;
+        let err = check_fits(&huge, &spec, None).unwrap_err().to_string();
+        assert!(err.contains("hidden_size"), "{err}");
+        let mut wrapping = tiny;
+        wrapping.num_hidden_layers = 1 << 40;
+        let err = check_fits(&wrapping, &spec, None).unwrap_err().to_string();
+        assert!(err.contains("num_hidden_layers"), "{err}");
+    }
 }

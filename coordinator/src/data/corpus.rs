@@ -8,14 +8,19 @@
 //!   lines are the document's sentences.
 //!
 //! Either may be gzip-compressed (`*.gz`); byte offsets in errors then count decompressed bytes.
-//! Memory: one document at a time.
+//! Memory: one document at a time. Bounds (see `keel_proto::limits` for why these numbers):
+//! only regular files are read (never a device or FIFO), a line may not pass
+//! [`MAX_LINE_BYTES`], a document [`MAX_DOCUMENT_BYTES`], a file [`MAX_CORPUS_FILE_BYTES`].
 //!
 //! # Layout
 //! - [`resolve_inputs`]: paths/directories/globs to an ordered file list.
 //! - [`DocumentReader`]: an iterator of [`Document`]s over those files.
 //! - [`CorpusError`]: bad input, naming the file, line and byte offset.
 
-use std::fs::File;
+use keel_proto::limits::{
+    LimitError, MAX_CORPUS_FILE_BYTES, MAX_DOCUMENT_BYTES, MAX_LINE_BYTES, open_regular,
+    read_line_bounded,
+};
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 
@@ -66,6 +71,25 @@ pub enum CorpusError {
         line: u64,
         /// What was wrong.
         reason: String,
+    },
+    /// A bound was exceeded: not a regular file, a line longer than
+    /// [`keel_proto::limits::MAX_LINE_BYTES`], a file longer than
+    /// [`keel_proto::limits::MAX_CORPUS_FILE_BYTES`] (the error names the file and the limit).
+    #[error(transparent)]
+    Limit(#[from] keel_proto::limits::LimitError),
+    /// A document (lines up to a blank line) is larger than
+    /// [`keel_proto::limits::MAX_DOCUMENT_BYTES`]: it would be held in memory whole.
+    #[error(
+        "{path}: the document ending at line {line} is larger than the {limit}-byte document \
+         limit; separate documents with blank lines"
+    )]
+    DocumentTooLarge {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line where the limit was passed.
+        line: u64,
+        /// The limit in bytes.
+        limit: u64,
     },
     /// The inputs name no file at all.
     #[error("no corpus files found in {inputs}")]
@@ -257,10 +281,7 @@ impl DocumentReader {
     }
 
     fn open(path: &Path) -> Result<OpenFile, CorpusError> {
-        let file = File::open(path).map_err(|source| CorpusError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let (file, _) = open_regular(path)?;
         let (format, gz) = CorpusFormat::of(path);
         let raw: Box<dyn Read + Send> = if gz {
             Box::new(flate2::read::MultiGzDecoder::new(BufReader::new(file)))
@@ -284,16 +305,25 @@ impl DocumentReader {
         stats: &mut ReadStats,
         buf: &mut Vec<u8>,
     ) -> Result<Option<Option<String>>, CorpusError> {
-        buf.clear();
-        let n = f
-            .reader
-            .read_until(b'\n', buf)
-            .map_err(|source| CorpusError::Io {
-                path: f.path.clone(),
-                source,
-            })?;
+        let n = read_line_bounded(
+            &mut f.reader,
+            buf,
+            MAX_LINE_BYTES,
+            &f.path,
+            f.line + 1,
+            f.offset,
+        )?;
         if n == 0 {
             return Ok(None);
+        }
+        if f.offset + n as u64 > MAX_CORPUS_FILE_BYTES {
+            return Err(LimitError::TooLarge {
+                path: f.path.clone(),
+                size: f.offset + n as u64,
+                limit: MAX_CORPUS_FILE_BYTES,
+                what: "a corpus file (decompressed)",
+            }
+            .into());
         }
         let start = f.offset;
         f.offset += n as u64;
@@ -347,6 +377,13 @@ impl DocumentReader {
                                 }
                             } else {
                                 doc.sentences.push(line);
+                                if self.stats.bytes - start_bytes > MAX_DOCUMENT_BYTES {
+                                    return Err(CorpusError::DocumentTooLarge {
+                                        path: f.path.clone(),
+                                        line: f.line,
+                                        limit: MAX_DOCUMENT_BYTES,
+                                    });
+                                }
                             }
                         }
                     }

@@ -1,0 +1,107 @@
+//! Whether a job's model can be trained by the workers that have registered: its size caps and
+//! its estimated training memory ([`keel_proto::memory::estimate`]) against the memory limit
+//! each worker advertised at registration.
+//!
+//! Checked three times, each as early as what it needs is known:
+//! 1. at submission ([`check_submission`]), when the spec names the config (a file, or a preset
+//!    with `data.vocab_size`): overflowing or capped sizes are refused naming the field, and a
+//!    model no registered worker can hold is refused;
+//! 2. after preparation (`prepare_job::finish`, with the real vocabulary), the estimate is
+//!    stored with the prepared job;
+//! 3. at assignment ([`fits`], [`no_worker_can_hold`]): only workers whose limit holds the
+//!    estimate are given the job, and a job larger than every registered worker fails with the
+//!    reason instead of crash-looping them.
+
+use crate::CoordinatorError;
+use crate::state::{Registry, WorkerEntry};
+use keel_proto::config::BertConfig;
+use keel_proto::jobspec::JobSpec;
+use keel_proto::memory::{MemoryEstimate, estimate, format_bytes};
+
+/// The estimate for `config` with the spec's micro-batch at its `max_seq_length`.
+///
+/// Errors: [`CoordinatorError::BadRequest`] naming the field that is over its cap or
+/// overflows, prefixed by `origin` (where the config came from).
+pub fn estimate_for(
+    config: &BertConfig,
+    spec: &JobSpec,
+    origin: &str,
+) -> Result<MemoryEstimate, CoordinatorError> {
+    config
+        .validate()
+        .and_then(|()| {
+            estimate(
+                config,
+                spec.train.micro_batch_size,
+                spec.data.max_seq_length,
+            )
+        })
+        .map_err(|e| CoordinatorError::BadRequest(format!("{origin}: {e}")))
+}
+
+/// Submit-time check: when the spec's model config is known before preparation (a
+/// `model.config` file, an `init_checkpoint`'s `config.json`, or a preset with
+/// `data.vocab_size`), its sizes are within the caps, its estimate does not overflow, and
+/// some registered worker can hold it (skipped while none has advertised a limit).
+///
+/// Errors: [`CoordinatorError::BadRequest`] naming the field or the estimate and the largest
+/// limit; a config file that cannot be read within bounds (not a regular file, over 1 MiB).
+pub fn check_submission(spec: &JobSpec, reg: &Registry) -> Result<(), CoordinatorError> {
+    let (config, origin) = if let Some(preset) = &spec.model.preset {
+        let Some(vocab_size) = spec.data.vocab_size else {
+            // The vocabulary comes from a file: its size is known after preparation.
+            return Ok(());
+        };
+        let config = BertConfig::preset(preset, vocab_size)
+            .map_err(|e| CoordinatorError::BadRequest(format!("model.preset: {e}")))?;
+        (config, "model.preset".to_string())
+    } else if let Some(path) = &spec.model.config {
+        let config = BertConfig::from_json_file(path)
+            .map_err(|e| CoordinatorError::BadRequest(format!("model.config: {e}")))?;
+        (config, format!("model.config {}", path.display()))
+    } else if let Some(dir) = &spec.model.init_checkpoint {
+        let path = dir.join("config.json");
+        let config = BertConfig::from_json_file(&path)
+            .map_err(|e| CoordinatorError::BadRequest(format!("model.init_checkpoint: {e}")))?;
+        (config, format!("model.init_checkpoint {}", path.display()))
+    } else {
+        return Ok(());
+    };
+    let estimate = estimate_for(&config, spec, &origin)?;
+    if let Some(message) = no_worker_can_hold(reg, estimate.total_bytes) {
+        return Err(CoordinatorError::BadRequest(format!("{origin}: {message}")));
+    }
+    Ok(())
+}
+
+/// Whether worker `w` can hold a job needing `needed` bytes (a worker that advertised no
+/// limit, being older than the field, is taken at its word).
+pub fn fits(w: &WorkerEntry, needed: Option<u64>) -> bool {
+    match (w.memory_limit, needed) {
+        (Some(limit), Some(needed)) => needed <= limit,
+        _ => true,
+    }
+}
+
+/// A message saying why no registered worker can hold `needed` bytes, or `None` when one can
+/// (or none has registered, or some advertised no limit).
+pub fn no_worker_can_hold(reg: &Registry, needed: u64) -> Option<String> {
+    let mut largest: Option<u64> = None;
+    for w in reg.workers.values() {
+        match w.memory_limit {
+            None => return None,
+            Some(limit) if limit >= needed => return None,
+            Some(limit) => largest = Some(largest.map_or(limit, |l| l.max(limit))),
+        }
+    }
+    let largest = largest?;
+    Some(format!(
+        "training this model needs an estimated {} (weights, gradients, 2 optimizer moments and \
+         the activations of one micro-batch at max_seq_length) but the largest memory limit of \
+         the {} registered worker(s) is {}: reduce hidden_size, num_hidden_layers, vocab_size, \
+         train.micro_batch_size or data.max_seq_length",
+        format_bytes(needed),
+        reg.workers.len(),
+        format_bytes(largest)
+    ))
+}
