@@ -318,6 +318,25 @@ async fn prepared_inputs(client: &mut Coord, root: &Path, corpus: &Path) {
         let path = path.display().to_string();
         assert_refused(what, result, Code::InvalidArgument, &[key, &path]);
     }
+    // A model config the coordinator can parse and check on its own is refused at submit too,
+    // naming the key and what is wrong with it.
+    for (what, toml, words) in [
+        (
+            "hidden_size not divisible by the heads",
+            job_toml(corpus, &vocab(), &cfg(&odd_heads_path), 2, 2),
+            ["model.config", "hidden_size", "num_attention_heads"],
+        ),
+        (
+            "unknown hidden_act",
+            job_toml(corpus, &vocab(), &cfg(&act_path), 2, 2),
+            ["model.config", "bad-act.json", "swishy"],
+        ),
+    ] {
+        let result = submit(client, toml, what).await;
+        assert_refused(what, result, Code::InvalidArgument, &words);
+    }
+    // What needs the corpus, the vocabulary or the checkpoint's bytes read is found while
+    // preparing: the job fails with the reason.
     let cases: Vec<(&str, String, Vec<String>)> = vec![
         (
             "empty corpus",
@@ -333,16 +352,6 @@ async fn prepared_inputs(client: &mut Coord, root: &Path, corpus: &Path) {
             "vocab without [MASK] and [CLS]",
             job_toml(corpus, &no_specials, tiny, 2, 2),
             vec!["no-specials.txt".into(), "[CLS]".into()],
-        ),
-        (
-            "hidden_size not divisible by the heads",
-            job_toml(corpus, &vocab(), &cfg(&odd_heads_path), 2, 2),
-            vec!["hidden_size".into(), "num_attention_heads".into()],
-        ),
-        (
-            "unknown hidden_act",
-            job_toml(corpus, &vocab(), &cfg(&act_path), 2, 2),
-            vec!["bad-act.json".into(), "swishy".into()],
         ),
         (
             "truncated init_checkpoint",
