@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Keel's measured numbers on this machine, as JSON lines (what the README's tables come from):
 #  1. training-step throughput (`keel-worker bench`): tiny and mini, 1 and 2 threads, batch 32 x seq 128;
-#     base, 1 thread, batch 8; each in fp32 and in bf16 (native on AMX, emulated -- slower than
-#     fp32 -- elsewhere: the `bf16_support` field says which);
+#     base, 1 thread, batch 8; each in fp32 and in bf16 (native where oneDNN's bf16 beats fp32: AMX, or
+#     AVX512_BF16 when the startup race says so; emulated -- slower than fp32 -- elsewhere: the `bf16_support` field says which);
 #  2. ring all-reduce bus bandwidth (`keel-worker bench-allreduce`): 2, 3, 4 workers, 1-256 MiB;
 #  3. data-parallel scaling of `keel local` (examples/scaling.sh): bert-mini, 1 vs 2 workers.
 # The PyTorch peers are in scripts/peer/ (they need torch and transformers).

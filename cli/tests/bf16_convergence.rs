@@ -3,8 +3,8 @@
 //! `train.precision = "bf16"` and once with `"fp32"` ends within 2% in training loss (mean of
 //! the last 20 steps: one step's loss is a noisy sample of 16 sequences) and in held-out loss
 //! (the final eval). Both curves are printed as a table, and written to
-//! `$CARGO_TARGET_TMPDIR/bf16_convergence.md`. On a CPU without AMX the bf16 run takes the
-//! emulated route (inputs rounded to bf16, fp32 GEMM): the same arithmetic as the hardware
+//! `$CARGO_TARGET_TMPDIR/bf16_convergence.md`. Where oneDNN's bf16 is not faster than fp32 (no
+//! AMX, and AVX512_BF16 absent or losing the startup race) the bf16 run takes the emulated route (inputs rounded to bf16, fp32 GEMM): the same arithmetic as the hardware
 //! up to the order of the sums.
 
 mod common;

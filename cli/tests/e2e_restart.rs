@@ -124,8 +124,8 @@ fn a_completed_job_survives_kill_9_of_the_coordinator() {
     })
     .unwrap_or_else(|| panic!("the job did not end: {}", status(&job_id, &addr, root)));
     assert_eq!(done["state"], "completed", "{done}");
-    // `train.precision = "auto"`: decided once, from what the worker reported (fp32 without
-    // AMX, bf16 with it), shown by `keel status`, and kept across the restart (below).
+    // `train.precision = "auto"`: decided once, from what the worker reported (bf16 where
+    // oneDNN's bf16 is faster than fp32 on the worker, else fp32), shown by `keel status`, and kept across the restart (below).
     let precision = done["precision"].as_str().unwrap_or_default().to_string();
     assert!(precision == "fp32" || precision == "bf16", "{done}");
     let before_out = root.join("pull-before");

@@ -364,8 +364,8 @@ async fn session(
         .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
         .map(|h| h.trim().to_string())
         .unwrap_or_default();
-    // Probed once per process (CPUID, the kernel's AMX permission, a oneDNN bf16 matmul: a
-    // few milliseconds), then cached; the coordinator's `auto` precision needs it.
+    // Probed once per process (CPUID, the kernel's AMX permission, a oneDNN bf16 matmul, with
+    // AVX512_BF16 alone a race against fp32: well under a second), then cached; the coordinator's `auto` precision needs it.
     let bf16 = crate::model::bf16::support();
     tracing::info!(native = bf16.native, detail = %bf16.detail, "bf16 GEMMs");
     let held = state.held_key();

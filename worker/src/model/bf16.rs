@@ -3,11 +3,13 @@
 //! Study of BFLOAT16 for Deep Learning Training"; Intel AMX `TDPBF16PS`).
 //!
 //! Two routes, chosen once per process ([`support`]):
-//! - **native**: oneDNN's bf16 matmul (`super::onednn`), used only where the CPU has AMX-BF16
-//!   and the kernel lets this process use the tiles. Not with AVX512_BF16 alone: measured on a
-//!   Sapphire Rapids Xeon capped to AVX512_CORE_BF16, oneDNN 2.6.3's bf16 matmul ran at 36-41
-//!   GFLOP/s against 55-103 for its f32 one (`/work/shared/STACK.md`, "bf16"); on AVX2 it
-//!   cannot create a bf16 matmul at all.
+//! - **native**: oneDNN's bf16 matmul (`super::onednn`), used where it is faster than fp32:
+//!   with AMX-BF16 (when the kernel lets this process use the tiles), or with AVX512_BF16 alone
+//!   when a startup race at BERT shapes measures it at least 1.2x OpenBLAS's fp32
+//!   (`super::bf16_cpu`). That race is needed: on a Sapphire Rapids Xeon capped to
+//!   AVX512_CORE_BF16 oneDNN 2.6.3's bf16 matmul ran at 36-41 GFLOP/s against 55-103 for f32,
+//!   while on a 2-core AMD EPYC of family 26 (Zen 5) it ran at 224-378 against 63-122. On AVX2
+//!   oneDNN cannot create a bf16 matmul at all.
 //! - **emulated** everywhere else: both inputs rounded to bf16 and kept as f32 (low 16 bits
 //!   zero), then the fp32 GEMM (OpenBLAS). A product of two bf16 values (8 significant bits
 //!   each) has at most 16 significant bits, so it is exact in f32, and the accumulation is
@@ -100,7 +102,7 @@ pub fn round_bf16_f64(x: f64) -> f64 {
 /// Which backend ran a bf16 GEMM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Bf16Backend {
-    /// oneDNN's bf16 matmul on AMX.
+    /// oneDNN's bf16 matmul (AMX, or AVX512_BF16 where it beat fp32).
     Native,
     /// Inputs rounded to bf16, multiplied by the fp32 GEMM.
     Emulated,
@@ -109,16 +111,18 @@ pub enum Bf16Backend {
 /// Whether this process runs bf16 GEMMs on hardware, and why (decided once per process).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bf16Support {
-    /// AMX-BF16 usable through oneDNN: bf16 GEMMs take the native route.
+    /// oneDNN's bf16 matmul is usable and faster than fp32: bf16 GEMMs take the native route.
     pub native: bool,
     /// What was found, for registration, logs and the bench (CPU features, kernel permission,
     /// the oneDNN implementation, or what failed).
     pub detail: String,
 }
 
-/// What this process can do (probed on first use: CPUID, the kernel's AMX permission, and a
-/// oneDNN bf16 matmul created and run once). `KEEL_BF16_BACKEND=emulated` in the environment
-/// forces the emulated route (to compare the two on an AMX machine).
+/// What this process can do (probed on first use: CPUID, the kernel's AMX permission, a
+/// oneDNN bf16 matmul created and run once and, with AVX512_BF16 alone, a race against fp32;
+/// see `super::bf16_cpu`). `KEEL_BF16_BACKEND=emulated` in the environment forces the
+/// emulated route, `KEEL_BF16_BACKEND=native` oneDNN wherever it has a bf16 kernel (to compare
+/// the routes on one machine).
 pub fn support() -> &'static Bf16Support {
     static SUPPORT: OnceLock<Bf16Support> = OnceLock::new();
     SUPPORT.get_or_init(super::bf16_cpu::detect)

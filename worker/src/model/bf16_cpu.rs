@@ -1,14 +1,21 @@
-//! Whether this machine runs bf16 GEMMs faster than fp32: AMX-BF16 usable through oneDNN.
+//! Whether this machine runs bf16 GEMMs faster than fp32, decided from what it really does.
 //!
-//! Three things must hold (checked in this order, the first failure named in the detail):
-//! 1. CPUID leaf 7, sub-leaf 0, EDX bit 22 (AMX-BF16) and bit 24 (AMX-TILE) are set (Intel SDM
-//!    vol. 2A, CPUID; there is no stable `is_x86_feature_detected!` name for AMX).
-//! 2. Linux lets this process use the tile data: `arch_prctl(ARCH_REQ_XCOMP_PERM,
-//!    XFEATURE_XTILEDATA)` succeeds (Linux >= 5.16, Documentation/arch/x86/xstate.rst).
-//! 3. oneDNN creates and runs a bf16 matmul and its implementation is an AMX one.
-//!
-//! AVX512_BF16 without AMX is reported but not native: oneDNN 2.6.3's bf16 matmul there ran at
-//! 36-41 GFLOP/s against 55-103 for f32 on the same core (see `super::bf16`).
+//! Two ways to native bf16, tried in this order (the first failure is named in the detail):
+//! - **AMX-BF16**: CPUID leaf 7, sub-leaf 0, EDX bit 22 (AMX-BF16) and bit 24 (AMX-TILE) are set
+//!   (Intel SDM vol. 2A, CPUID; there is no stable `is_x86_feature_detected!` name for AMX);
+//!   Linux lets this process use the tile data (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+//!   XFEATURE_XTILEDATA)`, Linux >= 5.16, Documentation/arch/x86/xstate.rst); and oneDNN creates
+//!   and runs a bf16 matmul with an AMX implementation. AMX does 5-10x the fp32 rate, so no race.
+//! - **AVX512_BF16 without AMX** (`VDPBF16PS`: Cooper Lake, AMD Zen 4 and Zen 5): whether it pays
+//!   depends on the core. On a Sapphire Rapids Xeon capped to AVX512_CORE_BF16 oneDNN 2.6.3's
+//!   bf16 matmul ran at 36-41 GFLOP/s against 55-103 for f32; on a 2-core AMD EPYC of family 26
+//!   (Zen 5, 2026-12-01) it made a whole BERT-mini step 1.5x faster than OpenBLAS fp32. So the
+//!   probe races them: the same BERT-shaped GEMMs (a projection and a weight gradient, bf16 with
+//!   its input conversions, against OpenBLAS fp32 on one thread), best of [`RACE_ROUNDS`]
+//!   interleaved rounds, and takes the native route only when bf16 is at least
+//!   [`RACE_MARGIN`] times faster. The margin keeps the choice stable on one kind of machine
+//!   (the two measured cases are far from it on either side), which the job's determinism
+//!   needs: the route changes the order of the sums.
 
 use super::bf16::Bf16Support;
 
@@ -25,8 +32,20 @@ pub(crate) fn detect() -> Bf16Support {
         native: false,
         detail,
     };
-    if std::env::var("KEEL_BF16_BACKEND").is_ok_and(|v| v == "emulated") {
+    let forced = std::env::var("KEEL_BF16_BACKEND").ok();
+    if forced.as_deref() == Some("emulated") {
         return not("KEEL_BF16_BACKEND=emulated set: bf16 GEMMs emulated".into());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if forced.as_deref() == Some("native") {
+        // For measuring oneDNN's bf16 kernel on a CPU without AMX (AVX512_BF16 alone).
+        return match probe_onednn() {
+            Ok(name) => Bf16Support {
+                native: true,
+                detail: format!("KEEL_BF16_BACKEND=native set: oneDNN ({name})"),
+            },
+            Err(e) => not(format!("KEEL_BF16_BACKEND=native set, but {e}: emulated")),
+        };
     }
     #[cfg(target_arch = "x86_64")]
     {
@@ -41,16 +60,24 @@ pub(crate) fn detect() -> Bf16Support {
         };
         let (amx_bf16, amx_tile) = (edx & (1 << 22) != 0, edx & (1 << 24) != 0);
         if !(amx_bf16 && amx_tile) {
-            return not(format!(
-                "no AMX-BF16/AMX-TILE (CPUID.7.0:EDX bits 22/24 = {}/{}){}",
+            let no_amx = format!(
+                "no AMX-BF16/AMX-TILE (CPUID.7.0:EDX bits 22/24 = {}/{})",
                 u8::from(amx_bf16),
                 u8::from(amx_tile),
-                if avx512_bf16 {
-                    "; AVX512_BF16 is present, but oneDNN's bf16 matmul without AMX is slower than fp32"
-                } else {
-                    "; no AVX512_BF16 either"
-                }
-            ));
+            );
+            if !avx512_bf16 {
+                return not(format!("{no_amx}; no AVX512_BF16 either"));
+            }
+            return match probe_onednn().and_then(|name| race().map(|r| (name, r))) {
+                Err(e) => not(format!("{no_amx}; AVX512_BF16 present but {e}")),
+                Ok((name, race)) => Bf16Support {
+                    native: race.pays(),
+                    detail: format!(
+                        "{no_amx}; AVX512_BF16 through oneDNN ({name}): {}",
+                        race.describe()
+                    ),
+                },
+            };
         }
         // SAFETY: arch_prctl with a permission request only changes this process's XSAVE
         // permissions; it reads no memory of ours.
@@ -104,4 +131,155 @@ fn probe_onednn() -> Result<String, super::onednn::DnnlError> {
         });
     }
     Ok(name)
+}
+
+#[cfg(target_arch = "x86_64")]
+/// Rounds of the race (each runs every shape once per route); the best of them counts.
+const RACE_ROUNDS: usize = 4;
+#[cfg(target_arch = "x86_64")]
+/// How many times faster than fp32 bf16 must be to be chosen.
+const RACE_MARGIN: f64 = 1.2;
+
+#[cfg(target_arch = "x86_64")]
+/// What [`race`] measured: seconds of the best round of each route.
+#[derive(Debug, Clone, Copy)]
+struct Race {
+    /// oneDNN bf16 (inputs converted from f32 on every call, as the model does).
+    bf16_s: f64,
+    /// OpenBLAS fp32 on one thread.
+    fp32_s: f64,
+    /// Floating-point operations of one round.
+    flops: f64,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Race {
+    fn pays(&self) -> bool {
+        self.bf16_s * RACE_MARGIN <= self.fp32_s
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{:.0} GFLOP/s against {:.0} for OpenBLAS fp32 ({:.2}x; bf16 taken from {RACE_MARGIN}x): {}",
+            self.flops / self.bf16_s / 1e9,
+            self.flops / self.fp32_s / 1e9,
+            self.fp32_s / self.bf16_s,
+            if self.pays() {
+                "bf16 is native"
+            } else {
+                "fp32 is faster, bf16 would be emulated"
+            }
+        )
+    }
+}
+
+/// Times BERT-shaped GEMMs (hidden 256, feed-forward 1024, 1024 tokens: a BERT-mini FFN
+/// projection `[1024, 256] x [256, 1024]` and its weight gradient `[1024, 1024]^T x [1024, 256]`)
+/// in bf16 through oneDNN and in fp32 through OpenBLAS, one thread each; see the module doc.
+#[cfg(target_arch = "x86_64")]
+fn race() -> Result<Race, super::onednn::DnnlError> {
+    use super::bf16::bf16_bits;
+    use super::onednn::{InputType, matmul};
+    use ndarray::{Array2, linalg::general_mat_mul};
+    use std::time::Instant;
+
+    // OpenBLAS on one thread, as the model runs it (`super::parallel` cuts GEMMs itself).
+    super::parallel::set_threads(super::parallel::threads());
+    let fill = |r: usize, c: usize, seed: usize| {
+        Array2::from_shape_fn((r, c), |(i, j)| {
+            ((i * 31 + j * 17 + seed) % 97) as f32 / 97.0 - 0.5
+        })
+    };
+    let (tokens, hidden, ffn) = (1024, 256, 1024);
+    let x = fill(tokens, hidden, 1);
+    let w = fill(ffn, hidden, 2);
+    let dy = fill(tokens, ffn, 3);
+    // (a, b, c): c = a b; the second is a transposed-operand form, as backward runs it.
+    let shapes = [(x.view(), w.t()), (dy.t(), x.view())];
+    let flops: f64 = shapes
+        .iter()
+        .map(|(a, b)| 2.0 * (a.nrows() * a.ncols() * b.ncols()) as f64)
+        .sum();
+    let mut outs: Vec<Array2<f32>> = shapes
+        .iter()
+        .map(|(a, b)| Array2::zeros((a.nrows(), b.ncols())))
+        .collect();
+    let (mut best_bf16, mut best_fp32) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..RACE_ROUNDS {
+        let start = Instant::now();
+        for ((a, b), c) in shapes.iter().zip(&mut outs) {
+            general_mat_mul(1.0, a, b, 0.0, c);
+        }
+        best_fp32 = best_fp32.min(start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        for ((a, b), c) in shapes.iter().zip(&mut outs) {
+            // Converted in the operand's own memory order, as `super::bf16` does.
+            let a16 = if a.is_standard_layout() {
+                a.mapv(bf16_bits)
+            } else {
+                a.t().mapv(bf16_bits).reversed_axes()
+            };
+            let b16 = if b.is_standard_layout() {
+                b.mapv(bf16_bits)
+            } else {
+                b.t().mapv(bf16_bits).reversed_axes()
+            };
+            matmul(
+                InputType::Bf16,
+                1.0,
+                &a16.view(),
+                &b16.view(),
+                0.0,
+                &mut c.view_mut(),
+            )?;
+        }
+        best_bf16 = best_bf16.min(start.elapsed().as_secs_f64());
+    }
+    Ok(Race {
+        bf16_s: best_bf16,
+        fp32_s: best_fp32,
+        flops,
+    })
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_is_native_only_from_the_margin_on() {
+        let race = |bf16_s| Race {
+            bf16_s,
+            fp32_s: 1.2,
+            flops: 1e9,
+        };
+        assert!(race(1.0).pays(), "exactly 1.2x faster");
+        assert!(!race(1.01).pays(), "1.19x faster");
+        assert!(!race(2.0).pays(), "slower");
+        assert!(race(0.2).describe().contains("6.00x"));
+    }
+
+    /// On a CPU with AVX512_BF16 and no AMX the probe races the routes and says what it
+    /// measured; where oneDNN wins, its bf16 kernel is the one the detail names.
+    #[test]
+    fn avx512_bf16_without_amx_is_decided_by_the_race() {
+        let support = detect();
+        println!("{}", support.detail);
+        if !std::arch::is_x86_feature_detected!("avx512bf16") {
+            assert!(
+                !support.native || support.detail.contains("AMX"),
+                "{support:?}"
+            );
+            println!("SKIPPED the race: this CPU has no AVX512_BF16");
+            return;
+        }
+        if support.detail.contains("no AMX") {
+            assert!(support.detail.contains("GFLOP/s against"), "{support:?}");
+            assert_eq!(
+                support.native,
+                support.detail.ends_with("bf16 is native"),
+                "{support:?}"
+            );
+        }
+    }
 }

@@ -85,7 +85,7 @@ fn check(
 /// smaller `n` and vocabulary to keep the fp64 reference quick.
 #[test]
 fn every_model_gemm_form_matches_fp64_of_rounded_inputs() {
-    // Native (oneDNN on AMX) where this CPU has it, emulated elsewhere: both must pass.
+    // Native (oneDNN) where this CPU takes that route, emulated elsewhere: both must pass.
     println!(
         "bf16 route: {:?} ({})",
         super::bf16::backend(),

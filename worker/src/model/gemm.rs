@@ -12,7 +12,7 @@
 //! differently, so results with different thread counts agree to rounding, not bit for bit.
 //!
 //! In bf16 precision (`super::bf16::with_precision`) the same call rounds both inputs to bf16
-//! and accumulates in fp32, natively (oneDNN on AMX) or emulated (`super::bf16`). The flops of
+//! and accumulates in fp32, natively (oneDNN, where faster than fp32) or emulated (`super::bf16`). The flops of
 //! every call are also counted per GEMM class (the calling file: `linear`, `attention`,
 //! `mlm_head`) and per backend, so the bench can say what ran where.
 

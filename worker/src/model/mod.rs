@@ -11,7 +11,7 @@
 //! - `element`: the scalar trait ([`Element`], implemented for f32 and f64).
 //! - `gemm`: the one matrix-multiply entry point (OpenBLAS through ndarray), timed for the bench.
 //! - `bf16`, `bf16_cpu`, `onednn`: the bf16 precision of that entry point (inputs rounded to
-//!   bf16, fp32 accumulation), the probe for AMX, and oneDNN's matmul behind a C shim.
+//!   bf16, fp32 accumulation), the probe for native bf16 (AMX, or AVX512_BF16 raced against fp32), and oneDNN's matmul behind a C shim.
 //! - One file per layer, each a forward/backward pair side by side: `linear`, `layernorm`,
 //!   `activation` (GELU, tanh-GELU, ReLU), `dropout`, `attention`, `embeddings`,
 //!   `encoder_layer`, `mlm_head`, `nsp_head`, `loss` (cross-entropy).
@@ -153,7 +153,7 @@ pub fn set_blas_threads(n: usize) {
 }
 
 /// The backend bf16 GEMMs take in this process for a job in `precision`: `fp32`,
-/// `bf16-native` (oneDNN on AMX) or `bf16-emulated`; for logs.
+/// `bf16-native` (oneDNN) or `bf16-emulated`; for logs.
 pub fn bf16_backend_name(precision: keel_proto::precision::Precision) -> &'static str {
     match (precision, bf16::backend()) {
         (keel_proto::precision::Precision::Fp32, _) => "fp32",
