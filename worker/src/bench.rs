@@ -10,7 +10,9 @@
 //! only with native bf16), `bf16_support` (what the probe found), `gemm_backends` (per GEMM
 //! class, `linear` = projections, FFN, MLM transform; `attention` = Q K^T, P V and their
 //! gradients; `mlm_head` = the tied decoder: the backends its flops ran on), and
-//! `bf16_rate_share` (fraction of GEMM flops that ran natively in bf16).
+//! `bf16_rate_share` (fraction of GEMM flops that ran natively in bf16), and `gemm_classes`
+//! (per class: its share of the step's GEMM flops, of the step's time, and its GFLOP/s while
+//! inside its calls: the profile that says which GEMMs hold a step back).
 
 use std::time::Instant;
 
@@ -181,6 +183,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             (class.to_string(), serde_json::json!(used.join("+")))
         })
         .collect();
+    let total_flops = stats.flops.max(1) as f64;
+    let classes: serde_json::Map<String, serde_json::Value> = gemm::CLASSES
+        .iter()
+        .enumerate()
+        .filter(|(c, _)| stats.class_flops[*c].iter().any(|&f| f > 0))
+        .map(|(c, class)| {
+            let flops: u64 = stats.class_flops[c].iter().sum();
+            let secs = stats.class_seconds[c];
+            let value = serde_json::json!({
+                "flop_share": flops as f64 / total_flops,
+                "time_share": secs / elapsed,
+                "gflops": if secs > 0.0 { flops as f64 / secs / 1e9 } else { 0.0 },
+            });
+            (class.to_string(), value)
+        })
+        .collect();
     let line = serde_json::json!({
         "config": args.config,
         "threads": args.threads,
@@ -198,6 +216,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "precision": precision.as_str(),
         "bf16_support": support.detail,
         "gemm_backends": backends,
+        "gemm_classes": classes,
         "bf16_rate_share": stats.bf16_native_share(),
     });
     println!("{line}");

@@ -78,13 +78,14 @@ pub fn round_bf16_f32(x: f32) -> f32 {
 }
 
 /// The bf16 bit pattern of `x` rounded to nearest even (the high half of an f32).
+#[inline(always)]
 pub fn bf16_bits(x: f32) -> u16 {
     let bits = x.to_bits();
-    if x.is_nan() {
-        return ((bits >> 16) | 0x0040) as u16;
-    }
+    let quiet_nan = ((bits >> 16) | 0x0040) as u16;
     let rounding = 0x7fff + ((bits >> 16) & 1);
-    (bits.wrapping_add(rounding) >> 16) as u16
+    let rounded = (bits.wrapping_add(rounding) >> 16) as u16;
+    // A select, not a branch, so that loops over slices vectorise.
+    if x.is_nan() { quiet_nan } else { rounded }
 }
 
 /// `x` rounded to 8 significant bits, nearest even, directly from f64 (no double rounding
@@ -155,22 +156,56 @@ fn with_scratch<T: Default + Clone + 'static, R>(
 
 /// `v` converted elementwise by `f` into `buf`, kept in `v`'s memory order when it is
 /// row-major or column-major (so BLAS/oneDNN see the same transposes), else row-major.
+/// A row-strided view (an attention head's columns of `[tokens, hidden]`, or its transpose)
+/// is converted a contiguous run at a time, so the loop vectorises.
 fn converted<'b, S: Copy, T: Clone>(
     v: &ArrayView2<'_, S>,
     buf: &'b mut Vec<T>,
-    f: impl Fn(S) -> T,
+    f: impl Fn(S) -> T + Copy,
 ) -> ArrayView2<'b, T> {
     let (r, c) = v.dim();
     buf.clear();
-    let column_major = !v.is_standard_layout() && v.t().is_standard_layout();
+    buf.reserve(r * c);
+    // Column-major when its columns are the contiguous runs (the transpose of a row-major or
+    // row-strided matrix), else row-major.
+    let column_major = r > 1 && v.strides()[0] == 1 && v.strides()[1] != 1;
+    let lanes = if column_major { v.t() } else { v.view() };
+    for lane in lanes.rows() {
+        match lane.as_slice() {
+            Some(run) => extend_converted(buf, run, f),
+            None => buf.extend(lane.iter().map(|&x| f(x))),
+        }
+    }
     if column_major {
-        buf.extend(v.t().iter().map(|&x| f(x)));
         ArrayView2::from_shape((r, c).f(), &buf[..])
     } else {
-        buf.extend(v.iter().map(|&x| f(x)));
         ArrayView2::from_shape((r, c), &buf[..])
     }
     .expect("a buffer of exactly r * c elements fits [r, c]")
+}
+
+/// Appends `f` of every element of `run` to `buf`: with AVX-512 where the CPU has it (the
+/// build targets baseline x86-64), else with what the build targets.
+fn extend_converted<S: Copy, T>(buf: &mut Vec<T>, run: &[S], f: impl Fn(S) -> T + Copy) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static AVX512: OnceLock<bool> = OnceLock::new();
+        let avx512 = *AVX512.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+        });
+        if avx512 {
+            /// The same loop, compiled for AVX-512.
+            #[target_feature(enable = "avx512f,avx512bw")]
+            fn wide<S: Copy, T>(buf: &mut Vec<T>, run: &[S], f: impl Fn(S) -> T) {
+                buf.extend(run.iter().map(|&x| f(x)));
+            }
+            // SAFETY: the CPU has AVX-512F and AVX-512BW (checked above).
+            unsafe { wide(buf, run, f) };
+            return;
+        }
+    }
+    buf.extend(run.iter().map(|&x| f(x)));
 }
 
 /// `c = alpha * bf16(a) bf16(b) + beta * c` on `parts` threads, fp32 (or f64) accumulation:
@@ -225,6 +260,43 @@ pub(crate) fn native_gemm_f32(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ndarray::{Array2, s};
+
+    /// Every layout the model hands a GEMM (row-major, its transpose, an attention head's
+    /// row-strided columns, their transpose, a single column) converts to the same values
+    /// in the same logical order, and a NaN stays a quiet NaN.
+    #[test]
+    fn conversion_keeps_values_and_order_in_every_layout() {
+        let mut m = Array2::from_shape_fn((6, 12), |(i, j)| (i * 12 + j) as f32 * 0.37 - 9.0);
+        m[[2, 5]] = f32::NAN;
+        let head = m.slice(s![.., 4..8]);
+        let column = m.slice(s![.., 3..4]);
+        for (what, v) in [
+            ("row-major", m.view()),
+            ("transposed", m.t()),
+            ("row-strided head", head),
+            ("transposed head", head.t()),
+            ("one column", column),
+        ] {
+            let mut buf = Vec::new();
+            let got = converted(&v, &mut buf, bf16_bits);
+            assert_eq!(got.dim(), v.dim(), "{what}");
+            for (g, &x) in got.iter().zip(v.iter()) {
+                if x.is_nan() {
+                    assert_eq!(*g & 0x7fc0, 0x7fc0, "{what}: NaN stays a quiet NaN");
+                } else {
+                    assert_eq!(*g, bf16_bits(x), "{what}");
+                    assert_eq!(f32::from_bits(u32::from(*g) << 16), round_bf16_f32(x));
+                }
+            }
+        }
+        // A long run takes the wide (AVX-512) loop where the CPU has it: same bits as one by one.
+        let long: Vec<f32> = (0..1000).map(|i| (i as f32).sin() * 1e3).collect();
+        let mut wide = Vec::new();
+        extend_converted(&mut wide, &long, bf16_bits);
+        let one_by_one: Vec<u16> = long.iter().map(|&x| bf16_bits(x)).collect();
+        assert_eq!(wide, one_by_one);
+    }
 
     #[test]
     fn rounding_is_to_nearest_even_at_8_significant_bits() {

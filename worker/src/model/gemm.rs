@@ -50,6 +50,8 @@ const ZERO: AtomicU64 = AtomicU64::new(0);
 const ROW: [AtomicU64; 3] = [ZERO; 3];
 /// Flops per `[class][backend]`.
 static CLASS_FLOPS: [[AtomicU64; 3]; 4] = [ROW; 4];
+/// Wall time inside the calls per class (nanoseconds).
+static CLASS_NANOS: [AtomicU64; 4] = [ZERO; 4];
 
 /// Totals of all GEMM calls in this process since the last [`reset_stats`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -62,6 +64,9 @@ pub struct GemmStats {
     pub seconds: f64,
     /// Flops per class ([`CLASSES`]) and backend ([`BACKENDS`]).
     pub class_flops: [[u64; 3]; 4],
+    /// Wall time inside the calls per class (seconds; calls on the model's helper threads
+    /// overlap, so these can add up to more than the step).
+    pub class_seconds: [f64; 4],
 }
 
 impl GemmStats {
@@ -89,6 +94,9 @@ pub fn stats() -> GemmStats {
         flops: GEMM_FLOPS.load(Ordering::Relaxed),
         seconds: GEMM_NANOS.load(Ordering::Relaxed) as f64 * 1e-9,
         class_flops,
+        class_seconds: std::array::from_fn(|c| {
+            CLASS_NANOS[c].load(Ordering::Relaxed) as f64 * 1e-9
+        }),
     }
 }
 
@@ -97,6 +105,9 @@ pub fn reset_stats() {
     GEMM_NANOS.store(0, Ordering::Relaxed);
     GEMM_FLOPS.store(0, Ordering::Relaxed);
     GEMM_CALLS.store(0, Ordering::Relaxed);
+    for c in &CLASS_NANOS {
+        c.store(0, Ordering::Relaxed);
+    }
     for counters in &CLASS_FLOPS {
         for c in counters {
             c.store(0, Ordering::Relaxed);
@@ -158,7 +169,9 @@ pub(crate) fn gemm<A: Element>(
         },
     };
     CLASS_FLOPS[class][backend].fetch_add(flops as u64, Ordering::Relaxed);
-    GEMM_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    let nanos = start.elapsed().as_nanos() as u64;
+    CLASS_NANOS[class].fetch_add(nanos, Ordering::Relaxed);
+    GEMM_NANOS.fetch_add(nanos, Ordering::Relaxed);
     GEMM_FLOPS.fetch_add(flops as u64, Ordering::Relaxed);
     GEMM_CALLS.fetch_add(1, Ordering::Relaxed);
 }
