@@ -10,7 +10,8 @@
 //! only with native bf16), `bf16_support` (what the probe found), `gemm_backends` (per GEMM
 //! class, `linear` = projections, FFN, MLM transform; `attention` = Q K^T, P V and their
 //! gradients; `mlm_head` = the tied decoder: the backends its flops ran on), and
-//! `bf16_rate_share` (fraction of GEMM flops that ran natively in bf16), and `gemm_classes`
+//! `bf16_rate_share` (fraction of GEMM flops that ran natively in bf16), `onednn_reference_calls`
+//! (native bf16 GEMMs that oneDNN ran on a slow reference kernel: should be 0), and `gemm_classes`
 //! (per class: its share of the step's GEMM flops, of the step's time, and its GFLOP/s while
 //! inside its calls: the profile that says which GEMMs hold a step back).
 
@@ -218,6 +219,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "gemm_backends": backends,
         "gemm_classes": classes,
         "bf16_rate_share": stats.bf16_native_share(),
+        "onednn_reference_calls": bf16::reference_kernel_calls(),
     });
     println!("{line}");
     Ok(())

@@ -138,6 +138,12 @@ pub fn backend() -> Bf16Backend {
     }
 }
 
+/// How many native bf16 GEMM calls (or parts of one) ran on a slow oneDNN reference kernel in
+/// this process; 0 on the emulated route.
+pub fn reference_kernel_calls() -> u64 {
+    onednn::reference_bf16_calls()
+}
+
 /// Runs `f` with this thread's reusable pair of `T` buffers.
 fn with_scratch<T: Default + Clone + 'static, R>(
     f: impl FnOnce(&mut Vec<T>, &mut Vec<T>) -> R,
@@ -248,7 +254,7 @@ pub(crate) fn native_gemm_f32(
     with_scratch::<u16, _>(|ba, bb| {
         let a16 = converted(a, ba, bf16_bits);
         let b16 = converted(b, bb, bf16_bits);
-        super::gemm::split_among(&a16, &b16, c, parts, &|a, b, c| {
+        super::gemm::split_keeping_c_layout(&a16, &b16, c, parts, &|a, b, c| {
             if let Err(e) = onednn::matmul(InputType::Bf16, alpha, a, b, beta, c) {
                 panic!("oneDNN bf16 matmul failed after the startup probe succeeded: {e}");
             }

@@ -221,6 +221,18 @@ fn every_model_gemm_form_matches_fp64_of_rounded_inputs() {
         0.0,
         &mut dh.view_mut(),
     );
+    no_reference_kernel("every model GEMM form");
+}
+
+/// On the native route, no GEMM (nor part of one) may have run on a oneDNN reference kernel.
+fn no_reference_kernel(what: &str) {
+    if super::bf16::backend() == super::bf16::Bf16Backend::Native {
+        assert_eq!(
+            super::bf16::reference_kernel_calls(),
+            0,
+            "{what}: oneDNN ran a bf16 GEMM on a reference kernel"
+        );
+    }
 }
 
 /// Cut among threads (by rows, and by columns for a wide output), the bf16 GEMM gives the same
@@ -247,4 +259,5 @@ fn bf16_gemm_cut_among_threads_matches() {
             );
         }
     }
+    no_reference_kernel("cut among threads");
 }

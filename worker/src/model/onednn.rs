@@ -141,6 +141,16 @@ fn strides_of<T>(v: &ArrayView2<'_, T>) -> Result<[i64; 2], DnnlError> {
     Ok([s[0] as i64, s[1] as i64])
 }
 
+/// bf16 matmuls run by one of oneDNN's reference kernels (see [`reference_bf16_calls`]).
+static REFERENCE_BF16_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many bf16 matmuls in this process ran on a oneDNN reference kernel (`ref:...`): scalar
+/// loops, 100x slower or more than the `brg:` ones. The model's GEMMs should cause none; the
+/// bench prints it and the GEMM-form tests require 0.
+pub(crate) fn reference_bf16_calls() -> u64 {
+    REFERENCE_BF16_CALLS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The cached primitive for this call, created on a miss.
 fn primitive(key: Key) -> Result<Arc<Matmul>, DnnlError> {
     if let Some(p) = cache().lock().ok().and_then(|c| c.get(&key).cloned()) {
@@ -180,6 +190,14 @@ fn primitive(key: Key) -> Result<Arc<Matmul>, DnnlError> {
     let implementation = unsafe { CStr::from_ptr(name.as_ptr()) }
         .to_string_lossy()
         .into_owned();
+    if implementation.starts_with("ref") {
+        // The reference kernels are scalar loops, 100x slower or more: a layout the fast
+        // kernels do not take reached oneDNN. Said once per shape (the primitive is cached).
+        tracing::warn!(
+            m, k, n, strides = ?s, %implementation,
+            "oneDNN chose its reference matmul for this shape and layout: slow"
+        );
+    }
     let p = Arc::new(Matmul {
         raw,
         implementation,
@@ -236,6 +254,9 @@ pub(crate) fn matmul<T: Copy>(
     let status = unsafe {
         keel_dnnl_matmul_run(p.raw, a.as_ptr().cast(), b.as_ptr().cast(), c.as_mut_ptr())
     };
+    if input == InputType::Bf16 && p.implementation.starts_with("ref") {
+        REFERENCE_BF16_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
     if status != 0 {
         return Err(DnnlError::Status {
             what: format!("running a {input:?} [{m}, {k}] x [{k}, {n}] matmul"),
