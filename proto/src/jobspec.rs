@@ -369,9 +369,13 @@ impl JobSpec {
     /// [`JobSpecError::Parse`] for unknown keys, wrong types or missing keys (with line and
     /// key), [`JobSpecError::Invalid`] for values out of range (see [`JobSpec::validate`]).
     pub fn from_toml_str(text: &str, origin: &str) -> Result<JobSpec, JobSpecError> {
+        // toml's message quotes the offending line: only a bounded prefix of it (a 4 MB key).
         let spec: JobSpec = toml::from_str(text).map_err(|e| JobSpecError::Parse {
             origin: origin.to_string(),
-            message: e.to_string().trim_end().to_string(),
+            message: crate::quote::bounded(
+                e.to_string().trim_end(),
+                crate::quote::MAX_MESSAGE_BYTES,
+            ),
         })?;
         spec.validate(origin)?;
         Ok(spec)

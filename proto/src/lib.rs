@@ -15,6 +15,7 @@
 //! - `protocol`: the control-plane protocol as numbered steps, and its timeouts.
 //! - `auth`, `tls`, `security`: the cluster token every call carries, optional TLS, and both
 //!   bundled for servers and clients.
+//! - `quote`: at most a bounded prefix of untrusted input in error messages.
 //! - `report`: how the binaries print an error and exit (one line, no backtrace).
 
 /// gRPC messages and services generated from `proto/keel.proto` (control plane).
@@ -42,6 +43,7 @@ pub mod memory;
 pub mod params;
 pub mod precision;
 pub mod protocol;
+pub mod quote;
 pub mod report;
 pub mod security;
 pub mod shard;
