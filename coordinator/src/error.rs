@@ -81,7 +81,9 @@ impl CoordinatorError {
 impl From<CoordinatorError> for tonic::Status {
     fn from(e: CoordinatorError) -> Self {
         use tonic::Status;
-        let msg = e.to_string();
+        // The one place every refusal passes: an error quoting client input (a job's TOML, a
+        // path, its origin) carries at most a bounded prefix of it.
+        let msg = keel_proto::quote::bounded(&e.to_string(), keel_proto::quote::MAX_MESSAGE_BYTES);
         match e {
             CoordinatorError::UnknownJob { .. } | CoordinatorError::NotFound(_) => {
                 Status::not_found(msg)

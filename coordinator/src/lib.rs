@@ -14,7 +14,9 @@
 //! - `prepare_job`: a job's data (via `data`), its model config and each rank's files.
 //! - `persist`: each job's record in `job-state.json`, saved on change, restored on start.
 //! - `store`: the checkpoint store (upload, list, pull) in the job's folder.
+//! - `input_roots`: `--input-root`: the folders a job's paths must lie in.
 //! - `submit_check`: a submitted job's paths (corpus, vocab, config, init_checkpoint) exist.
+//! - `log_writer`: the log writer that keeps one record on one line (client strings escaped).
 //! - `files`: streams a file as checksummed chunks.
 //! - `error`: [`CoordinatorError`].
 //! - `data`: corpus preparation and worker shards.
@@ -23,7 +25,9 @@ pub mod admission;
 pub mod data;
 pub mod error;
 pub mod files;
+pub mod input_roots;
 pub mod job;
+pub mod log_writer;
 pub mod persist;
 pub mod prepare_job;
 pub mod recovery;

@@ -19,6 +19,16 @@ struct Args {
     /// Log filter (tracing `EnvFilter` syntax).
     #[arg(long, env = "KEEL_LOG", default_value = "info")]
     log: String,
+    /// A folder jobs may read from (repeatable; in the variable, colon-separated like PATH):
+    /// every corpus, vocabulary, model config and init checkpoint a job names must lie inside
+    /// one, symlinks resolved. Without any, a job may name any file this process can read.
+    #[arg(
+        long = "input-root",
+        env = "KEEL_INPUT_ROOT",
+        value_name = "DIR",
+        value_delimiter = ':'
+    )]
+    input_root: Vec<PathBuf>,
     #[command(flatten)]
     token: keel_proto::auth::TokenArgs,
     #[command(flatten)]
@@ -32,11 +42,13 @@ fn main() -> std::process::ExitCode {
 /// Runs the coordinator until a shutdown signal; errors are printed by `main` as one line
 /// (a bad flag or a busy port is not a crash: no backtrace).
 fn run(args: Args) -> anyhow::Result<()> {
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(&args.log))
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(keel_coordinator::log_writer::EscapingStderr::new(ansi))
+        .with_ansi(ansi)
         .init();
+    let input_roots = keel_coordinator::input_roots::InputRoots::new(&args.input_root)?;
     let security = keel_proto::security::ServerSecurity::new(args.token.load()?, args.tls.load()?);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
@@ -47,6 +59,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         let config = keel_coordinator::Config {
             data_dir: args.data_dir,
             security,
+            input_roots,
         };
         keel_coordinator::run(config, listener, keel_proto::admin::shutdown_signal()).await?;
         Ok(())

@@ -6,6 +6,7 @@
 
 use crate::CoordinatorError;
 use crate::data::{PrepareOptions, VocabSource};
+use crate::input_roots::InputRoots;
 use crate::job::PreparedJob;
 use keel_proto::checkpoint::{sha256_file, write_file_atomic};
 use keel_proto::config::BertConfig;
@@ -49,6 +50,27 @@ pub fn begin_attempt(job_dir: &Path) -> Result<(), CoordinatorError> {
 /// Records that the preparation ended (succeeded or failed with a reason).
 pub fn end_attempt(job_dir: &Path) {
     let _ = std::fs::remove_file(job_dir.join(ATTEMPTS_FILE));
+}
+
+/// [`prepare`] after checking the job's paths against `roots` again
+/// ([`InputRoots::check_spec`]): what a corpus folder or glob expands to now, symlinks
+/// resolved, may differ from what it expanded to at submit.
+///
+/// Errors: [`CoordinatorError::Prepare`] naming the key, the path and the roots, or as
+/// [`prepare`].
+pub fn prepare_within(
+    job_id: &str,
+    spec: &JobSpec,
+    job_dir: &Path,
+    roots: &InputRoots,
+) -> Result<PreparedJob, CoordinatorError> {
+    roots
+        .check_spec(spec, job_id)
+        .map_err(|e| CoordinatorError::Prepare {
+            job_id: job_id.to_string(),
+            message: e.to_string(),
+        })?;
+    prepare(job_id, spec, job_dir)
 }
 
 /// Prepares a job: tokenizes and shards the corpus into `job_dir/data`, builds the model

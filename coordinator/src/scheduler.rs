@@ -109,9 +109,10 @@ pub fn spawn_prepare(
     tokio::spawn(async move {
         tracing::info!(job = %id, "preparing data and model");
         let id2 = id.clone();
+        let roots = shared.input_roots.clone();
         let result = tokio::task::spawn_blocking(move || {
             prepare_job::begin_attempt(&dir)?;
-            let result = prepare_job::prepare(&id2, &spec, &dir);
+            let result = prepare_job::prepare_within(&id2, &spec, &dir, &roots);
             prepare_job::end_attempt(&dir);
             result
         })

@@ -1,6 +1,7 @@
 //! Runs a coordinator: the gRPC service plus the scheduler loop, until shutdown.
 
 use crate::CoordinatorError;
+use crate::input_roots::InputRoots;
 use crate::persist;
 use crate::scheduler;
 use crate::service::CoordinatorService;
@@ -21,6 +22,8 @@ pub struct Config {
     pub data_dir: PathBuf,
     /// The cluster token every call but health must carry, and TLS when configured.
     pub security: ServerSecurity,
+    /// The folders a job's paths must lie in (`--input-root`); empty: any readable file.
+    pub input_roots: InputRoots,
 }
 
 /// Serves the coordinator on `listener` until `shutdown` resolves, then stops within ~2 s
@@ -37,7 +40,15 @@ pub async fn run(
 ) -> Result<(), CoordinatorError> {
     let jobs = config.data_dir.join("jobs");
     std::fs::create_dir_all(&jobs).map_err(CoordinatorError::io(&jobs))?;
-    let shared = Shared::new(config.data_dir.clone());
+    if config.input_roots.is_empty() {
+        tracing::warn!(
+            "no --input-root (KEEL_INPUT_ROOT) set: a job may name any file this process can \
+             read as its corpus, vocabulary or model config; set the folders jobs may read"
+        );
+    } else {
+        tracing::info!(roots = %config.input_roots.describe(), "jobs may read only inside the input roots");
+    }
+    let shared = Shared::new(config.data_dir.clone(), config.input_roots.clone());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let scheduler = tokio::spawn(scheduler::run(shared.clone(), async move {
         let _ = stop_rx.await;

@@ -17,6 +17,9 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+/// Bytes of a submitted job's origin (its file name) kept for messages and logs.
+const MAX_ORIGIN_BYTES: usize = 256;
+
 /// A server stream of `T`.
 type RpcStream<T> = Pin<Box<dyn futures::Stream<Item = Result<T, Status>> + Send + 'static>>;
 
@@ -103,19 +106,22 @@ impl Coordinator for CoordinatorService {
         request: Request<SubmitJobRequest>,
     ) -> Result<Response<SubmitJobReply>, Status> {
         let req = request.into_inner();
+        // The origin is only a name for messages and logs: a bounded one.
         let origin = if req.origin.is_empty() {
-            "job"
+            "job".to_string()
         } else {
-            &req.origin
+            keel_proto::quote::bounded(&req.origin, MAX_ORIGIN_BYTES)
         };
+        let origin = origin.as_str();
         let spec =
             JobSpec::from_toml_str(&req.spec_toml, origin).map_err(CoordinatorError::from)?;
         // Refuse now what preparation would fail on later (a corpus path that is not there):
         // the user is at the terminal now. Walking folders touches the disk: off the runtime.
         let (spec, checked) = {
             let origin = origin.to_string();
+            let roots = self.shared.input_roots.clone();
             tokio::task::spawn_blocking(move || {
-                let checked = crate::submit_check::check_paths(&spec, &origin);
+                let checked = crate::submit_check::check_job(&spec, &origin, &roots);
                 (spec, checked)
             })
             .await
@@ -297,14 +303,14 @@ impl Coordinator for CoordinatorService {
         };
         // Fields without a value (no host name sent, nothing held) are left out of the line
         // rather than logged as `host= holds=`: a `None` field is not recorded.
-        let host = (!entry.hostname.is_empty()).then(|| tracing::field::display(&entry.hostname));
+        let host = (!entry.hostname.is_empty()).then(|| tracing::field::debug(&entry.hostname));
         let holds = entry.holds.as_ref().map(|k| {
             tracing::field::display(format!(
                 "{} generation {} step {}",
                 k.job_id, k.generation, k.step
             ))
         });
-        tracing::info!(worker = %entry.describe(), threads = entry.threads, bf16_native = entry.bf16_native, bf16 = %entry.bf16_detail, host, holds, "worker registered");
+        tracing::info!(worker = %entry.describe(), threads = entry.threads, bf16_native = entry.bf16_native, bf16 = ?entry.bf16_detail, host, holds, "worker registered");
         reg.workers.insert(id.clone(), entry);
         Ok(Response::new(RegisterReply {
             worker_id: id,

@@ -2,6 +2,7 @@
 //! held across an `.await`.
 
 use crate::CoordinatorError;
+use crate::input_roots::InputRoots;
 use crate::job::Job;
 use keel_proto::rpc::{CancelJob, JobState, TrainingKey, WorkerCommand, worker_command};
 use std::collections::BTreeMap;
@@ -93,6 +94,8 @@ pub struct Shared {
     registry: Mutex<Registry>,
     /// Where jobs live.
     pub data_dir: PathBuf,
+    /// The folders jobs may read from (`--input-root`; empty: anywhere).
+    pub input_roots: InputRoots,
     /// Wakes the scheduler when something changed.
     pub wake: Notify,
 }
@@ -100,7 +103,9 @@ pub struct Shared {
 impl Shared {
     /// The coordinator state over `data_dir`: the jobs saved there come back
     /// (`crate::persist::load_jobs`), and job numbers continue after the folders already there.
-    pub fn new(data_dir: PathBuf) -> Arc<Self> {
+    /// A restored job that is not finished and names a path outside `input_roots` (they
+    /// changed since it was submitted) is failed with the reason rather than prepared.
+    pub fn new(data_dir: PathBuf, input_roots: InputRoots) -> Arc<Self> {
         let mut registry = Registry::default();
         if let Ok(entries) = std::fs::read_dir(data_dir.join("jobs")) {
             for entry in entries.flatten() {
@@ -113,7 +118,16 @@ impl Shared {
                 }
             }
         }
-        for job in crate::persist::load_jobs(&data_dir.join("jobs")) {
+        for mut job in crate::persist::load_jobs(&data_dir.join("jobs")) {
+            if !job.is_finished()
+                && let Err(e) = input_roots.check_spec(&job.spec, &job.id)
+            {
+                tracing::error!(job = %job.id, "not restoring it: {e}");
+                job.state = JobState::Failed;
+                job.error = Some(format!("restored after a restart: {e}"));
+                job.prepared = None;
+                job.publish();
+            }
             // Worker ids continue after those the restored jobs name (`w-3 (host:port)`), so
             // an old job's worker list never names a different, newer process.
             for name in &job.worker_names {
@@ -131,6 +145,7 @@ impl Shared {
         Arc::new(Shared {
             registry: Mutex::new(registry),
             data_dir,
+            input_roots,
             wake: Notify::new(),
         })
     }

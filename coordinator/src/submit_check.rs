@@ -8,8 +8,19 @@
 //! still fails at preparation, with the reason in the job's status.
 
 use crate::data::corpus::resolve_inputs;
+use crate::input_roots::InputRoots;
 use keel_proto::jobspec::{JobSpec, JobSpecError};
 use std::path::{Path, PathBuf};
+
+/// Every submit-time check of `spec`'s paths, in order: absolute and inside the input roots
+/// ([`InputRoots::check_spec`]: first, so that a path outside the roots is refused alike
+/// whether or not it exists), then [`check_paths`].
+///
+/// Errors: [`JobSpecError::Invalid`] naming the first failing key and path.
+pub fn check_job(spec: &JobSpec, origin: &str, roots: &InputRoots) -> Result<(), JobSpecError> {
+    roots.check_spec(spec, origin)?;
+    check_paths(spec, origin)
+}
 
 /// Checks every path of `spec`:
 /// - each `data.corpus` entry (file, folder or glob) resolves to at least one corpus file, and

@@ -25,6 +25,7 @@ async fn start() -> (
     let config = keel_coordinator::Config {
         data_dir: dir.path().to_path_buf(),
         security: ServerSecurity::new(token.clone(), None),
+        input_roots: Default::default(),
     };
     tokio::spawn(keel_coordinator::run(config, listener, async move {
         let _ = rx.await;
