@@ -28,6 +28,18 @@ pub enum CoordinatorError {
         /// What does not match.
         message: String,
     },
+    /// A worker registers with the advertise address of another live registered worker.
+    #[error(
+        "advertise address {addr} is already registered by live worker {worker}: give each \
+         worker its own --advertise-addr (a restarted worker is accepted once the old \
+         registration is gone: its stream closed or its heartbeats stopped)"
+    )]
+    AddressInUse {
+        /// The address asked for.
+        addr: String,
+        /// The live worker holding it (`w-2 (host:port)`).
+        worker: String,
+    },
     /// A request is malformed (bad file name, missing key).
     #[error("{0}")]
     BadRequest(String),
@@ -89,6 +101,7 @@ impl From<CoordinatorError> for tonic::Status {
                 Status::not_found(msg)
             }
             CoordinatorError::UnknownWorker { .. } => Status::failed_precondition(msg),
+            CoordinatorError::AddressInUse { .. } => Status::already_exists(msg),
             CoordinatorError::InvalidJob(_)
             | CoordinatorError::BadRequest(_)
             | CoordinatorError::Weights(_) => Status::invalid_argument(msg),

@@ -10,6 +10,7 @@
 //! - `job`: one job's record and its `JobStatus` snapshot.
 //! - `scheduler`: the background loop: heartbeat timeouts, preparing queued jobs, forming rings.
 //! - `recovery`: a new generation after a lost worker or a restart (protocol step 14).
+//! - `claims`: a worker's held-step claims, checked against the job (recovery).
 //! - `admission`: whether a job's model fits the registered workers' memory (submit, assign).
 //! - `prepare_job`: a job's data (via `data`), its model config and each rank's files.
 //! - `persist`: each job's record in `job-state.json`, saved on change, restored on start.
@@ -22,6 +23,7 @@
 //! - `data`: corpus preparation and worker shards.
 
 pub mod admission;
+pub mod claims;
 pub mod data;
 pub mod error;
 pub mod files;

@@ -283,7 +283,11 @@ pub fn held_reported(
     match job.regroup.as_mut() {
         Some(r) if r.generation == key.generation => match &mut r.phase {
             Phase::Collecting { asked, held, .. } if asked.contains(&report.worker_id) => {
-                let newest = report.held_steps.iter().copied().max();
+                let newest = crate::claims::trusted_newest(
+                    &report.worker_id,
+                    &report.held_steps,
+                    job.spec.train.max_steps,
+                );
                 held.insert(report.worker_id.clone(), newest);
                 let held = newest.map_or_else(|| "nothing".to_string(), |s| format!("step {s}"));
                 tracing::info!(job = %key.job_id, worker = %report.worker_id, %held, "held state reported");

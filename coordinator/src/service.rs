@@ -282,6 +282,7 @@ impl Coordinator for CoordinatorService {
             ));
         }
         let mut reg = self.shared.lock();
+        reg.claim_address(&req.advertise_addr)?;
         reg.next_worker += 1;
         let number = reg.next_worker;
         let id = format!("w-{number}");

@@ -12,6 +12,11 @@ use std::time::Instant;
 use tokio::sync::{Notify, mpsc};
 use tonic::Status;
 
+/// Silence after which a registration no longer holds its advertise address against a new
+/// one ([`Registry::claim_address`]): three heartbeat intervals. A worker that restarts on
+/// the same address is refused at most this long (it retries every <= 2 s).
+pub const LIVE_SILENCE: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// The sending half of a worker's `Attach` stream.
 pub type CommandSender = mpsc::Sender<Result<WorkerCommand, Status>>;
 
@@ -170,6 +175,32 @@ impl Registry {
             .ok_or_else(|| CoordinatorError::UnknownJob {
                 job_id: job_id.to_string(),
             })
+    }
+
+    /// Makes way for a worker registering with `addr`. Two live registrations with one
+    /// address would be put in one ring, where each would take the other's frames, so one
+    /// held by a live worker — attached or registering, not disconnected, heard from within
+    /// [`LIVE_SILENCE`] — is refused. A registration that is no longer live (the worker's
+    /// stream closed, or its heartbeats stopped: it crashed, or it restarts with the same
+    /// address) is given up: marked disconnected, so the scheduler's next tick handles it
+    /// as lost (recovery), and the new registration is accepted.
+    ///
+    /// Errors: [`CoordinatorError::AddressInUse`] naming the address and the live worker.
+    pub fn claim_address(&mut self, addr: &str) -> Result<(), CoordinatorError> {
+        for w in self.workers.values_mut() {
+            if w.advertise_addr != addr || w.disconnected {
+                continue;
+            }
+            if w.last_seen.elapsed() < LIVE_SILENCE {
+                return Err(CoordinatorError::AddressInUse {
+                    addr: addr.to_string(),
+                    worker: w.describe(),
+                });
+            }
+            tracing::warn!(worker = %w.describe(), silent_s = w.last_seen.elapsed().as_secs_f64(), "a new registration takes over its advertise address: the old one is dropped");
+            w.disconnected = true;
+        }
+        Ok(())
     }
 
     /// Checks that a worker message is about the job's current generation.
