@@ -32,7 +32,7 @@ import yaml
 
 # The programs' documented command lines (issue 5); `keel` is keyed by subcommand.
 CONTRACT_FLAGS: dict[str, set[str]] = {
-    "keel-coordinator": {"--listen", "--data-dir", "--token-file", "--tls-cert", "--tls-key", "--log"},
+    "keel-coordinator": {"--listen", "--data-dir", "--input-root", "--token-file", "--tls-cert", "--tls-key", "--log"},
     "keel-worker": {
         "--coordinator",
         "--listen",
@@ -66,6 +66,7 @@ CONTRACT_ENV = {
     "KEEL_TLS_KEY",  # its private key
     "KEEL_TLS_CA",  # the CA clients trust
     "KEEL_LOG",  # the log filter (tracing EnvFilter syntax)
+    "KEEL_INPUT_ROOT",  # the coordinator's --input-root: the folders jobs may read
 }
 # KEEL_* names the deployment files define for themselves, never read by a binary.
 DEPLOY_OWN_ENV = {
@@ -170,6 +171,10 @@ def check_systemd(root: Path, rep: Report) -> None:
             )
     for key in ("KEEL_COORDINATOR", "KEEL_ADVERTISE_ADDR", "KEEL_TOKEN_FILE"):
         rep.check(key in env_file, f"keel.env sets {key} (a worker cannot start without it)")
+    rep.check(
+        env_file.get("KEEL_INPUT_ROOT", "").startswith("/"),
+        "keel.env sets KEEL_INPUT_ROOT (the folders jobs may read) to an absolute path",
+    )
     sysusers = (d / "keel.sysusers").read_text().split()
     sysuser = sysusers[sysusers.index("u") + 1] if "u" in sysusers else None
 
@@ -330,6 +335,13 @@ def check_compose(root: Path, rep: Report) -> None:
     rep.check(cmd[:1] == ["keel-coordinator"], "compose: coordinator runs keel-coordinator")
     data_dir = flag_value(cmd, "--data-dir")
     vols = [v.split(":") for v in coord.get("volumes", []) if isinstance(v, str)]
+    input_root = flag_value(cmd, "--input-root")
+    # SOURCE:TARGET:MODE, where SOURCE may hold ${VAR:-default}.
+    mounts = [v.rsplit(":", 2) for v in coord.get("volumes", []) if isinstance(v, str)]
+    rep.check(
+        any(len(m) == 3 and m[1] == input_root and m[2] == "ro" for m in mounts),
+        f"compose: coordinator's --input-root {input_root} is a read-only mount",
+    )
     named = [v for v in vols if len(v) >= 2 and v[1] == data_dir]
     rep.check(
         bool(named) and named[0][0] in (doc.get("volumes") or {}),
@@ -478,6 +490,24 @@ def check_k8s(root: Path, rep: Report, typed: bool) -> None:
     for name, dep in by_kind.get("Deployment", {}).items():
         c = dep["spec"]["template"]["spec"]["containers"][0]
         rep.check(c.get("command", [None])[0] == "keel-coordinator", f"Deployment/{name} runs keel-coordinator")
+        # The input root lies on a mounted volume and is made before the coordinator starts.
+        pod = dep["spec"]["template"]["spec"]
+        root = flag_value(c.get("command", []) + c.get("args", []), "--input-root") or ""
+        mounts = [m["mountPath"] for m in c.get("volumeMounts", [])]
+        rep.check(
+            any(root == m or root.startswith(m.rstrip("/") + "/") for m in mounts),
+            f"Deployment/{name}: --input-root {root or '(none)'} lies on a mounted volume",
+        )
+        rep.check(
+            any(root in (i.get("command", []) + i.get("args", [])) for i in pod.get("initContainers", [])),
+            f"Deployment/{name}: an init container makes the input root {root} on a fresh volume",
+        )
+        for i in pod.get("initContainers", []):
+            isc = i.get("securityContext", {})
+            rep.check(
+                isc.get("allowPrivilegeEscalation") is False and isc.get("capabilities", {}).get("drop") == ["ALL"],
+                f"Deployment/{name}/{i['name']}: init container meets the restricted Pod Security Standard",
+            )
     for name, sts in by_kind.get("StatefulSet", {}).items():
         svc_name = sts["spec"].get("serviceName")
         svc = services.get(svc_name, {})
@@ -546,6 +576,8 @@ def check_slurm(root: Path, rep: Report) -> None:
     rep.check("scontrol show hostnames" in text, "keel.sbatch: expands the node list with scontrol")
     rep.check(re.search(r"^srun .*--ntasks-per-node=1", text, re.M) is not None, "keel.sbatch: workers start with srun, one per node")
     rep.check(text.count('"$COORDINATOR_BIN" --listen') == 1, "keel.sbatch: one coordinator")
+    coord_line = next((l for l in logical_lines(text) if '"$COORDINATOR_BIN" --listen' in l), "")
+    rep.check("--input-root" in coord_line, "keel.sbatch: the coordinator has an --input-root")
     for step in ("submit", "watch", "pull"):
         rep.check(f'"$KEEL" {step}' in text, f"keel.sbatch: runs keel {step}")
 
