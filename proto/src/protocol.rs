@@ -22,7 +22,8 @@
 //!    [`HEARTBEAT_TIMEOUT`].
 //!    `known = false` in the reply means the coordinator restarted: register again.
 //! 3. **Submit.** The client sends the job spec as TOML, its relative paths already made
-//!    absolute (they are read on the coordinator's machine). The coordinator validates it and
+//!    absolute (they are read on the coordinator's machine; a relative one is refused). The
+//!    coordinator validates it, checks its paths against its `--input-root` folders, and
 //!    returns a job id; the job is `QUEUED`.
 //! 4. **Prepare.** The coordinator trains or loads the WordPiece vocabulary, tokenizes and
 //!    shards the corpus into the job's folder (`PREPARING`), then waits until `min_workers`
