@@ -183,8 +183,9 @@ fn race() -> Result<Race, super::onednn::DnnlError> {
     use ndarray::{Array2, linalg::general_mat_mul};
     use std::time::Instant;
 
-    // OpenBLAS on one thread, as the model runs it (`super::parallel` cuts GEMMs itself).
-    super::parallel::set_threads(super::parallel::threads());
+    // OpenBLAS as the process has set it: one thread in the worker and the bench (their
+    // `set_blas_threads` runs first). The probe must not change it: a result's bits depend on
+    // OpenBLAS's thread count, and a test process may be mid-way through comparing two runs.
     let fill = |r: usize, c: usize, seed: usize| {
         Array2::from_shape_fn((r, c), |(i, j)| {
             ((i * 31 + j * 17 + seed) % 97) as f32 / 97.0 - 0.5
