@@ -112,7 +112,9 @@ pub struct TrainerState {
     pub global_batch_size: u64,
     /// Sequences consumed so far (`step * global_batch_size`): the data position.
     pub sequences_seen: u64,
-    /// Training loss at this step (global).
+    /// Training loss at this step (global); NaN where none was computed (a checkpoint staged
+    /// when a job resumes, before its first step), which JSON writes as `null`.
+    #[serde(deserialize_with = "null_as_nan")]
     pub loss: f64,
     /// The optimizer name (`adamw` or `lamb`).
     pub optimizer: String,
@@ -123,6 +125,13 @@ pub struct TrainerState {
     /// checkpoints written before precisions existed.
     #[serde(default)]
     pub precision: crate::precision::Precision,
+}
+
+/// Reads a number, or `null` as NaN: serde_json writes a non-finite f64 as `null`, so a
+/// state written with no loss must read back (a resume from such a checkpoint failed with
+/// "invalid type: null, expected f64").
+fn null_as_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 impl TrainerState {
@@ -331,6 +340,34 @@ fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The state a resuming job stages before its first step has no loss (NaN, written as
+    /// `null`); a later resume from that checkpoint must read it. Found by
+    /// `cli/tests/recovery.rs` under load: "invalid type: null, expected f64 at line 9".
+    #[test]
+    fn a_state_without_a_loss_reads_back() {
+        let state = TrainerState {
+            step: 10,
+            job_id: "job-2".into(),
+            generation: 3,
+            seed: 42,
+            world_size: 3,
+            global_batch_size: 12,
+            sequences_seen: 120,
+            loss: f64::NAN,
+            optimizer: "adamw".into(),
+            skipped_steps: 0,
+            precision: crate::precision::Precision::Fp32,
+        };
+        let text = serde_json::to_string_pretty(&state).unwrap();
+        assert!(text.contains("\"loss\": null"), "{text}");
+        let back: TrainerState = serde_json::from_str(&text).unwrap();
+        assert!(back.loss.is_nan());
+        assert_eq!(back.step, 10);
+        let finite: TrainerState =
+            serde_json::from_str(&text.replace("\"loss\": null", "\"loss\": 5.5")).unwrap();
+        assert_eq!(finite.loss, 5.5);
+    }
 
     #[test]
     fn commit_dir_writes_a_manifest_that_verifies_and_catches_corruption() {
