@@ -203,10 +203,9 @@ pub(crate) fn split_among<T: Sync, C: Send>(
     parts: usize,
     kernel: &Kernel<'_, T, C>,
 ) {
-    if parts <= 1 {
-        kernel(a, b, c);
-    } else if a.nrows() >= b.ncols() {
-        split_rows(a, b, c, parts, kernel);
+    if parts <= 1 || a.nrows() >= b.ncols() {
+        // One call, or cut by rows: the same as keeping C's layout.
+        split_keeping_c_layout(a, b, c, parts, kernel);
     } else {
         split_rows(
             &b.t(),
