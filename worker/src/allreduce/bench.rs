@@ -11,11 +11,16 @@
 //! busbw = algbw * 2 (n - 1) / n (NCCL's bus bandwidth; GB = 1e9 bytes).
 //!
 //! Every wait is bounded: all-reduces by the ring timeout, the parent's reads by
-//! `--timeout-secs`; a peer exits by itself when its stdin closes (the parent died).
+//! `--timeout-secs`; a peer exits by itself when its stdin closes (the parent is done, or died).
+//! A peer that has printed its last report does not exit at once: it keeps serving the ring until
+//! the parent closes its stdin. Its left neighbour's last frame may still be waiting for its
+//! reply; exiting on the spot reset that call, the neighbour retried against a closed port and
+//! failed with "peer rank 0 ... is unreachable (step 5 ...)": a flaky test under load.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -265,6 +270,10 @@ fn run_world(args: &Args, n: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Set once this peer has printed its last report: from then on stdin EOF is the parent's
+/// "done", not its death.
+static REPORTED_ALL: AtomicBool = AtomicBool::new(false);
+
 /// Runs one benchmark peer (see the module docs for its stdin/stdout protocol).
 pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -290,8 +299,9 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
     println!("LISTEN {addr}");
     std::io::stdout().flush()?;
 
-    // Read the ring from stdin, then keep watching it: EOF means the parent is gone.
+    // Read the ring from stdin, then keep watching it: EOF means the parent is done or gone.
     let (peers_tx, peers_rx) = tokio::sync::oneshot::channel();
+    let (eof_tx, eof_rx) = tokio::sync::oneshot::channel::<()>();
     std::thread::spawn(move || {
         let mut stdin = std::io::stdin().lock();
         let mut line = String::new();
@@ -301,7 +311,10 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
         while matches!(stdin.read_line(&mut rest), Ok(k) if k > 0) {
             rest.clear();
         }
-        std::process::exit(3);
+        // After the last report `peer_main` waits for this; before it, the parent died.
+        if !REPORTED_ALL.load(Ordering::SeqCst) || eof_tx.send(()).is_err() {
+            std::process::exit(3);
+        }
     });
     let timeout = Duration::from_secs(args.timeout_secs);
     let line = tokio::time::timeout(timeout, peers_rx)
@@ -357,6 +370,10 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&report)?);
         std::io::stdout().flush()?;
     }
+    REPORTED_ALL.store(true, Ordering::SeqCst);
+    // Keep serving the ring until the parent has every report and closes stdin (see the module
+    // docs), bounded by the ring timeout.
+    let _ = tokio::time::timeout(timeout, eof_rx).await;
     Ok(())
 }
 
