@@ -305,6 +305,26 @@ pub fn held_reported(
     }
 }
 
+/// Records `held_steps`, sent by `worker_id` with its failure report, as its answer to the
+/// Suspend of the generation being formed for `job_id` (if it was asked), so the new generation
+/// need not wait for a worker that already said what it holds.
+pub fn held_with_failure(reg: &mut Registry, job_id: &str, worker_id: &str, held_steps: &[u64]) {
+    let Some(job) = reg.jobs.get_mut(job_id) else {
+        return;
+    };
+    let max_steps = job.spec.train.max_steps;
+    if let Some(Regroup {
+        phase: Phase::Collecting { asked, held, .. },
+        ..
+    }) = job.regroup.as_mut()
+        && asked.iter().any(|w| w == worker_id)
+    {
+        let newest = crate::claims::trusted_newest(worker_id, held_steps, max_steps);
+        held.insert(worker_id.to_string(), newest);
+        tracing::info!(job = %job_id, worker = %worker_id, held = ?newest, "held state reported with the failure");
+    }
+}
+
 /// A job below `max_workers` with an idle worker about grows by a new generation (one job
 /// per call, in submission order).
 pub fn grow_running_jobs(reg: &mut Registry) {

@@ -520,6 +520,9 @@ impl Coordinator for CoordinatorService {
         );
         if r.recoverable {
             crate::recovery::begin(&mut reg, &id, message, &[], true);
+            // The failed worker said what it holds: that is its answer to the Suspend just
+            // sent (which it may also answer; the later answer wins, both say the same).
+            crate::recovery::held_with_failure(&mut reg, &id, &r.worker_id, &r.held_steps);
         } else {
             reg.end_job(&id, JobState::Failed, Some(message));
         }

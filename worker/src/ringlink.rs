@@ -23,6 +23,11 @@ pub enum RingLinkError {
     Aborted,
 }
 
+/// Whether the fault injection of [`RingLink::spawn`] has fired in this process (it fires once,
+/// so the recovered generation runs the same step cleanly).
+static BAD_FRAME_INJECTED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
 /// One buffer to sum across ranks.
 struct Request {
     step: u64,
@@ -73,16 +78,32 @@ impl RingLink {
     /// `busy` accumulates the seconds the ring spent in all-reduces (for metrics), in µs.
     /// Once `control` is stopped, the pending all-reduce and every later one fail at once with
     /// [`RingLinkError::Aborted`].
+    ///
+    /// `fault_bad_frame_at_step` (tests only): the first all-reduce of that step, once per
+    /// process, fails as if the left neighbour had sent a malformed frame
+    /// ([`Ring::injected_bad_frame`]); the other ranks are left waiting for this one, as then.
     pub fn spawn(
         ring: Arc<Ring>,
         busy: Arc<std::sync::atomic::AtomicU64>,
         control: Arc<JobControl>,
+        fault_bad_frame_at_step: Option<u64>,
     ) -> RingLink {
         let (tx, mut rx) = mpsc::unbounded_channel::<Request>();
         tokio::spawn(async move {
             while let Some(req) = rx.recv().await {
                 let t0 = Instant::now();
-                let result = if control.is_stopped() {
+                let inject = fault_bad_frame_at_step == Some(req.step)
+                    && !BAD_FRAME_INJECTED.swap(true, std::sync::atomic::Ordering::SeqCst);
+                let result = if inject {
+                    tracing::warn!(
+                        step = req.step,
+                        bucket = req.bucket,
+                        "fault injection: this all-reduce fails as on a malformed frame"
+                    );
+                    Err(RingLinkError::from(
+                        ring.injected_bad_frame(req.step, req.bucket),
+                    ))
+                } else if control.is_stopped() {
                     Err(RingLinkError::Aborted)
                 } else {
                     tokio::select! {

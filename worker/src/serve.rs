@@ -51,6 +51,10 @@ pub struct Args {
     /// Fault injection for tests: this worker's loss is NaN at this 0-based step of every job.
     #[arg(long, hide = true)]
     pub fault_nan_at_step: Option<u64>,
+    /// Fault injection for tests: at this 0-based step (once per process) this worker's first
+    /// all-reduce fails as when its left neighbour sends a malformed ring frame.
+    #[arg(long, hide = true)]
+    pub fault_bad_frame_at_step: Option<u64>,
     /// Memory this worker may use for a job, in bytes (suffixes K, M, G, T: powers of 1024),
     /// advertised to the coordinator, which assigns only jobs estimated to fit; default:
     /// MemTotal of /proc/meminfo, or the cgroup's memory limit if lower.
@@ -96,6 +100,8 @@ pub struct Config {
     pub client_security: ClientSecurity,
     /// Fault injection for tests (see [`Args::fault_nan_at_step`]).
     pub fault_nan_at_step: Option<u64>,
+    /// Fault injection for tests (see [`Args::fault_bad_frame_at_step`]).
+    pub fault_bad_frame_at_step: Option<u64>,
     /// Bytes of memory a job may use here (see [`Args::memory_limit`]); `None`: unknown, not
     /// checked.
     pub memory_limit: Option<u64>,
@@ -155,6 +161,7 @@ pub fn main(args: Args) -> anyhow::Result<()> {
             server_security,
             client_security,
             fault_nan_at_step: args.fault_nan_at_step,
+            fault_bad_frame_at_step: args.fault_bad_frame_at_step,
             memory_limit: args
                 .memory_limit
                 .or_else(keel_proto::memory::machine_memory_limit),
@@ -216,6 +223,9 @@ struct Running {
     control: Arc<JobControl>,
     /// Steps completed (advanced by the training loop).
     progress: Arc<AtomicU64>,
+    /// The training task has returned and is reporting how it ended: a stop asked now would
+    /// never be seen by it, so [`WorkerState::stop_running`] leaves the answer to its caller.
+    ended: bool,
 }
 
 /// What this worker process is doing, across coordinator sessions (a coordinator restart
@@ -273,7 +283,7 @@ impl WorkerState {
             return false;
         };
         match r.as_ref() {
-            Some(run) if job_id.is_none_or(|j| j == run.job_id) => {
+            Some(run) if !run.ended && job_id.is_none_or(|j| j == run.job_id) => {
                 run.control.stop(reason);
                 true
             }
@@ -476,6 +486,7 @@ fn start_job(
             generation: key.generation,
             control: control.clone(),
             progress: progress.clone(),
+            ended: false,
         });
     }
     let ctx = JobContext {
@@ -486,6 +497,7 @@ fn start_job(
         control,
         progress,
         fault_nan_at_step: config.fault_nan_at_step,
+        fault_bad_frame_at_step: config.fault_bad_frame_at_step,
         memory_limit: config.memory_limit,
     };
     tokio::spawn(run_and_report(ctx, start, held, state.clone()));
@@ -569,14 +581,13 @@ async fn run_and_report(
     let progress = ctx.progress.clone();
     tracing::info!(job = %key.job_id, generation = key.generation, rank, world_size = start.world_size, start_step = start.start_step, "starting job");
     let (result, replica) = trainer::run_job(ctx, start, held).await;
-    let reason = control.reason();
     let step = replica
         .as_ref()
         .map_or_else(|| progress.load(Ordering::SeqCst), |r| r.step);
     // Hold the replica before saying anything: the coordinator may answer a report with the
     // next generation's StartJob at once.
     if let Ok(mut h) = state.held.lock() {
-        *h = match (reason, replica) {
+        *h = match (control.reason(), replica) {
             (Some(StopReason::Cancel), _) | (_, None) => None,
             (_, Some(replica)) => Some(HeldReplica {
                 job_id: key.job_id.clone(),
@@ -586,6 +597,23 @@ async fn run_and_report(
         };
     }
     let (job_id, generation) = (key.job_id.clone(), key.generation);
+    // From here on a Suspend is answered by the command loop (it finds the replica held above):
+    // the reason is read under the same lock that `stop_running` sets it under, so a stop is
+    // seen either here or there, never lost. (It was lost when read earlier: a Suspend that
+    // came while the failure report below was in flight went unanswered, and the coordinator
+    // waited its whole peer timeout for this worker, then dropped it.)
+    let reason = match state.running.lock() {
+        Ok(mut running) => {
+            if let Some(r) = running
+                .as_mut()
+                .filter(|r| r.job_id == job_id && r.generation == generation)
+            {
+                r.ended = true;
+            }
+            control.reason()
+        }
+        Err(_) => control.reason(),
+    };
     let worker_id = state.worker_id();
     let held_steps = state.held_steps(&key.job_id);
     let key = TrainingKey { step, ..key };

@@ -36,6 +36,9 @@ pub struct JobContext {
     pub progress: Arc<AtomicU64>,
     /// Fault injection for tests: NaN loss on this rank at this 0-based step.
     pub fault_nan_at_step: Option<u64>,
+    /// Fault injection for tests: a ring failure (as on a malformed frame) at this 0-based
+    /// step, once per process (see [`crate::ringlink::RingLink::spawn`]).
+    pub fault_bad_frame_at_step: Option<u64>,
     /// Bytes of memory a job may use on this worker; an assignment estimated to need more is
     /// refused before anything is allocated. `None`: not checked.
     pub memory_limit: Option<u64>,
@@ -278,7 +281,12 @@ async fn prepare_and_train(
     };
     tracing::info!(job = %key.job_id, generation = key.generation, rank = start.rank, start_step = start.start_step, "joined the ring");
     let busy = Arc::new(AtomicU64::new(0));
-    let link = RingLink::spawn(Arc::new(ring), busy.clone(), ctx.control.clone());
+    let link = RingLink::spawn(
+        Arc::new(ring),
+        busy.clone(),
+        ctx.control.clone(),
+        ctx.fault_bad_frame_at_step,
+    );
 
     let (events_tx, events_rx) = tokio::sync::mpsc::unbounded_channel();
     let reporter = tokio::spawn(report_events(client.clone(), key.clone(), events_rx));

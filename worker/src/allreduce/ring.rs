@@ -343,6 +343,20 @@ impl Ring {
         Ok(SharedBuf::into_vec(buf))
     }
 
+    /// Fault injection for tests: the error this rank's all-reduce of (step, bucket) fails with
+    /// when its left neighbour sends a frame that matches no planned frame
+    /// ([`AllReduceError::BadFrame`], naming the neighbour and "fault injection").
+    pub fn injected_bad_frame(&self, step: u64, bucket: u32) -> AllReduceError {
+        let (rank, addr) = left_neighbour(&self.cfg);
+        AllReduceError::BadFrame {
+            rank,
+            addr: addr.to_string(),
+            step,
+            bucket,
+            reason: "fault injection: a frame that matches no planned frame".into(),
+        }
+    }
+
     /// [`AllReduceError::Timeout`]: waited `timeout` on `peer` (rank, address) for `what`.
     fn timeout_error(
         &self,
