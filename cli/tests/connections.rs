@@ -56,6 +56,38 @@ fn coordinator(root: &Path, env: &[(&str, &str)], nofile: Option<u64>) -> (Proc,
     (p, addr)
 }
 
+/// A worker of the coordinator at `coordinator` listening on a free port with `env` set;
+/// returns it and its address.
+fn worker(root: &Path, coordinator: &str, env: &[(&str, &str)]) -> (Proc, String) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let log = root.join("logs").join("worker.log");
+    let file = std::fs::File::create(&log).unwrap();
+    let child = command(&sibling("keel-worker"))
+        .args([
+            "--coordinator",
+            coordinator,
+            "--listen",
+            &addr,
+            "--advertise-addr",
+            &addr,
+        ])
+        .args(["--threads", "1", "--cache-dir"])
+        .arg(root.join("worker"))
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(file.try_clone().unwrap())
+        .stderr(file)
+        .spawn()
+        .unwrap();
+    let p = Proc {
+        name: "worker".into(),
+        child,
+        log,
+    };
+    wait_listening(&addr, &p);
+    (p, addr)
+}
+
 /// `keel jobs` against `addr`, killed after 30 s (a hang is a failure, not a stuck test).
 fn keel_jobs(addr: &str, cwd: &Path) -> Output {
     let mut child = command(&keel())
@@ -258,5 +290,19 @@ fn out_of_file_descriptors_the_coordinator_does_not_spin_and_recovers() {
         keel_jobs_works(&addr, root, Duration::from_secs(30)),
         "keel jobs failed after descriptors were freed:\n{}",
         coordinator.log_text()
+    );
+}
+
+#[test]
+fn a_workers_ring_port_closes_partial_prefaces_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (_coordinator, addr) = coordinator(root, &[], None);
+    let (_worker, ring) = worker(root, &addr, &[("KEEL_HANDSHAKE_TIMEOUT", "1")]);
+    let mut stranger = TcpStream::connect(&ring).unwrap();
+    stranger.write_all(&PREFACE[..10]).unwrap();
+    assert!(
+        closed_within(&mut stranger, Duration::from_secs(10)),
+        "the worker kept a connection without the full preface"
     );
 }

@@ -2,8 +2,10 @@
 //! ([`crate::tls`]), bundled for the two sides.
 //!
 //! # Layout
-//! - [`ServerSecurity`]: builds a tonic server (TLS when configured) and wraps services so
-//!   that they need the token. Health is added unwrapped: it stays open (see [`crate::auth`]).
+//! - [`ServerSecurity`]: builds a tonic server (TLS when configured, keepalive pings) and wraps
+//!   services so that they need the token. Health is added unwrapped: it stays open (see
+//!   [`crate::auth`]). Its [`ServerSecurity::incoming`] accepts connections within the
+//!   server's [`ConnectionLimits`] (see [`crate::incoming`]).
 //! - [`ClientSecurity`]: builds endpoints (`https` when a CA is given) and channels that send
 //!   the token.
 
