@@ -111,10 +111,20 @@ impl From<CoordinatorError> for tonic::Status {
                 ..
             }) => Status::invalid_argument(msg),
             CoordinatorError::Checkpoint(_) => Status::data_loss(msg),
+            // Out of file descriptors or memory: passes (the worker tries its upload again).
+            CoordinatorError::Io { ref source, .. } if is_exhaustion(source) => {
+                Status::resource_exhausted(msg)
+            }
             CoordinatorError::Io { .. }
             | CoordinatorError::Prepare { .. }
             | CoordinatorError::Transport(_)
             | CoordinatorError::Admin(_) => Status::internal(msg),
         }
     }
+}
+
+/// Whether `e` says the process or system ran out of file descriptors or memory (EMFILE,
+/// ENFILE, ENOMEM): transient, unlike a missing file or a full disk.
+fn is_exhaustion(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(24 | 23 | 12))
 }

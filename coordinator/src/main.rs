@@ -33,6 +33,8 @@ struct Args {
     token: keel_proto::auth::TokenArgs,
     #[command(flatten)]
     tls: keel_proto::tls::ServerTlsArgs,
+    #[command(flatten)]
+    connections: keel_proto::incoming::ConnectionArgs,
 }
 
 fn main() -> std::process::ExitCode {
@@ -49,7 +51,8 @@ fn run(args: Args) -> anyhow::Result<()> {
         .with_ansi(ansi)
         .init();
     let input_roots = keel_coordinator::input_roots::InputRoots::new(&args.input_root)?;
-    let security = keel_proto::security::ServerSecurity::new(args.token.load()?, args.tls.load()?);
+    let security = keel_proto::security::ServerSecurity::new(args.token.load()?, args.tls.load()?)
+        .with_connection_limits(args.connections.limits()?);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind(&args.listen)

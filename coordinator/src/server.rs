@@ -70,12 +70,9 @@ pub async fn run(
         .add_service(health)
         .add_service(config.security.require(reflection))
         .add_service(config.security.require(service))
-        .serve_with_incoming_shutdown(
-            keel_proto::incoming::nodelay_incoming(listener),
-            async move {
-                let _ = server_stop_rx.await;
-            },
-        );
+        .serve_with_incoming_shutdown(config.security.incoming(listener), async move {
+            let _ = server_stop_rx.await;
+        });
     tokio::pin!(server);
     tokio::select! {
         result = &mut server => {

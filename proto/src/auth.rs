@@ -3,7 +3,8 @@
 //! Every RPC (client to coordinator, worker to coordinator, worker to worker on the ring)
 //! carries the metadata `authorization: Bearer <token>`; servers compare it with their own
 //! token in constant time and answer `UNAUTHENTICATED` to anything else,
-//! logging the refusal (RPC path, remote address) and doing nothing.
+//! logging the refusal (RPC path, remote address) and doing nothing. At most one refusal per
+//! reason is logged per [`REFUSAL_LOG_INTERVAL`], with the count of those left out.
 //!
 //! # What stays open
 //! The gRPC health service (`grpc.health.v1.Health`) answers without a token: Kubernetes'
@@ -23,6 +24,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use subtle::ConstantTimeEq;
 use tonic::body::Body;
@@ -34,6 +36,8 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use tonic::{Request, Status};
+
+use crate::ratelimit::LogLimit;
 
 /// Shortest accepted token, bytes after trimming surrounding whitespace.
 pub const MIN_TOKEN_BYTES: usize = 16;
@@ -248,15 +252,38 @@ impl<S: NamedService> NamedService for RequireToken<S> {
     const NAME: &'static str = S::NAME;
 }
 
+/// Shortest time between two logged refusals for the same reason: a stranger can make calls
+/// as fast as the network allows, and a warning per call would fill the disk.
+pub const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The limiter for refusals for `reason` (one per reason, so a flood of one kind does not
+/// hide the first of another).
+fn refusal_log(reason: &str) -> &'static LogLimit {
+    static LIMITS: [LogLimit; 3] = [
+        LogLimit::new(REFUSAL_LOG_INTERVAL),
+        LogLimit::new(REFUSAL_LOG_INTERVAL),
+        LogLimit::new(REFUSAL_LOG_INTERVAL),
+    ];
+    match reason {
+        NO_TOKEN => &LIMITS[0],
+        WRONG_TOKEN => &LIMITS[1],
+        _ => &LIMITS[2],
+    }
+}
+
+/// [`refusal`]'s reasons.
+const NO_TOKEN: &str = "no cluster token";
+const WRONG_TOKEN: &str = "wrong cluster token";
+
 /// Why a call was refused, for the log and the status message.
 fn refusal(headers: &http::HeaderMap, token: &ClusterToken) -> Option<&'static str> {
     let Some(value) = headers.get(AUTHORIZATION) else {
-        return Some("no cluster token");
+        return Some(NO_TOKEN);
     };
     let presented = value.as_bytes().strip_prefix(b"Bearer ");
     match presented {
         Some(t) if token.matches(t) => None,
-        Some(_) => Some("wrong cluster token"),
+        Some(_) => Some(WRONG_TOKEN),
         None => Some("authorization is not 'Bearer <token>'"),
     }
 }
@@ -291,7 +318,15 @@ where
             Some(reason) => {
                 let remote =
                     remote_addr(&req).map_or_else(|| "unknown".to_string(), |a| a.to_string());
-                tracing::warn!(path = %req.uri().path(), remote = %remote, "refused: {reason}");
+                if let Some(suppressed) = refusal_log(reason).check() {
+                    // `suppressed`: refusals for this reason not logged since the last line.
+                    tracing::warn!(
+                        path = %req.uri().path(),
+                        remote = %remote,
+                        suppressed,
+                        "refused: {reason}"
+                    );
+                }
                 let status = Status::unauthenticated(format!(
                     "{reason} (every call to this Keel cluster needs its token)"
                 ));

@@ -15,7 +15,10 @@
 //! - `protocol`: the control-plane protocol as numbered steps, and its timeouts.
 //! - `auth`, `tls`, `security`: the cluster token every call carries, optional TLS, and both
 //!   bundled for servers and clients.
+//! - `incoming`, `connection`: the accept loop every server uses (connection cap, handshake
+//!   and idle timeouts, back-off on accept errors) and the connections it hands out.
 //! - `quote`: at most a bounded prefix of untrusted input in error messages.
+//! - `ratelimit`: at most one log line per interval for events strangers can cause.
 //! - `report`: how the binaries print an error and exit (one line, no backtrace).
 
 /// gRPC messages and services generated from `proto/keel.proto` (control plane).
@@ -36,6 +39,7 @@ pub mod admin;
 pub mod auth;
 pub mod checkpoint;
 pub mod config;
+pub mod connection;
 pub mod incoming;
 pub mod jobspec;
 pub mod limits;
@@ -44,6 +48,7 @@ pub mod params;
 pub mod precision;
 pub mod protocol;
 pub mod quote;
+pub mod ratelimit;
 pub mod report;
 pub mod security;
 pub mod shard;

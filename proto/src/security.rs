@@ -2,14 +2,17 @@
 //! ([`crate::tls`]), bundled for the two sides.
 //!
 //! # Layout
-//! - [`ServerSecurity`]: builds a tonic server (TLS when configured) and wraps services so
-//!   that they need the token. Health is added unwrapped: it stays open (see [`crate::auth`]).
+//! - [`ServerSecurity`]: builds a tonic server (TLS when configured, keepalive pings) and wraps
+//!   services so that they need the token. Health is added unwrapped: it stays open (see
+//!   [`crate::auth`]). Its [`ServerSecurity::incoming`] accepts connections within the
+//!   server's [`ConnectionLimits`] (see [`crate::incoming`]).
 //! - [`ClientSecurity`]: builds endpoints (`https` when a CA is given) and channels that send
 //!   the token.
 
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint, Server, ServerTlsConfig};
 
 use crate::auth::{AuthChannel, AuthError, BearerToken, ClusterToken, RequireToken, TokenArgs};
+use crate::incoming::{ConnectionLimits, Incoming, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
 use crate::tls::{ClientTlsArgs, ServerTlsArgs, TlsError};
 
 /// Errors setting up a process's security from its flags.
@@ -131,12 +134,29 @@ pub struct ServerSecurity {
     token: ClusterToken,
     /// Certificate and key; `None` serves plaintext.
     tls: Option<ServerTlsConfig>,
+    /// Bounds on accepted connections ([`ServerSecurity::incoming`]).
+    limits: ConnectionLimits,
 }
 
 impl ServerSecurity {
     /// Serving that requires `token`, over TLS when `tls` is given.
     pub fn new(token: ClusterToken, tls: Option<ServerTlsConfig>) -> ServerSecurity {
-        ServerSecurity { token, tls }
+        ServerSecurity {
+            token,
+            tls,
+            limits: ConnectionLimits::default(),
+        }
+    }
+
+    /// The same, accepting connections within `limits` instead of the defaults.
+    pub fn with_connection_limits(self, limits: ConnectionLimits) -> ServerSecurity {
+        ServerSecurity { limits, ..self }
+    }
+
+    /// The connections `listener` accepts, within this server's [`ConnectionLimits`], for
+    /// `serve_with_incoming[_shutdown]` on [`ServerSecurity::server`]'s builder.
+    pub fn incoming(&self, listener: tokio::net::TcpListener) -> Incoming {
+        Incoming::new(listener, self.limits)
     }
 
     /// Whether the server speaks TLS.
@@ -149,13 +169,17 @@ impl ServerSecurity {
         self.token.require(service)
     }
 
-    /// A tonic server builder, with TLS when configured.
+    /// A tonic server builder, with TLS when configured (its handshake bounded by the
+    /// handshake timeout), pinging every connection every [`KEEPALIVE_INTERVAL`] and closing
+    /// those whose peer does not answer within [`KEEPALIVE_TIMEOUT`].
     ///
     /// Errors: tonic's, when the certificate or key does not parse.
     pub fn server(&self) -> Result<Server, tonic::transport::Error> {
-        let server = Server::builder();
+        let server = Server::builder()
+            .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
         match &self.tls {
-            Some(tls) => server.tls_config(tls.clone()),
+            Some(tls) => server.tls_config(tls.clone().timeout(self.limits.handshake_timeout)),
             None => Ok(server),
         }
     }

@@ -287,9 +287,101 @@ pub async fn upload_dir(
     Ok(())
 }
 
+impl TransferError {
+    /// Whether trying again later may succeed: the coordinator unreachable, restarting,
+    /// overloaded or out of file descriptors (`UNAVAILABLE`, `RESOURCE_EXHAUSTED`, ...), the
+    /// connection broken mid-stream, a local file briefly unreadable. A refusal of the upload
+    /// itself (`INVALID_ARGUMENT`, `FAILED_PRECONDITION` for a stale key, `DATA_LOSS`, ...)
+    /// would be refused again.
+    pub fn is_transient(&self) -> bool {
+        use tonic::Code;
+        match self {
+            TransferError::Rpc { status, .. } => matches!(
+                status.code(),
+                Code::Unavailable
+                    | Code::ResourceExhausted
+                    | Code::Aborted
+                    | Code::DeadlineExceeded
+                    // A connection that broke mid-stream (h2 or hyper errors) is `Unknown`.
+                    | Code::Unknown
+            ),
+            TransferError::Io { .. } | TransferError::Connect { .. } => true,
+            TransferError::Checksum { .. } | TransferError::Protocol(_) => false,
+        }
+    }
+}
+
+/// Tries of [`upload_dir_retrying`] at most (the first and the retries).
+pub const UPLOAD_ATTEMPTS: u32 = 6;
+/// Pause after the first failed try; doubled after each next one (0.5 s, 1, 2, 4, 8: ~15 s in
+/// all, long enough for a coordinator restart or a burst of connections to pass).
+pub const UPLOAD_FIRST_PAUSE: Duration = Duration::from_millis(500);
+
+/// [`upload_dir`], tried again after transient failures ([`TransferError::is_transient`]) up
+/// to [`UPLOAD_ATTEMPTS`] times with doubling pauses from `first_pause`.
+///
+/// Errors: the last try's, or the first that is not transient.
+pub async fn upload_dir_retrying(
+    client: &mut CoordinatorClient<AuthChannel>,
+    key: &TrainingKey,
+    dir: &Path,
+    first_pause: Duration,
+) -> Result<(), TransferError> {
+    let mut pause = first_pause;
+    let mut attempt = 1;
+    loop {
+        match upload_dir(client, key, dir).await {
+            Ok(()) => return Ok(()),
+            Err(e) if e.is_transient() && attempt < UPLOAD_ATTEMPTS => {
+                tracing::warn!(
+                    step = key.step,
+                    attempt,
+                    "checkpoint upload failed: {e}; retrying in {pause:?}"
+                );
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::TransferError;
     use super::coordinator_address;
+
+    #[test]
+    fn only_transient_upload_failures_are_retried() {
+        let rpc = |code| TransferError::Rpc {
+            what: "uploading".into(),
+            status: tonic::Status::new(code, "x"),
+        };
+        for code in [
+            tonic::Code::Unavailable,
+            tonic::Code::ResourceExhausted,
+            tonic::Code::Unknown,
+        ] {
+            assert!(rpc(code).is_transient(), "{code:?}");
+        }
+        for code in [
+            tonic::Code::InvalidArgument,
+            tonic::Code::FailedPrecondition,
+            tonic::Code::DataLoss,
+            tonic::Code::NotFound,
+            tonic::Code::Unauthenticated,
+            tonic::Code::Internal,
+        ] {
+            assert!(!rpc(code).is_transient(), "{code:?}");
+        }
+        let io = TransferError::Io {
+            path: "model.safetensors".into(),
+            source: std::io::Error::from_raw_os_error(24),
+        };
+        assert!(io.is_transient());
+        assert!(!TransferError::Protocol("bad chunk".into()).is_transient());
+    }
 
     #[test]
     fn a_host_without_a_port_gets_the_coordinator_default() {

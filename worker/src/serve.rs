@@ -48,6 +48,8 @@ pub struct Args {
     pub server_tls: keel_proto::tls::ServerTlsArgs,
     #[command(flatten)]
     pub client_tls: keel_proto::tls::ClientTlsArgs,
+    #[command(flatten)]
+    pub connections: keel_proto::incoming::ConnectionArgs,
     /// Fault injection for tests: this worker's loss is NaN at this 0-based step of every job.
     #[arg(long, hide = true)]
     pub fault_nan_at_step: Option<u64>,
@@ -143,6 +145,7 @@ pub fn main(args: Args) -> anyhow::Result<()> {
     };
     let (server_security, client_security) =
         keel_proto::security::worker_security(&args.token, &args.server_tls, &args.client_tls)?;
+    let server_security = server_security.with_connection_limits(args.connections.limits()?);
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
@@ -196,12 +199,9 @@ pub async fn run(
         .add_service(health)
         .add_service(security.require(reflection))
         .add_service(security.require(ring_service(mailbox.clone())))
-        .serve_with_incoming_shutdown(
-            keel_proto::incoming::nodelay_incoming(listener),
-            async move {
-                let _ = server_stop.wait_for(|s| *s).await;
-            },
-        );
+        .serve_with_incoming_shutdown(security.incoming(listener), async move {
+            let _ = server_stop.wait_for(|s| *s).await;
+        });
     let server = tokio::spawn(server);
     let client = coordinator_client(&config.coordinator, &config.client_security)?;
     let sessions = tokio::spawn(sessions(config, client, mailbox, stop_rx));

@@ -3,7 +3,7 @@
 //! and checkpoints to the coordinator in order.
 
 use crate::allreduce::{Mailbox, Ring, RingConfig};
-use crate::client::{TransferError, fetch_cached, upload_dir};
+use crate::client::{TransferError, UPLOAD_FIRST_PAUSE, fetch_cached, upload_dir_retrying};
 use crate::control::JobControl;
 use crate::replica::Replica;
 use crate::ringlink::RingLink;
@@ -309,7 +309,9 @@ async fn prepare_and_train(
 
 /// Sends step and eval reports and uploads checkpoints, in the order the training loop made
 /// them. Report failures are logged (the coordinator may have ended the job, or be
-/// restarting); a failed upload is logged and training goes on, but if the last checkpoint
+/// restarting); an upload that fails transiently (the coordinator restarting or out of file
+/// descriptors) is tried again, with pauses, up to `client::UPLOAD_ATTEMPTS` times; a failed
+/// upload is logged and training goes on, but if the last checkpoint
 /// (the final one) could not be uploaded, that is the job's error: the next generation
 /// uploads it again (`StartJob.checkpoint_first`).
 async fn report_events(
@@ -335,7 +337,8 @@ async fn report_events(
                     step,
                     ..key.clone()
                 };
-                last_upload = upload_dir(&mut client, &key, &dir).await;
+                last_upload =
+                    upload_dir_retrying(&mut client, &key, &dir, UPLOAD_FIRST_PAUSE).await;
                 match &last_upload {
                     Ok(()) => tracing::info!(step, "checkpoint uploaded"),
                     Err(e) => tracing::warn!(step, "checkpoint upload failed: {e}"),
