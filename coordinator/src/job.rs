@@ -77,6 +77,11 @@ pub struct Job {
     pub regroup: Option<crate::recovery::Regroup>,
     /// What of it was last saved to `job-state.json`, and when.
     pub persisted: crate::persist::Persisted,
+    /// When the current generation last made progress (`crate::watchdog`).
+    pub progress: crate::watchdog::Progress,
+    /// Workers the progress watchdog singled out as stalling this job: never given it again
+    /// (a restarted worker registers under a new id and may be).
+    pub excluded: BTreeSet<String>,
 }
 
 impl Job {
@@ -115,6 +120,8 @@ impl Job {
             skipped_steps: 0,
             regroup: None,
             persisted: Default::default(),
+            progress: crate::watchdog::Progress::starting(0),
+            excluded: BTreeSet::new(),
         }
     }
 

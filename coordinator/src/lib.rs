@@ -8,8 +8,9 @@
 //! - `service`: translates `keel.v1.Coordinator` RPCs to the state below and errors to `Status`.
 //! - `state`: the registry of workers (membership) and jobs, behind one mutex.
 //! - `job`: one job's record and its `JobStatus` snapshot.
-//! - `scheduler`: the background loop: heartbeat timeouts, preparing queued jobs, forming rings.
+//! - `scheduler`: the background loop: heartbeat timeouts, the watchdog, preparing queued jobs, forming rings.
 //! - `recovery`: a new generation after a lost worker or a restart (protocol step 14).
+//! - `watchdog`: a running job whose step does not advance in time is stalled (re-form or fail).
 //! - `claims`: a worker's held-step claims, checked against the job (recovery).
 //! - `admission`: whether a job's model fits the registered workers' memory (submit, assign).
 //! - `prepare_job`: a job's data (via `data`), its model config and each rank's files.
@@ -39,6 +40,7 @@ pub mod service;
 pub mod state;
 pub mod store;
 pub mod submit_check;
+pub mod watchdog;
 
 pub use error::CoordinatorError;
 pub use server::{Config, run};

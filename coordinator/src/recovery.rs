@@ -83,11 +83,11 @@ fn collect_timeout(peer_timeout_seconds: f64) -> Duration {
 }
 
 /// Workers free for `job_id`, by registration order: attached, in no job, holding no state of
-/// another job that is still going, and with a memory limit that holds the job's estimate.
+/// another job that is still going, with a memory limit that holds the job's estimate, and
+/// not singled out by the progress watchdog as stalling this job.
 pub fn idle_workers(reg: &Registry, job_id: &str) -> Vec<String> {
-    let needed = reg
-        .jobs
-        .get(job_id)
+    let job = reg.jobs.get(job_id);
+    let needed = job
         .and_then(|j| j.prepared.as_ref())
         .map(|p| p.memory_bytes);
     let mut idle: Vec<(u64, String)> = reg
@@ -95,6 +95,7 @@ pub fn idle_workers(reg: &Registry, job_id: &str) -> Vec<String> {
         .values()
         .filter(|w| w.job.is_none() && w.reachable())
         .filter(|w| crate::admission::fits(w, needed))
+        .filter(|w| job.is_none_or(|j| !j.excluded.contains(&w.id)))
         .filter(|w| {
             w.holds.as_ref().is_none_or(|k| {
                 k.job_id == job_id || reg.jobs.get(&k.job_id).is_none_or(|j| j.is_finished())

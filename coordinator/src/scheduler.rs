@@ -1,5 +1,6 @@
-//! The coordinator's background loop: declares silent or disconnected workers dead, prepares
-//! queued jobs, forms idle workers into a job's ring, and drives recoveries (`recovery`).
+//! The coordinator's background loop: declares silent or disconnected workers dead, notices
+//! stalled jobs (`watchdog`), prepares queued jobs, forms idle workers into a job's ring, and
+//! drives recoveries (`recovery`).
 
 use crate::job::PreparedJob;
 use crate::prepare_job;
@@ -28,6 +29,7 @@ pub async fn run(shared: Arc<Shared>, stop: impl std::future::Future<Output = ()
             _ = tokio::time::sleep(TICK) => {}
         }
         reap_dead_workers(&shared);
+        crate::watchdog::tick(&shared);
         start_preparing(&shared);
         recovery::tick(&shared);
         assign_workers(&shared);
@@ -235,6 +237,7 @@ pub fn launch_generation(shared: &Arc<Shared>, reg: &mut crate::state::Registry,
         if let Some(w) = reg.workers.get_mut(wid) {
             w.job = Some((id.clone(), rank as u32));
             w.step = launch.start_step;
+            w.generation = 0;
             w.holds = None;
             names.push(w.describe());
         }
@@ -246,6 +249,7 @@ pub fn launch_generation(shared: &Arc<Shared>, reg: &mut crate::state::Registry,
     job.regroup = None;
     job.state = JobState::Running;
     job.step = launch.start_step;
+    job.progress = crate::watchdog::Progress::starting(launch.start_step);
     job.publish();
     if launch.source != StateSource::Init || launch.generation > 1 {
         // Readers of metrics.jsonl: lines after this one continue from `step` (after a resume
@@ -412,6 +416,13 @@ async fn start_ranks(shared: Arc<Shared>, launch: Launch) {
     }
     match failed {
         Some((wid, message)) => recovery::lost_worker(&mut reg, job_id, &wid, message),
-        None => tracing::info!(job = %job_id, generation = launch.generation, "assignments sent"),
+        None => {
+            // The watchdog's clock starts when the workers have their assignments, not while
+            // the coordinator was still building their shards.
+            if let Some(job) = reg.jobs.get_mut(job_id) {
+                job.progress = crate::watchdog::Progress::starting(launch.start_step);
+            }
+            tracing::info!(job = %job_id, generation = launch.generation, "assignments sent");
+        }
     }
 }

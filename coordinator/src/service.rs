@@ -297,6 +297,7 @@ impl Coordinator for CoordinatorService {
             last_seen: Instant::now(),
             job: None,
             step: 0,
+            generation: 0,
             commands: None,
             disconnected: false,
             holds: req.held.filter(|k| !k.job_id.is_empty()),
@@ -334,6 +335,15 @@ impl Coordinator for CoordinatorService {
             && w.job.as_ref().is_some_and(|(j, _)| *j == key.job_id)
         {
             w.step = key.step;
+            w.generation = key.generation;
+            // A member's step counts as the job's progress (its step reports may be queued
+            // behind a checkpoint upload).
+            if let Some(job) = reg.jobs.get_mut(&key.job_id)
+                && job.generation == key.generation
+                && job.state == JobState::Running
+            {
+                job.progress.note_step(key.step);
+            }
         }
         Ok(Response::new(HeartbeatReply { known: true }))
     }
@@ -403,6 +413,7 @@ impl Coordinator for CoordinatorService {
         check_step_report(job, step, r.rank)?;
         if r.rank == 0 && step > job.step {
             job.step = step;
+            job.progress.note_step(step);
             append_metrics(
                 job,
                 serde_json::json!({
@@ -461,6 +472,7 @@ impl Coordinator for CoordinatorService {
             r.mlm_accuracy,
             r.perplexity
         );
+        job.progress.touch();
         job.last_eval = Some(r);
         job.publish();
         Ok(Response::new(Ack {}))

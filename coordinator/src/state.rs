@@ -43,6 +43,9 @@ pub struct WorkerEntry {
     pub job: Option<(String, u32)>,
     /// Steps completed in that job, as last heartbeated.
     pub step: u64,
+    /// The generation of that job its heartbeats last named (0: none since it was given the
+    /// job): the progress watchdog tells a member that never started a generation by it.
+    pub generation: u64,
     /// Its open `Attach` stream; `None` until attached.
     pub commands: Option<CommandSender>,
     /// Set when its `Attach` stream closed (the process died or the link broke): it is

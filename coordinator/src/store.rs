@@ -107,6 +107,14 @@ where
             .map_err(CoordinatorError::io(&path))?;
         hasher.update(&chunk.data);
         *written += chunk.data.len() as u64;
+        if let Some(k) = &key
+            && let Some(job) = shared.lock().jobs.get_mut(&k.job_id)
+            && job.generation == k.generation
+        {
+            // A long upload (the final checkpoint of a big model) is progress: no step
+            // follows it, and the watchdog must not take it for a stall.
+            job.progress.touch();
+        }
         if chunk.last {
             file.sync_all().await.map_err(CoordinatorError::io(&path))?;
             let got = keel_proto::checkpoint::hex(&hasher.clone().finalize());

@@ -266,6 +266,13 @@ pub struct ClusterSpec {
     /// replacement before failing the job.
     #[serde(default = "default_replacement_timeout")]
     pub replacement_timeout_seconds: f64,
+    /// A running job whose step does not advance for this long (seconds) is stalled: the
+    /// coordinator names the workers that have not reported the next step and re-forms the
+    /// ring without those it can single out (a recovery, counted against `max_recoveries`),
+    /// or fails the job. It must cover the longest gap between two steps: the first step of a
+    /// generation (fetching the data, a state broadcast), an evaluation, checkpoint staging.
+    #[serde(default = "default_progress_timeout")]
+    pub progress_timeout_seconds: f64,
 }
 
 impl Default for ClusterSpec {
@@ -276,6 +283,7 @@ impl Default for ClusterSpec {
             peer_timeout_seconds: default_peer_timeout(),
             max_recoveries: default_max_recoveries(),
             replacement_timeout_seconds: default_replacement_timeout(),
+            progress_timeout_seconds: default_progress_timeout(),
         }
     }
 }
@@ -341,6 +349,11 @@ fn default_max_recoveries() -> u64 {
     16
 }
 fn default_replacement_timeout() -> f64 {
+    600.0
+}
+/// Ten minutes: the first step of a large model after fetching its shards over a slow link,
+/// or a long evaluation, fits; a job stuck at one step is noticed the same hour.
+fn default_progress_timeout() -> f64 {
     600.0
 }
 fn default_max_skipped_steps() -> u64 {
@@ -645,6 +658,15 @@ impl JobSpec {
                 "between 1 second and 604800 (one week)",
             ));
         }
+        if !(c.progress_timeout_seconds.is_finite()
+            && (1.0..=604_800.0).contains(&c.progress_timeout_seconds))
+        {
+            return Err(bad(
+                "cluster.progress_timeout_seconds",
+                c.progress_timeout_seconds.to_string(),
+                "between 1 second and 604800 (one week)",
+            ));
+        }
         Ok(())
     }
 }
@@ -736,6 +758,16 @@ max_workers = 2
                 "data.masked_lm_prob",
             ),
             ("max_workers = 2", "max_workers = 1", "cluster.max_workers"),
+            (
+                "max_workers = 2",
+                "max_workers = 2\nprogress_timeout_seconds = 0.5",
+                "cluster.progress_timeout_seconds",
+            ),
+            (
+                "max_workers = 2",
+                "max_workers = 2\nprogress_timeout_seconds = inf",
+                "cluster.progress_timeout_seconds",
+            ),
             (
                 "warmup_steps = 30",
                 "warmup_steps = 3000",

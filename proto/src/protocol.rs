@@ -94,6 +94,11 @@
 //! `peer_timeout_seconds` plus one heartbeat interval ([`HEARTBEAT_INTERVAL`]) and one
 //! scheduler tick (0.25 s). Eval and checkpoint staging happen between ring calls, so they
 //! must take less than the timeout.
+//!
+//! A job whose workers heartbeat but do not step is noticed by the coordinator's progress
+//! watchdog: no new step (rank 0's reports or a member's heartbeat), evaluation or checkpoint
+//! chunk for `progress_timeout_seconds` (default 600 s) starts a recovery (step 14) without the
+//! members that never started the generation or lag behind it, or fails the job naming them.
 
 use std::time::Duration;
 

@@ -1,0 +1,292 @@
+//! The progress watchdog: a running job whose step does not advance for
+//! `[cluster] progress_timeout_seconds` is stalled.
+//!
+//! The liveness checks (heartbeats, the `Attach` stream, ring timeouts) catch a worker that is
+//! dead or silent. They do not catch one that heartbeats but never steps: a worker whose
+//! training is stuck before its ring calls (say, fetching its files), or a fake worker that
+//! registers and heartbeats but ignores `StartJob`. Such a job stayed `running, step 0` for
+//! ever. The watchdog notices it, names the workers that have not reported the next step, and
+//! re-forms the ring (`recovery::begin`, counted against `max_recoveries`) without those it
+//! can single out; out of recoveries, the job fails with that message.
+//!
+//! Progress is any of: the job's step advancing (rank 0's `ReportStep`, or a member's
+//! heartbeat naming a later step of the current generation: heartbeats keep coming while
+//! step reports queue behind a checkpoint upload), an evaluation report, or a checkpoint
+//! upload chunk arriving. The clock restarts whenever a generation starts.
+
+use crate::recovery;
+use crate::state::{Registry, Shared};
+use keel_proto::rpc::{CancelJob, JobState, TrainingKey, worker_command};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// When a job last made progress, and how far it had got.
+#[derive(Debug, Clone, Copy)]
+pub struct Progress {
+    /// The newest step seen for the current generation.
+    pub step: u64,
+    /// When it (or other progress) was last seen.
+    pub at: Instant,
+}
+
+impl Progress {
+    /// A clock that starts now at `step` (a generation starting from `step`).
+    pub fn starting(step: u64) -> Self {
+        Progress {
+            step,
+            at: Instant::now(),
+        }
+    }
+
+    /// Records `step` if it is past the newest one seen; whether it was.
+    pub fn note_step(&mut self, step: u64) -> bool {
+        if step > self.step {
+            self.step = step;
+            self.at = Instant::now();
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Records progress that is not a step (an evaluation, a checkpoint chunk).
+    pub fn touch(&mut self) {
+        self.at = Instant::now();
+    }
+}
+
+/// How long past `timeout` the job has been without progress at `now`, if it has been
+/// without progress for longer than `timeout` since `last`.
+pub fn overdue(last: Instant, now: Instant, timeout: Duration) -> Option<Duration> {
+    let silent = now.saturating_duration_since(last);
+    (silent > timeout).then_some(silent)
+}
+
+/// One member of a stalled job, as its heartbeats describe it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// Its worker id (`w-2`).
+    pub id: String,
+    /// `w-2 (127.0.0.1:7072)`.
+    pub name: String,
+    /// The step its heartbeats last named for the current generation; `None` if they never
+    /// named that generation (it never started it).
+    pub step: Option<u64>,
+}
+
+/// The members of a stalled job at `step` that can be singled out as holding it up: those
+/// that never started the generation, and those behind `step` (in a synchronous ring every
+/// member finishes a step with the others, so one still behind after the timeout is stuck).
+/// Empty when every member started and reached `step`: the whole ring is stuck at one step
+/// and no member is to blame more than another.
+pub fn culprits(members: &[Member], step: u64) -> Vec<&Member> {
+    members
+        .iter()
+        .filter(|m| m.step.is_none_or(|s| s < step))
+        .collect()
+}
+
+/// The message for a job stalled for `silent` at `step` of `generation`.
+pub fn message(
+    job_id: &str,
+    generation: u64,
+    step: u64,
+    silent: Duration,
+    timeout_seconds: f64,
+    members: &[Member],
+) -> String {
+    let described = |m: &Member| match m.step {
+        None => format!("{} (never started generation {generation})", m.name),
+        Some(s) => format!("{} (at step {s})", m.name),
+    };
+    let blamed = culprits(members, step);
+    let who = if blamed.is_empty() {
+        let all: Vec<String> = members.iter().map(described).collect();
+        format!("none of its workers has reported it: {}", all.join(", "))
+    } else {
+        let some: Vec<String> = blamed.iter().map(|m| described(m)).collect();
+        format!(
+            "these workers have not reported it and are dropped from the job: {}",
+            some.join(", ")
+        )
+    };
+    format!(
+        "job {job_id} made no progress for {:.1} s ([cluster] progress_timeout_seconds = \
+         {timeout_seconds}): generation {generation} is at step {step}, step {} never came; {who}",
+        silent.as_secs_f64(),
+        step + 1
+    )
+}
+
+/// Checks every running job (called by the scheduler loop, every tick).
+pub fn tick(shared: &Arc<Shared>) {
+    let mut reg = shared.lock();
+    check(&mut reg, Instant::now());
+}
+
+/// Handles every running job without progress for its timeout at `now`: logs and records a
+/// `stall` event in its `metrics.jsonl`, cancels the generation on the workers it singles
+/// out and keeps them out of the job, and starts a recovery (which fails the job when
+/// `max_recoveries` is spent).
+pub fn check(reg: &mut Registry, now: Instant) {
+    let running: Vec<String> = reg
+        .order
+        .iter()
+        .filter(|id| {
+            reg.jobs
+                .get(*id)
+                .is_some_and(|j| j.state == JobState::Running)
+        })
+        .cloned()
+        .collect();
+    for id in running {
+        let Some(job) = reg.jobs.get(&id) else {
+            continue;
+        };
+        let timeout_seconds = job.spec.cluster.progress_timeout_seconds;
+        let Some(silent) = overdue(
+            job.progress.at,
+            now,
+            Duration::from_secs_f64(timeout_seconds),
+        ) else {
+            continue;
+        };
+        let (generation, step) = (job.generation, job.progress.step);
+        let members: Vec<Member> = job
+            .workers
+            .iter()
+            .map(|w| match reg.workers.get(w) {
+                Some(e) => Member {
+                    id: w.clone(),
+                    name: e.describe(),
+                    step: (e.generation == generation).then_some(e.step),
+                },
+                None => Member {
+                    id: w.clone(),
+                    name: w.clone(),
+                    step: None,
+                },
+            })
+            .collect();
+        let text = message(&id, generation, step, silent, timeout_seconds, &members);
+        let lost: Vec<String> = culprits(&members, step)
+            .into_iter()
+            .map(|m| m.id.clone())
+            .collect();
+        tracing::warn!(job = %id, generation, step, stalled = %lost.join(", "), "{text}");
+        crate::service::append_metrics(
+            job,
+            serde_json::json!({
+                "event": "stall",
+                "generation": generation,
+                "step": step,
+                "silent_seconds": silent.as_secs_f64(),
+                "workers": members.iter().map(|m| serde_json::json!({
+                    "worker": m.name,
+                    "step": m.step,
+                })).collect::<Vec<_>>(),
+                "dropped": lost,
+            }),
+        );
+        let key = TrainingKey {
+            job_id: id.clone(),
+            generation,
+            step,
+        };
+        for w in &lost {
+            if let Some(entry) = reg.workers.get(w) {
+                // A real worker stuck in this generation abandons it and becomes idle.
+                entry.send(worker_command::Command::Cancel(CancelJob {
+                    key: Some(key.clone()),
+                    reason: text.clone(),
+                }));
+            }
+        }
+        if let Some(job) = reg.jobs.get_mut(&id) {
+            job.excluded.extend(lost.iter().cloned());
+        }
+        let lost: Vec<&str> = lost.iter().map(String::as_str).collect();
+        recovery::begin(reg, &id, text, &lost, true);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(id: &str, step: Option<u64>) -> Member {
+        Member {
+            id: id.into(),
+            name: format!("{id} (127.0.0.1:9)"),
+            step,
+        }
+    }
+
+    #[test]
+    fn overdue_only_past_the_timeout() {
+        let t0 = Instant::now();
+        let timeout = Duration::from_secs(3);
+        assert_eq!(overdue(t0, t0, timeout), None);
+        assert_eq!(overdue(t0, t0 + timeout, timeout), None);
+        let late = t0 + Duration::from_millis(3001);
+        assert_eq!(
+            overdue(t0, late, timeout),
+            Some(Duration::from_millis(3001))
+        );
+        // A clock that reads earlier than the mark (a touch after `now` was taken) is not late.
+        assert_eq!(overdue(late, t0, timeout), None);
+    }
+
+    #[test]
+    fn a_step_moves_the_clock_only_forward() {
+        let mut p = Progress::starting(5);
+        let first = p.at;
+        assert!(!p.note_step(5));
+        assert!(!p.note_step(4));
+        assert_eq!((p.step, p.at), (5, first));
+        assert!(p.note_step(6));
+        assert_eq!(p.step, 6);
+        assert!(p.at >= first);
+    }
+
+    #[test]
+    fn culprits_are_those_that_never_started_or_lag() {
+        let members = [
+            member("w-1", Some(7)),
+            member("w-2", None),
+            member("w-3", Some(6)),
+        ];
+        let ids: Vec<&str> = culprits(&members, 7)
+            .iter()
+            .map(|m| m.id.as_str())
+            .collect();
+        assert_eq!(ids, ["w-2", "w-3"]);
+        // A whole ring stuck at one step: nobody is singled out.
+        let stuck = [member("w-1", Some(7)), member("w-2", Some(7))];
+        assert!(culprits(&stuck, 7).is_empty());
+    }
+
+    #[test]
+    fn the_message_names_the_job_generation_step_and_workers() {
+        let members = [member("w-1", Some(0)), member("w-2", None)];
+        let m = message("job-4", 2, 0, Duration::from_secs_f64(3.3), 3.0, &members);
+        for needle in [
+            "job job-4",
+            "for 3.3 s",
+            "progress_timeout_seconds = 3",
+            "generation 2 is at step 0",
+            "step 1 never came",
+            "w-2 (127.0.0.1:9) (never started generation 2)",
+            "dropped from the job",
+        ] {
+            assert!(m.contains(needle), "{needle:?} not in {m}");
+        }
+        assert!(!m.contains("w-1"), "{m}");
+        let stuck = [member("w-1", Some(4)), member("w-2", Some(4))];
+        let m = message("job-4", 2, 4, Duration::from_secs(9), 3.0, &stuck);
+        assert!(
+            m.contains("none of its workers has reported it: w-1 (127.0.0.1:9) (at step 4), w-2"),
+            "{m}"
+        );
+    }
+}
