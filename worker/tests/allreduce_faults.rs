@@ -242,7 +242,8 @@ fn the_stream_acks_each_frame_with_its_code_and_stays_open() {
             frame("job-test", 4, four.clone(), 4, 0), // stale generation
             frame("other-job", 5, four.clone(), 4, 0), // another job
             frame("job-test", 5, Bytes::from(vec![0u8; 7]), 4, 0), // not whole f32s
-            frame("job-test", 5, four.clone(), 4, 0), // fine: buffered
+            // Fine: rank 0 of 2 receives chunk 1 (elements 2..4) at ring step 0; buffered.
+            frame("job-test", 5, Bytes::from(vec![0u8; 8]), 4, 2),
         ];
         let mut acks = client
             .stream(futures::stream::iter(frames))
@@ -265,5 +266,5 @@ fn the_stream_acks_each_frame_with_its_code_and_stays_open() {
         ]
     );
     // The accepted frame waits in the mailbox for its all-reduce.
-    assert_eq!(peers[0].mailbox.held_bytes(), 16);
+    assert_eq!(peers[0].mailbox.held_bytes(), 8);
 }

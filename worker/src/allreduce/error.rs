@@ -172,6 +172,34 @@ pub enum FrameRejected {
         /// The newest step of an all-reduce started on this worker.
         newest: u64,
     },
+    /// The frame is not one its all-reduce's receive plan expects from the left neighbour: a
+    /// ring step out of range, an offset or length other than a planned frame's, or a ring
+    /// step past the reduce-scatter before this worker started the all-reduce
+    /// (`INVALID_ARGUMENT`).
+    #[error("unplanned frame for step {step} bucket {bucket}: {reason}")]
+    Unplanned {
+        /// The frame's step.
+        step: u64,
+        /// The frame's bucket.
+        bucket: u32,
+        /// What does not fit the plan.
+        reason: String,
+    },
+    /// This planned frame was accepted before (`ALREADY_EXISTS`: a sender whose earlier attempt
+    /// failed in transit knows it landed after all).
+    #[error(
+        "duplicate frame for step {step} bucket {bucket}: ring step {ring_step} offset {offset} was accepted before"
+    )]
+    Duplicate {
+        /// The frame's step.
+        step: u64,
+        /// The frame's bucket.
+        bucket: u32,
+        /// The frame's ring step.
+        ring_step: u32,
+        /// The frame's first element.
+        offset: u64,
+    },
     /// No ring is registered here yet, or only an older generation of this job (`UNAVAILABLE`:
     /// the sender retries until its timeout).
     #[error("this worker has not joined job {job_id} generation {generation} yet")]

@@ -1,39 +1,55 @@
 //! The receive side of the ring: frames pushed by the left neighbour land here and are routed to
 //! the all-reduce they belong to, keyed by (generation, step, bucket) within the worker's job.
 //!
-//! Frames may arrive before the local all-reduce starts (the left neighbour is ahead); they are
-//! buffered. The buffer is bounded in bytes: when it is full, `deliver` waits for room, which
-//! holds back the sender's reply and so throttles it (the sender times out eventually, never the
-//! receiver's memory). Every buffered frame holds its share of the byte budget until the
-//! all-reduce has consumed it.
+//! Every frame must be one the all-reduce's receive plan expects ([`FrameSchedule`]: its ring
+//! step, offset and length, once each); any other is refused before it holds memory.
+//!
+//! Frames may arrive before the local all-reduce starts (the left neighbour is ahead, by at most
+//! one all-reduce: it cannot finish one without this rank's share). Such frames are held "ahead"
+//! under their own byte budget, apart from the budget of running all-reduces, so frames of an
+//! all-reduce that never starts here (a bucket that does not exist) cannot crowd out the ring's
+//! real frames; and they can only be of the reduce-scatter (every later ring step carries this
+//! rank's share). When a budget is full, `deliver` waits for room, which holds back the sender's
+//! reply and so throttles it (the sender times out eventually, never the receiver's memory); a
+//! frame waiting for room ahead goes on under the running budget once its all-reduce starts.
+//! Every held frame keeps its share of a budget until it is consumed, refused, or dropped: frames
+//! held ahead for a step the worker has moved past (it can no longer start) and everything of
+//! another generation are dropped.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::pin::pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use keel_proto::ring_rpc::RingFrame;
 use keel_proto::security::ClientSecurity;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 
 use super::error::{AllReduceError, FrameRejected};
+use super::expect::{FrameSchedule, PlannedFrame, RingShape};
 
 /// Largest accepted frame payload, bytes (tonic's default message limit is 4 MiB in total).
 pub const MAX_FRAME_BYTES: usize = 4 << 20;
 
-/// Default bound on the bytes of frames held by a mailbox (buffered or queued for an all-reduce).
+/// Default bound on the bytes of frames held by a mailbox for running all-reduces. Frames of
+/// all-reduces not started here yet are bounded apart, by a quarter of it (see
+/// [`Mailbox::with_capacity`]).
 pub const DEFAULT_CAPACITY_BYTES: usize = 256 << 20;
 
 /// How many finished (generation, step, bucket) keys are remembered, to refuse late frames.
 const FINISHED_MEMORY: usize = 4096;
 
-/// Steps behind the newest local all-reduce for which a frame may still start a slot. Every
-/// all-reduce of step `s` ends before any of step `s + 1` starts, so a frame for a step further
-/// behind with no slot names a bucket that does not exist (or came very late): refused.
+/// Steps behind the newest local all-reduce for which a frame may still start a slot (and a
+/// slot held ahead is kept). Every all-reduce of step `s` ends before any of step `s + 1`
+/// starts, so a frame for a step further behind with no running all-reduce names a bucket that
+/// does not exist (or came very late): refused, and what is held for it dropped.
 const LATE_STEPS: u64 = 1;
 
-/// Steps ahead of the newest local all-reduce for which a frame may be buffered: the left
-/// neighbour cannot get further ahead, because every step needs this worker's share.
-const EARLY_STEPS: u64 = 2;
+/// Steps ahead of the newest local all-reduce for which a frame may be held: the left neighbour
+/// cannot finish an all-reduce without this worker's share, so while this worker is at step `s`
+/// the left one can have finished step `s` at most and be running step `s + 1`.
+const EARLY_STEPS: u64 = 1;
 
 /// Receives frames from the left neighbour and routes them to waiting all-reduces.
 ///
@@ -42,10 +58,17 @@ const EARLY_STEPS: u64 = 2;
 pub struct Mailbox {
     /// Membership, open and buffered all-reduces; held only for short, non-async sections.
     state: Mutex<State>,
-    /// Byte budget for frames held here (one permit per byte).
+    /// Byte budget for frames of all-reduces running here (one permit per byte).
     budget: Arc<Semaphore>,
     /// Total of `budget`, bytes.
     capacity_bytes: usize,
+    /// Byte budget for frames held ahead, of all-reduces not started here yet.
+    ahead: Arc<Semaphore>,
+    /// Total of `ahead`, bytes.
+    ahead_bytes: usize,
+    /// Woken when an all-reduce starts or the membership changes: a frame waiting for room
+    /// ahead checks again where it belongs.
+    changed: Notify,
     /// How [`super::Ring::connect`] calls the right neighbour (cluster token, TLS): the
     /// worker's ring identity, set once when the worker starts.
     peer_security: ClientSecurity,
@@ -73,6 +96,8 @@ struct Membership {
     job_id: String,
     /// Membership generation.
     generation: u64,
+    /// This worker's place in the ring, for the receive plans.
+    shape: RingShape,
 }
 
 /// Identifies one all-reduce within the current job.
@@ -88,23 +113,45 @@ struct SlotKey {
 
 /// The frames of one all-reduce.
 struct Slot {
-    /// Where `deliver` puts frames (unbounded: the byte budget bounds it).
+    /// Where `deliver` puts frames (unbounded: the plan and the byte budgets bound it).
     tx: mpsc::UnboundedSender<InboundFrame>,
-    /// Taken by the local all-reduce when it starts; `None` while it runs.
+    /// Taken by the local all-reduce when it starts; `None` while it runs. While it is here,
+    /// the slot is held ahead and its frames sit in the channel.
     rx: Option<mpsc::UnboundedReceiver<InboundFrame>>,
-    /// Length of the local buffer (f32 elements) once the local all-reduce has started.
-    total_len: Option<usize>,
+    /// The frames expected: of the local buffer's length once the local all-reduce started,
+    /// before that of the length the first frame gave.
+    schedule: FrameSchedule,
+    /// Planned frames accepted so far (their [`PlannedFrame::index`]): a second copy is refused.
+    seen: HashSet<usize>,
 }
 
 impl Slot {
-    fn new() -> Self {
+    fn new(schedule: FrameSchedule) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         Slot {
             tx,
             rx: Some(rx),
-            total_len: None,
+            schedule,
+            seen: HashSet::new(),
         }
     }
+
+    /// Whether the local all-reduce has not started yet.
+    fn is_ahead(&self) -> bool {
+        self.rx.is_some()
+    }
+}
+
+/// Where an admitted frame goes.
+struct Admission {
+    /// Its all-reduce.
+    key: SlotKey,
+    /// Its place in that all-reduce's plan.
+    planned: PlannedFrame,
+    /// Whether the local all-reduce has not started (the frame is held under the ahead budget).
+    ahead: bool,
+    /// The plan of a slot the frame would create (`None` if the slot exists).
+    new_slot: Option<FrameSchedule>,
 }
 
 /// One accepted frame, as the all-reduce consumes it.
@@ -129,8 +176,9 @@ impl Mailbox {
         Self::with_capacity(DEFAULT_CAPACITY_BYTES)
     }
 
-    /// A mailbox holding at most `capacity_bytes` of frames (raised to [`MAX_FRAME_BYTES`] if
-    /// smaller, so any valid frame fits).
+    /// A mailbox holding at most `capacity_bytes` of frames for running all-reduces (raised to
+    /// [`MAX_FRAME_BYTES`] if smaller, so any valid frame fits), and at most a quarter of that
+    /// (at least [`MAX_FRAME_BYTES`]) for all-reduces not started here yet.
     pub fn with_capacity(capacity_bytes: usize) -> Arc<Mailbox> {
         Self::build(capacity_bytes, ClientSecurity::without_token())
     }
@@ -144,10 +192,14 @@ impl Mailbox {
 
     fn build(capacity_bytes: usize, peer_security: ClientSecurity) -> Arc<Mailbox> {
         let capacity_bytes = capacity_bytes.clamp(MAX_FRAME_BYTES, Semaphore::MAX_PERMITS);
+        let ahead_bytes = (capacity_bytes / 4).max(MAX_FRAME_BYTES);
         Arc::new(Mailbox {
             state: Mutex::new(State::default()),
             budget: Arc::new(Semaphore::new(capacity_bytes)),
             capacity_bytes,
+            ahead: Arc::new(Semaphore::new(ahead_bytes)),
+            ahead_bytes,
+            changed: Notify::new(),
             peer_security,
         })
     }
@@ -157,9 +209,11 @@ impl Mailbox {
         &self.peer_security
     }
 
-    /// Bytes of frames currently held (buffered or not yet consumed).
+    /// Bytes of frames currently held (buffered or not yet consumed), for running all-reduces
+    /// and ahead together.
     pub fn held_bytes(&self) -> usize {
-        self.capacity_bytes - self.budget.available_permits()
+        self.capacity_bytes - self.budget.available_permits() + self.ahead_bytes
+            - self.ahead.available_permits()
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -169,13 +223,31 @@ impl Mailbox {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Makes (job, generation) the ring this mailbox serves. Frames of other generations still
-    /// buffered are dropped; all-reduces of older generations still running see their inbox
-    /// close and fail with [`AllReduceError::StaleGeneration`].
+    /// Makes (job, generation) the ring this mailbox serves, with this worker at `shape` in it
+    /// (what the receive plans are cut by). Frames of other generations still buffered are
+    /// dropped; all-reduces of older generations still running see their inbox close and fail
+    /// with [`AllReduceError::StaleGeneration`]. Joining the current generation again changes
+    /// nothing.
     ///
     /// Errors: [`AllReduceError::StaleGeneration`] if this job is already at a newer generation.
-    pub(crate) fn join(&self, job_id: &str, generation: u64) -> Result<(), AllReduceError> {
-        let mut st = self.lock();
+    pub(crate) fn join(
+        &self,
+        job_id: &str,
+        generation: u64,
+        shape: RingShape,
+    ) -> Result<(), AllReduceError> {
+        let result = Self::join_locked(&mut self.lock(), job_id, generation, shape);
+        // Frames waiting for room ahead look again (and are refused if of another generation).
+        self.changed.notify_waiters();
+        result
+    }
+
+    fn join_locked(
+        st: &mut State,
+        job_id: &str,
+        generation: u64,
+        shape: RingShape,
+    ) -> Result<(), AllReduceError> {
         if let Some(m) = &st.membership
             && m.job_id == job_id
         {
@@ -197,6 +269,7 @@ impl Mailbox {
         st.membership = Some(Membership {
             job_id: job_id.to_string(),
             generation,
+            shape,
         });
         if same_job {
             st.slots.retain(|key, _| key.generation == generation);
@@ -210,8 +283,9 @@ impl Mailbox {
         Ok(())
     }
 
-    /// Checks a frame's (job, generation) and its all-reduce's state under the lock.
-    fn admit(st: &State, frame: &RingFrame) -> Result<SlotKey, FrameRejected> {
+    /// Checks a frame (of `elems` f32) under the lock: its (job, generation), its all-reduce's
+    /// state, and that it is a planned frame not accepted before. Changes nothing.
+    fn admit(st: &State, frame: &RingFrame, elems: usize) -> Result<Admission, FrameRejected> {
         let m = st
             .membership
             .as_ref()
@@ -238,47 +312,88 @@ impl Mailbox {
                 generation: frame.generation,
             });
         }
+        let (step, bucket) = (frame.step, frame.bucket);
         let key = SlotKey {
             generation: frame.generation,
-            step: frame.step,
-            bucket: frame.bucket,
+            step,
+            bucket,
         };
         if st.finished.contains(&key) {
-            return Err(FrameRejected::Finished {
-                step: frame.step,
-                bucket: frame.bucket,
+            return Err(FrameRejected::Finished { step, bucket });
+        }
+        let unplanned = |reason: String| FrameRejected::Unplanned {
+            step,
+            bucket,
+            reason,
+        };
+        let existing = st.slots.get(&key);
+        let new_slot = match existing {
+            Some(slot) => {
+                if slot.schedule.len() as u64 != frame.total_len {
+                    return Err(FrameRejected::LengthMismatch {
+                        step,
+                        bucket,
+                        expected: slot.schedule.len(),
+                        got: frame.total_len,
+                    });
+                }
+                None
+            }
+            None => {
+                if let Some(newest) = st.newest_step
+                    && (step.saturating_add(LATE_STEPS) < newest
+                        || step > newest.saturating_add(EARLY_STEPS))
+                {
+                    return Err(FrameRejected::UnknownAllReduce {
+                        step,
+                        bucket,
+                        newest,
+                    });
+                }
+                let len = usize::try_from(frame.total_len).map_err(|_| {
+                    FrameRejected::Malformed(format!("a buffer of {} f32", frame.total_len))
+                })?;
+                Some(FrameSchedule::new(m.shape, len))
+            }
+        };
+        let (schedule, ahead) = match (existing, &new_slot) {
+            (Some(slot), _) => (&slot.schedule, slot.is_ahead()),
+            (None, Some(schedule)) => (schedule, true),
+            (None, None) => return Err(FrameRejected::Malformed("no plan".to_string())),
+        };
+        let planned = schedule
+            .locate(frame.ring_step, frame.offset, elems)
+            .map_err(unplanned)?;
+        if ahead && frame.ring_step as usize >= schedule.reduce_scatter_steps() {
+            return Err(unplanned(format!(
+                "ring step {} before this worker started the all-reduce: only the reduce-scatter's {} steps can come first",
+                frame.ring_step,
+                schedule.reduce_scatter_steps()
+            )));
+        }
+        if existing.is_some_and(|s| s.seen.contains(&planned.index)) {
+            return Err(FrameRejected::Duplicate {
+                step,
+                bucket,
+                ring_step: frame.ring_step,
+                offset: frame.offset,
             });
         }
-        if let Some(newest) = st.newest_step
-            && !st.slots.contains_key(&key)
-            && (frame.step.saturating_add(LATE_STEPS) < newest
-                || frame.step > newest.saturating_add(EARLY_STEPS))
-        {
-            return Err(FrameRejected::UnknownAllReduce {
-                step: frame.step,
-                bucket: frame.bucket,
-                newest,
-            });
-        }
-        if let Some(expected) = st.slots.get(&key).and_then(|s| s.total_len)
-            && expected as u64 != frame.total_len
-        {
-            return Err(FrameRejected::LengthMismatch {
-                step: frame.step,
-                bucket: frame.bucket,
-                expected,
-                got: frame.total_len,
-            });
-        }
-        Ok(key)
+        Ok(Admission {
+            key,
+            planned,
+            ahead,
+            new_slot,
+        })
     }
 
-    /// Accepts one frame from the left neighbour: checks it, waits for room in the byte budget,
-    /// and queues it for its all-reduce (started or not).
+    /// Accepts one frame from the left neighbour: checks it, waits for room in the byte budget
+    /// (of running all-reduces, or ahead), and queues it for its all-reduce (started or not).
     ///
     /// Errors: [`FrameRejected`] (malformed, wrong job, stale or future generation, finished
     /// all-reduce, an all-reduce that cannot exist here (an unknown bucket of a past step, or a
-    /// step out of reach), length mismatch); the service maps them to gRPC codes.
+    /// step out of reach), length mismatch, a frame its plan does not expect, a duplicate); the
+    /// service maps them to gRPC codes. A refused frame holds nothing.
     pub async fn deliver(&self, frame: RingFrame) -> Result<(), FrameRejected> {
         let bytes = frame.data.len();
         if bytes == 0 || !bytes.is_multiple_of(4) || bytes > MAX_FRAME_BYTES {
@@ -286,10 +401,10 @@ impl Mailbox {
                 "payload of {bytes} bytes: expected a positive multiple of 4 up to {MAX_FRAME_BYTES}"
             )));
         }
-        let elems = (bytes / 4) as u64;
+        let elems = bytes / 4;
         if frame
             .offset
-            .checked_add(elems)
+            .checked_add(elems as u64)
             .is_none_or(|end| end > frame.total_len)
         {
             return Err(FrameRejected::Malformed(format!(
@@ -297,18 +412,34 @@ impl Mailbox {
                 frame.offset, frame.offset, frame.total_len
             )));
         }
-        Self::admit(&self.lock(), &frame)?;
-        // Wait for room without holding the lock; a sender that gives up drops this future.
         let permits = u32::try_from(bytes)
             .map_err(|_| FrameRejected::Malformed(format!("payload of {bytes} bytes")))?;
-        let permit = Arc::clone(&self.budget)
-            .acquire_many_owned(permits)
-            .await
-            .map_err(|_| FrameRejected::Malformed("mailbox closed".to_string()))?;
+        let permit = loop {
+            // Registered before looking, so a start between the look and the wait is not missed.
+            let mut changed = pin!(self.changed.notified());
+            changed.as_mut().enable();
+            let ahead = Self::admit(&self.lock(), &frame, elems)?.ahead;
+            // Wait for room without holding the lock; a sender that gives up drops this future.
+            let budget = if ahead { &self.ahead } else { &self.budget };
+            tokio::select! {
+                permit = Arc::clone(budget).acquire_many_owned(permits) => {
+                    break permit.map_err(|_| FrameRejected::Malformed("mailbox closed".to_string()))?;
+                }
+                // Its all-reduce started, or the membership changed: look again.
+                () = &mut changed, if ahead => {}
+            }
+        };
         let mut st = self.lock();
-        // Membership may have moved on while we waited.
-        let key = Self::admit(&st, &frame)?;
-        let slot = st.slots.entry(key).or_insert_with(Slot::new);
+        // Membership, the all-reduce or its frames may have moved on while we waited.
+        let admission = Self::admit(&st, &frame, elems)?;
+        let slot = match st.slots.entry(admission.key) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => match admission.new_slot {
+                Some(schedule) => e.insert(Slot::new(schedule)),
+                None => return Err(FrameRejected::Malformed("slot vanished".to_string())),
+            },
+        };
+        slot.seen.insert(admission.planned.index);
         let inbound = InboundFrame {
             sender_rank: frame.sender_rank,
             ring_step: frame.ring_step,
@@ -318,13 +449,15 @@ impl Mailbox {
             _permit: permit,
         };
         slot.tx.send(inbound).map_err(|_| FrameRejected::Finished {
-            step: key.step,
-            bucket: key.bucket,
+            step: admission.key.step,
+            bucket: admission.key.bucket,
         })
     }
 
     /// Starts receiving for the local all-reduce (job, generation, step, bucket) of `total_len`
-    /// f32 elements; frames buffered so far come first.
+    /// f32 elements; frames buffered so far come first (if they were sent for another length,
+    /// the all-reduce finds them so and fails). Frames held ahead for steps this worker has now
+    /// moved past are dropped.
     ///
     /// Errors: [`AllReduceError::StaleGeneration`] if the mailbox serves another (job,
     /// generation); [`AllReduceError::Duplicate`] if this all-reduce is running or finished here.
@@ -337,8 +470,8 @@ impl Mailbox {
         total_len: usize,
     ) -> Result<Inbox, AllReduceError> {
         let mut st = self.lock();
-        match &st.membership {
-            Some(m) if m.job_id == job_id && m.generation == generation => {}
+        let shape = match &st.membership {
+            Some(m) if m.job_id == job_id && m.generation == generation => m.shape,
             other => {
                 let detail = match other {
                     Some(m) => format!(
@@ -355,7 +488,7 @@ impl Mailbox {
                     bucket,
                 });
             }
-        }
+        };
         let key = SlotKey {
             generation,
             step,
@@ -364,13 +497,35 @@ impl Mailbox {
         if st.finished.contains(&key) {
             return Err(AllReduceError::Duplicate { step, bucket });
         }
-        let slot = st.slots.entry(key).or_insert_with(Slot::new);
+        if st.slots.get(&key).is_some_and(|s| !s.is_ahead()) {
+            return Err(AllReduceError::Duplicate { step, bucket });
+        }
+        let newest = st.newest_step.map_or(step, |n| n.max(step));
+        st.newest_step = Some(newest);
+        // An all-reduce held ahead for a step this far from the newest can no longer start here.
+        st.slots.retain(|k, s| {
+            *k == key
+                || !s.is_ahead()
+                || (k.step.saturating_add(LATE_STEPS) >= newest
+                    && k.step <= newest.saturating_add(EARLY_STEPS))
+        });
+        let schedule = FrameSchedule::new(shape, total_len);
+        let slot = st
+            .slots
+            .entry(key)
+            .or_insert_with(|| Slot::new(schedule.clone()));
         let rx = slot
             .rx
             .take()
             .ok_or(AllReduceError::Duplicate { step, bucket })?;
-        slot.total_len = Some(total_len);
-        st.newest_step = Some(st.newest_step.map_or(step, |n| n.max(step)));
+        if slot.schedule.len() != total_len {
+            // Frames held for another length stay queued: the all-reduce reports the mismatch.
+            slot.seen.clear();
+        }
+        slot.schedule = schedule;
+        drop(st);
+        // Frames waiting for room ahead for this all-reduce go on under the running budget.
+        self.changed.notify_waiters();
         Ok(Inbox {
             rx,
             key,
@@ -417,46 +572,5 @@ impl Drop for Inbox {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn frame(step: u64, bucket: u32) -> RingFrame {
-        RingFrame {
-            job_id: "job-1".into(),
-            generation: 1,
-            step,
-            bucket,
-            sender_rank: 1,
-            ring_step: 0,
-            total_len: 4,
-            offset: 0,
-            data: vec![0u8; 16].into(),
-        }
-    }
-
-    #[tokio::test]
-    async fn frames_of_an_all_reduce_that_cannot_exist_are_refused_not_buffered() {
-        let mailbox = Mailbox::new();
-        mailbox.join("job-1", 1).unwrap();
-        // Before the first local all-reduce any step may come first (a resumed job).
-        mailbox.deliver(frame(40, 0)).await.unwrap();
-        let _inbox = mailbox.open("job-1", 1, 5, 0, 4).unwrap();
-        for (step, bucket) in [(3, 9), (1000, 0), (8, 0)] {
-            let err = mailbox.deliver(frame(step, bucket)).await.unwrap_err();
-            assert!(
-                matches!(err, FrameRejected::UnknownAllReduce { newest: 5, .. }),
-                "step {step} bucket {bucket}: {err}"
-            );
-        }
-        let held = mailbox.held_bytes();
-        for (step, bucket) in [(4, 9), (5, 1), (6, 0), (7, 0)] {
-            mailbox.deliver(frame(step, bucket)).await.unwrap();
-        }
-        assert_eq!(mailbox.held_bytes(), held + 4 * 16);
-        // A new generation starts afresh.
-        mailbox.join("job-1", 2).unwrap();
-        let mut f = frame(0, 0);
-        f.generation = 2;
-        mailbox.deliver(f).await.unwrap();
-    }
-}
+#[path = "mailbox_tests.rs"]
+mod tests;

@@ -3,8 +3,11 @@
 //!
 //! # Layout
 //! - `plan`: [`chunk_plan`] and [`frame_plan`], pure functions every rank evaluates alike.
-//! - `mailbox`: [`Mailbox`], the receive side: buffers frames from the left neighbour and routes
-//!   them to the running all-reduce, bounded in bytes.
+//! - `expect`: the receive plan of one all-reduce, the frames a rank expects from its left
+//!   neighbour (ring step, offset, length), which both the mailbox and the ring check against.
+//! - `mailbox`: [`Mailbox`], the receive side: refuses frames outside the plan, buffers the
+//!   others and routes them to the running all-reduce, bounded in bytes (frames of all-reduces
+//!   not started here apart from the running ones).
 //! - `service`: [`ring_service`] / [`RingDataPlane`], the gRPC `keel.ring.v1.Ring` service
 //!   (`Ring/Stream` read straight from the HTTP/2 body; [`RingService`] for the rest).
 //! - `shared_buf`: the buffer of one all-reduce, which frames are sent from without a copy.
@@ -31,9 +34,12 @@
 //!    each rank copies them and passes them on unchanged.
 //! 6. Frames travel on `streams_per_link` long-lived `Ring/Stream` calls (one per connection).
 //!    Every frame carries (job, generation, step, bucket, ring_step, offset, total length) and
-//!    is acked, in order, once the receiver accepted it; refusals carry a status code: `INVALID_ARGUMENT` (malformed, length
-//!    mismatch), `NOT_FOUND` (other job), `FAILED_PRECONDITION` (older generation, finished
-//!    all-reduce), `UNAVAILABLE` (receiver has not joined the generation yet: retried).
+//!    is acked, in order, once the receiver accepted it; refusals carry a status code:
+//!    `INVALID_ARGUMENT` (malformed, length mismatch, a frame the receive plan does not expect,
+//!    an all-reduce that cannot run here: an unknown bucket of a past step, a step more than one
+//!    ahead), `ALREADY_EXISTS` (a copy of a frame accepted before), `NOT_FOUND` (other job),
+//!    `FAILED_PRECONDITION` (older generation, finished all-reduce), `UNAVAILABLE` (receiver
+//!    has not joined the generation yet: retried).
 //! 7. A rank that hears nothing from its left, or whose right accepts nothing, for `timeout`
 //!    fails the all-reduce naming that peer; the coordinator then re-forms the ring with a new
 //!    generation.
@@ -50,11 +56,12 @@
 //! let sums = ring.all_reduce_sum(step, bucket, grads).await?; // same (step, bucket, len) on every rank
 //! ```
 //! A connection lost in the middle of a frame may deliver it twice after the retry; the receiver
-//! then fails the all-reduce with [`AllReduceError::BadFrame`] ("duplicate frame") rather than
-//! adding it twice.
+//! refuses the second copy with `ALREADY_EXISTS` rather than adding it twice, and a sender that
+//! retried takes that as delivered.
 
 pub mod bench;
 mod error;
+mod expect;
 mod link;
 mod mailbox;
 mod plan;

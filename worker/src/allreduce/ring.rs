@@ -26,8 +26,9 @@ use tokio::time::{Instant, sleep, sleep_until, timeout, timeout_at};
 use tonic::Code;
 
 use super::error::AllReduceError;
+use super::expect::{FrameSchedule, PlannedFrame, RingShape};
 use super::mailbox::{InboundFrame, MAX_FRAME_BYTES, Mailbox};
-use super::plan::{chunk_plan, frame_count, frame_plan, recv_chunk, send_chunk};
+use super::plan::{chunk_plan, frame_plan, send_chunk};
 use super::shared_buf::SharedBuf;
 use super::{CONNECTION_WINDOW_BYTES, H2_MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
 
@@ -142,7 +143,7 @@ impl Ring {
     /// already serves a newer generation of this job), [`AllReduceError::PeerUnreachable`].
     pub async fn connect(cfg: RingConfig, mailbox: Arc<Mailbox>) -> Result<Ring, AllReduceError> {
         cfg.validate()?;
-        mailbox.join(&cfg.job_id, cfg.generation)?;
+        mailbox.join(&cfg.job_id, cfg.generation, shape(&cfg))?;
         let mut right = Vec::new();
         if cfg.world_size > 1 {
             let (rank, addr) = right_neighbour(&cfg);
@@ -225,14 +226,9 @@ impl Ring {
         let buf = Arc::new(SharedBuf::new(data));
         let chunks = chunk_plan(len, n);
         let frame_elems = self.cfg.frame_bytes / 4;
-        let ring_steps = 2 * (n - 1);
-        // One flag per expected incoming frame, ring step by ring step.
-        let mut first_frame = Vec::with_capacity(ring_steps);
-        let mut expected = 0usize;
-        for t in 0..ring_steps {
-            first_frame.push(expected);
-            expected += frame_count(&chunks[recv_chunk(rank, n, t)], frame_elems);
-        }
+        let schedule = FrameSchedule::new(shape(&self.cfg), len);
+        let expected = schedule.expected();
+        // One flag per expected incoming frame (the mailbox refuses copies already; a backstop).
         let mut seen = vec![false; expected];
         let mut received = 0usize;
 
@@ -322,7 +318,7 @@ impl Ring {
                         step,
                         bucket,
                     })?;
-                    let slot = self.check_frame(step, bucket, &chunks, &first_frame, &frame)?;
+                    let slot = self.check_frame(step, bucket, &schedule, &frame)?;
                     if std::mem::replace(&mut seen[slot.index], true) {
                         return Err(self.bad_frame(step, bucket, &frame, "duplicate frame".into()));
                     }
@@ -375,16 +371,16 @@ impl Ring {
         }
     }
 
-    /// Finds where an incoming frame belongs in the plan.
+    /// Finds where an incoming frame belongs in the plan (the mailbox checked it against the
+    /// same plan; checked again here, as the all-reduce's own guard).
     fn check_frame(
         &self,
         step: u64,
         bucket: u32,
-        chunks: &[Range<usize>],
-        first_frame: &[usize],
+        schedule: &FrameSchedule,
         frame: &InboundFrame,
-    ) -> Result<FrameSlot, AllReduceError> {
-        let len = chunks.last().map_or(0, |c| c.end);
+    ) -> Result<PlannedFrame, AllReduceError> {
+        let len = schedule.len();
         if frame.total_len != len as u64 {
             let (rank, addr) = left_neighbour(&self.cfg);
             return Err(AllReduceError::LengthMismatch {
@@ -396,35 +392,9 @@ impl Ring {
                 got: frame.total_len,
             });
         }
-        let n = chunks.len();
-        let t = frame.ring_step as usize;
-        if t >= first_frame.len() {
-            return Err(self.bad_frame(step, bucket, frame, format!("ring step {t} out of range")));
-        }
-        let chunk = &chunks[recv_chunk(self.cfg.rank as usize, n, t)];
-        let frame_elems = self.cfg.frame_bytes / 4;
-        // `deliver` checked offset + elements <= total_len, so offset fits in usize here.
-        let offset = usize::try_from(frame.offset).unwrap_or(usize::MAX);
-        let elems = frame.data.len() / 4;
-        let aligned = offset >= chunk.start
-            && offset < chunk.end
-            && (offset - chunk.start).is_multiple_of(frame_elems);
-        let planned_end = offset.saturating_add(frame_elems).min(chunk.end);
-        if !aligned || offset + elems != planned_end {
-            return Err(self.bad_frame(
-                step,
-                bucket,
-                frame,
-                format!(
-                    "elements {offset}..{} at ring step {t} do not match a planned frame of chunk {chunk:?} ({frame_elems} f32 frames)",
-                    offset + elems
-                ),
-            ));
-        }
-        Ok(FrameSlot {
-            index: first_frame[t] + (offset - chunk.start) / frame_elems,
-            range: offset..planned_end,
-        })
+        schedule
+            .locate(frame.ring_step, frame.offset, frame.data.len() / 4)
+            .map_err(|reason| self.bad_frame(step, bucket, frame, reason))
     }
 
     fn bad_frame(
@@ -507,6 +477,8 @@ impl Ring {
                     backoff = (backoff * 2).min(Duration::from_millis(100));
                     retried = true;
                 }
+                // An earlier attempt, failed in transit as far as we saw, landed after all.
+                Code::AlreadyExists if retried => return Ok(true),
                 Code::FailedPrecondition => {
                     return Err(AllReduceError::StaleGeneration {
                         job_id: self.cfg.job_id.clone(),
@@ -532,14 +504,6 @@ impl Ring {
             }
         }
     }
-}
-
-/// Where a checked incoming frame goes.
-struct FrameSlot {
-    /// Index into the per-frame "seen" flags.
-    index: usize,
-    /// Its elements in the buffer.
-    range: Range<usize>,
 }
 
 /// Whether absorbing a frame received for the buffer's elements `range` (every ring step writes
@@ -655,6 +619,15 @@ fn copy_le(local: &mut [f32], incoming: &[u8]) {
     for_each_block(incoming, |start, block| {
         local[start..start + block.len()].copy_from_slice(block);
     });
+}
+
+/// This worker's place in the ring, as the receive plans need it.
+fn shape(cfg: &RingConfig) -> RingShape {
+    RingShape {
+        world_size: cfg.world_size as usize,
+        rank: cfg.rank as usize,
+        frame_elems: cfg.frame_bytes / 4,
+    }
 }
 
 fn right_neighbour(cfg: &RingConfig) -> (u32, &str) {

@@ -193,7 +193,9 @@ impl From<FrameRejected> for Status {
         match rejected {
             FrameRejected::Malformed(_)
             | FrameRejected::LengthMismatch { .. }
-            | FrameRejected::UnknownAllReduce { .. } => Status::invalid_argument(message),
+            | FrameRejected::UnknownAllReduce { .. }
+            | FrameRejected::Unplanned { .. } => Status::invalid_argument(message),
+            FrameRejected::Duplicate { .. } => Status::already_exists(message),
             FrameRejected::NotJoined { .. } => Status::unavailable(message),
             FrameRejected::WrongJob { .. } => Status::not_found(message),
             FrameRejected::StaleGeneration { .. } | FrameRejected::Finished { .. } => {

@@ -1,0 +1,157 @@
+//! The frames one rank expects from its left neighbour in one all-reduce: for a buffer of `len`
+//! f32 over `world_size` ranks cut into frames of `frame_elems`, exactly one frame per
+//! `(ring_step, offset)` of [`recv_chunk`]'s chunk at each of the `2 (world_size - 1)` ring
+//! steps, each as long as [`frame_plan`] cuts it. The mailbox checks every arriving frame
+//! against it (so a frame that fits no planned frame holds no memory) and the ring numbers the
+//! frames it has seen with it.
+
+use std::ops::Range;
+
+use super::plan::{chunk_plan, frame_count, recv_chunk};
+
+/// Where a rank stands in its ring, as far as the receive plan is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RingShape {
+    /// Ranks in the ring (>= 1).
+    pub world_size: usize,
+    /// This rank, `0..world_size`.
+    pub rank: usize,
+    /// Elements per frame (`frame_bytes / 4`, >= 1); the last frame of a chunk may be shorter.
+    pub frame_elems: usize,
+}
+
+/// The receive plan of one all-reduce (see the module docs).
+#[derive(Clone, Debug)]
+pub(crate) struct FrameSchedule {
+    /// The ring.
+    shape: RingShape,
+    /// The buffer cut into `world_size` chunks (f32 element ranges).
+    chunks: Vec<Range<usize>>,
+    /// Index of the first frame of each ring step in `0..expected`.
+    first_frame: Vec<usize>,
+    /// Frames expected in all.
+    expected: usize,
+}
+
+/// One planned frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct PlannedFrame {
+    /// Its number in `0..expected`, ring step by ring step.
+    pub index: usize,
+    /// Its elements in the buffer.
+    pub range: Range<usize>,
+}
+
+impl FrameSchedule {
+    /// The plan of an all-reduce of `len` f32 elements. World size 1 expects no frame.
+    pub(crate) fn new(shape: RingShape, len: usize) -> Self {
+        let n = shape.world_size.max(1);
+        let chunks = chunk_plan(len, n);
+        let ring_steps = 2 * (n - 1);
+        let mut first_frame = Vec::with_capacity(ring_steps);
+        let mut expected = 0usize;
+        for t in 0..ring_steps {
+            first_frame.push(expected);
+            expected += frame_count(&chunks[recv_chunk(shape.rank, n, t)], shape.frame_elems);
+        }
+        FrameSchedule {
+            shape,
+            chunks,
+            first_frame,
+            expected,
+        }
+    }
+
+    /// Length of the buffer, f32 elements.
+    pub(crate) fn len(&self) -> usize {
+        self.chunks.last().map_or(0, |c| c.end)
+    }
+
+    /// Frames expected from the left neighbour in all.
+    pub(crate) fn expected(&self) -> usize {
+        self.expected
+    }
+
+    /// Ring steps of the reduce-scatter, `world_size - 1`: the only ones the left neighbour can
+    /// send before this rank started the all-reduce (every later one carries its share).
+    pub(crate) fn reduce_scatter_steps(&self) -> usize {
+        self.shape.world_size.saturating_sub(1)
+    }
+
+    /// The planned frame at `ring_step` starting at element `offset` with `elems` elements.
+    ///
+    /// Errors: why it fits no planned frame (ring step out of range, offset not where a frame
+    /// of that step starts, or a length other than the planned one), for the refusal.
+    pub(crate) fn locate(
+        &self,
+        ring_step: u32,
+        offset: u64,
+        elems: usize,
+    ) -> Result<PlannedFrame, String> {
+        let t = ring_step as usize;
+        if t >= self.first_frame.len() {
+            return Err(format!(
+                "ring step {t} out of range: {} ranks take {} ring steps",
+                self.shape.world_size,
+                self.first_frame.len()
+            ));
+        }
+        let chunk = &self.chunks[recv_chunk(self.shape.rank, self.shape.world_size, t)];
+        let frame_elems = self.shape.frame_elems.max(1);
+        let offset = usize::try_from(offset).unwrap_or(usize::MAX);
+        let aligned = offset >= chunk.start
+            && offset < chunk.end
+            && (offset - chunk.start).is_multiple_of(frame_elems);
+        let planned_end = offset.saturating_add(frame_elems).min(chunk.end);
+        if !aligned || offset.saturating_add(elems) != planned_end {
+            return Err(format!(
+                "elements {offset}..{} at ring step {t} do not match a planned frame of chunk {chunk:?} ({frame_elems} f32 frames)",
+                offset.saturating_add(elems)
+            ));
+        }
+        Ok(PlannedFrame {
+            index: self.first_frame[t] + (offset - chunk.start) / frame_elems,
+            range: offset..planned_end,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_planned_frame_is_found_once_and_nothing_else() {
+        for n in 1..=4 {
+            for rank in 0..n {
+                for len in [0usize, 1, 5, 37, 1000] {
+                    let shape = RingShape {
+                        world_size: n,
+                        rank,
+                        frame_elems: 7,
+                    };
+                    let s = FrameSchedule::new(shape, len);
+                    assert_eq!(s.len(), len);
+                    let mut seen = vec![false; s.expected()];
+                    for t in 0..2 * (n - 1) {
+                        let chunk = chunk_plan(len, n)[recv_chunk(rank, n, t)].clone();
+                        for f in super::super::plan::frame_plan(chunk, 7) {
+                            let p = s.locate(t as u32, f.start as u64, f.len()).unwrap();
+                            assert_eq!(p.range, f);
+                            assert!(!std::mem::replace(&mut seen[p.index], true));
+                            // Off by one element either way, or one element short: refused.
+                            assert!(s.locate(t as u32, f.start as u64 + 1, f.len()).is_err());
+                            assert!(s.locate(t as u32, f.start as u64, f.len() + 1).is_err());
+                            if f.len() > 1 {
+                                assert!(s.locate(t as u32, f.start as u64, f.len() - 1).is_err());
+                            }
+                        }
+                    }
+                    assert!(seen.iter().all(|&x| x), "n {n} rank {rank} len {len}");
+                    assert!(s.locate(2 * (n as u32 - 1), 0, 1).is_err());
+                    assert!(s.locate(0, u64::MAX, 1).is_err());
+                }
+            }
+        }
+    }
+}
