@@ -405,4 +405,54 @@ mod tests {
             "error {worst:e}"
         );
     }
+
+    /// Same inputs at different addresses (offset by 0..8 elements) and run twice: the bf16
+    /// result must be the same bits (determinism of recovery and of reruns depends on it).
+    #[test]
+    fn bf16_matmul_bits_do_not_depend_on_addresses_or_history() {
+        for (m, k, n, beta) in [
+            (512, 128, 512, 0.0f32),
+            (4096, 128, 128, 1.0),
+            (128, 4096, 128, 1.0),
+            (37, 130, 61, 0.0),
+        ] {
+            let a = filled(m, k, 3, false).mapv(bf16_bits);
+            let b = filled(k, n, 4, false).mapv(bf16_bits);
+            let c0 = filled(m, n, 5, false);
+            let mut first: Option<Array2<f32>> = None;
+            for shift in 0..8usize {
+                for _ in 0..2 {
+                    let mut abig = Array2::<u16>::zeros((m, k + 8));
+                    abig.slice_mut(ndarray::s![.., shift..shift + k]).assign(&a);
+                    let av = abig.slice(ndarray::s![.., shift..shift + k]);
+                    let mut bbig = Array2::<u16>::zeros((k, n + 8));
+                    bbig.slice_mut(ndarray::s![.., shift..shift + n]).assign(&b);
+                    let bv = bbig.slice(ndarray::s![.., shift..shift + n]);
+                    let mut cbig = Array2::<f32>::zeros((m, n + 8));
+                    cbig.slice_mut(ndarray::s![.., shift..shift + n])
+                        .assign(&c0);
+                    let mut cv = cbig.slice_mut(ndarray::s![.., shift..shift + n]);
+                    if matmul(InputType::Bf16, 1.0, &av, &bv, beta, &mut cv).is_err() {
+                        println!("SKIPPED: no oneDNN bf16 matmul here");
+                        return;
+                    }
+                    let got = cv.to_owned();
+                    match &first {
+                        None => first = Some(got),
+                        Some(f) => {
+                            let diff = f
+                                .iter()
+                                .zip(got.iter())
+                                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                                .count();
+                            assert_eq!(
+                                diff, 0,
+                                "[{m},{k}]x[{k},{n}] beta {beta} shift {shift}: {diff} elements differ"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
