@@ -189,14 +189,15 @@ fn a_held_step_claim_past_the_jobs_last_step_is_ignored() {
         };
         let key = start.key.unwrap();
         assert_eq!(start.state_source, StateSource::Init as i32);
-        // A ring failure, then the Suspend of the next generation: answer it with an absurd claim.
+        // A ring failure claiming an absurd held step (the failure report's held steps answer
+        // the Suspend of the next generation), then the same claim as the Suspend's answer.
         c.report_failure(FailureReport {
             key: Some(key.clone()),
             rank: 0,
             worker_id: id.clone(),
             error: "forced".into(),
             recoverable: true,
-            held_steps: vec![],
+            held_steps: vec![u64::MAX],
         })
         .await
         .unwrap();
@@ -206,13 +207,18 @@ fn a_held_step_claim_past_the_jobs_last_step_is_ignored() {
             panic!("expected Suspend");
         };
         let generation = suspend.key.as_ref().unwrap().generation;
-        c.report_held(HeldReport {
-            key: suspend.key.clone(),
-            worker_id: id.clone(),
-            held_steps: vec![u64::MAX],
-        })
-        .await
-        .unwrap();
+        // The failure report may already have completed the collection (this is the job's only
+        // worker): then the generation is formed and this answer is refused as stale.
+        if let Err(status) = c
+            .report_held(HeldReport {
+                key: suspend.key.clone(),
+                worker_id: id.clone(),
+                held_steps: vec![u64::MAX],
+            })
+            .await
+        {
+            assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+        }
         let worker_command::Command::Start(again) =
             next_command(&mut commands, Duration::from_secs(30)).await
         else {
