@@ -213,6 +213,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "gflops": stats.flops as f64 / elapsed / 1e9,
         "sgemm_share": stats.seconds / elapsed,
         "peak_rss_mib": peak_rss_mib(),
+        "openblas_core": crate::blas_core::core_name(),
         "precision_setting": args.precision.as_str(),
         "precision": precision.as_str(),
         "bf16_support": support.detail,

@@ -3,6 +3,7 @@
 //!
 //! # Layout
 //! - `batch`: the micro-batch type shared by the data pipeline and the model.
+//! - `blas_core`: OpenBLAS kernels on CPUs newer than the library (re-exec with a known core).
 //! - `model/`: BERT forward and backward, one file per layer (HF `BertForMaskedLM`, `BertForPreTraining`).
 //! - `optim/`: AdamW, LAMB, learning-rate schedules, gradient clipping.
 //! - `data/`: masking (static, dynamic, whole-word) and collation of shard sequences into batches.
@@ -24,6 +25,7 @@ pub mod allocator;
 pub mod allreduce;
 pub mod batch;
 pub mod bench;
+pub mod blas_core;
 pub mod buckets;
 pub mod client;
 pub mod control;

@@ -378,6 +378,12 @@ async fn session(
     // AVX512_BF16 alone a race against fp32: well under a second), then cached; the coordinator's `auto` precision needs it.
     let bf16 = crate::model::bf16::support();
     tracing::info!(native = bf16.native, detail = %bf16.detail, "bf16 GEMMs");
+    match crate::blas_core::replaced_core() {
+        Some((detected, now)) => {
+            tracing::info!(detected = %detected, using = %now, "OpenBLAS did not know this CPU: OPENBLAS_CORETYPE set")
+        }
+        None => tracing::info!(core = %crate::blas_core::core_name(), "OpenBLAS kernels"),
+    }
     let held = state.held_key();
     let held_steps = held
         .as_ref()
