@@ -38,8 +38,8 @@
 //!    `INVALID_ARGUMENT` (malformed, length mismatch, a frame the receive plan does not expect,
 //!    an all-reduce that cannot run here: an unknown bucket of a past step, a step more than one
 //!    ahead), `ALREADY_EXISTS` (a copy of a frame accepted before), `NOT_FOUND` (other job),
-//!    `FAILED_PRECONDITION` (older generation, finished all-reduce), `UNAVAILABLE` (receiver
-//!    has not joined the generation yet: retried).
+//!    `FAILED_PRECONDITION` (older generation), `ABORTED` (the all-reduce ended there: nothing
+//!    to resend), `UNAVAILABLE` (receiver has not joined the generation yet: retried).
 //! 7. A rank that hears nothing from its left, or whose right accepts nothing, for `timeout`
 //!    fails the all-reduce naming that peer; the coordinator then re-forms the ring with a new
 //!    generation.

@@ -479,6 +479,12 @@ impl Ring {
                 }
                 // An earlier attempt, failed in transit as far as we saw, landed after all.
                 Code::AlreadyExists if retried => return Ok(true),
+                // The receiver's all-reduce of this pair has ended. Either it succeeded, so it
+                // had this frame, or it failed there (a bad frame, a timeout, a shutdown), and
+                // that worker reports it and the coordinator suspends the ring. Either way there
+                // is nothing to resend; failing here instead raced that report with a misleading
+                // "stale generation" error of this blameless rank (issue 19, finding 3).
+                Code::Aborted => return Ok(retried),
                 Code::FailedPrecondition => {
                     return Err(AllReduceError::StaleGeneration {
                         job_id: self.cfg.job_id.clone(),

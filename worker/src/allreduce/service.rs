@@ -198,9 +198,9 @@ impl From<FrameRejected> for Status {
             FrameRejected::Duplicate { .. } => Status::already_exists(message),
             FrameRejected::NotJoined { .. } => Status::unavailable(message),
             FrameRejected::WrongJob { .. } => Status::not_found(message),
-            FrameRejected::StaleGeneration { .. } | FrameRejected::Finished { .. } => {
-                Status::failed_precondition(message)
-            }
+            FrameRejected::StaleGeneration { .. } => Status::failed_precondition(message),
+            // Not the sender's fault: see `Ring::send`'s handling of `ABORTED`.
+            FrameRejected::Finished { .. } => Status::aborted(message),
         }
     }
 }
