@@ -13,7 +13,6 @@
 //!    reason instead of crash-looping them.
 
 use crate::CoordinatorError;
-use crate::state::{Registry, WorkerEntry};
 use keel_proto::config::BertConfig;
 use keel_proto::jobspec::JobSpec;
 use keel_proto::memory::{MemoryEstimate, estimate, format_bytes};
@@ -46,7 +45,10 @@ pub fn estimate_for(
 ///
 /// Errors: [`CoordinatorError::BadRequest`] naming the field or the estimate and the largest
 /// limit; a config file that cannot be read within bounds (not a regular file, over 1 MiB).
-pub fn check_submission(spec: &JobSpec, reg: &Registry) -> Result<(), CoordinatorError> {
+pub fn check_submission(
+    spec: &JobSpec,
+    limits: impl Iterator<Item = Option<u64>> + Clone,
+) -> Result<(), CoordinatorError> {
     let (config, origin) = if let Some(preset) = &spec.model.preset {
         let Some(vocab_size) = spec.data.vocab_size else {
             // The vocabulary comes from a file: its size is known after preparation.
@@ -68,27 +70,32 @@ pub fn check_submission(spec: &JobSpec, reg: &Registry) -> Result<(), Coordinato
         return Ok(());
     };
     let estimate = estimate_for(&config, spec, &origin)?;
-    if let Some(message) = no_worker_can_hold(reg, estimate.total_bytes) {
+    if let Some(message) = no_worker_can_hold(limits, estimate.total_bytes) {
         return Err(CoordinatorError::BadRequest(format!("{origin}: {message}")));
     }
     Ok(())
 }
 
-/// Whether worker `w` can hold a job needing `needed` bytes (a worker that advertised no
-/// limit, being older than the field, is taken at its word).
-pub fn fits(w: &WorkerEntry, needed: Option<u64>) -> bool {
-    match (w.memory_limit, needed) {
+/// Whether a worker with memory `limit` can hold a job needing `needed` bytes (a worker that
+/// advertised no limit, being older than the field, is taken at its word).
+pub fn fits(limit: Option<u64>, needed: Option<u64>) -> bool {
+    match (limit, needed) {
         (Some(limit), Some(needed)) => needed <= limit,
         _ => true,
     }
 }
 
-/// A message saying why no registered worker can hold `needed` bytes, or `None` when one can
-/// (or none has registered, or some advertised no limit).
-pub fn no_worker_can_hold(reg: &Registry, needed: u64) -> Option<String> {
+/// A message saying why no registered worker (with memory `limits`, one per worker) can hold
+/// `needed` bytes, or `None` when one can (or none has registered, or some advertised no
+/// limit).
+pub fn no_worker_can_hold(
+    limits: impl Iterator<Item = Option<u64>> + Clone,
+    needed: u64,
+) -> Option<String> {
     let mut largest: Option<u64> = None;
-    for w in reg.workers.values() {
-        match w.memory_limit {
+    let count = limits.clone().count();
+    for limit in limits {
+        match limit {
             None => return None,
             Some(limit) if limit >= needed => return None,
             Some(limit) => largest = Some(largest.map_or(limit, |l| l.max(limit))),
@@ -101,7 +108,7 @@ pub fn no_worker_can_hold(reg: &Registry, needed: u64) -> Option<String> {
          the {} registered worker(s) is {}: reduce hidden_size, num_hidden_layers, vocab_size, \
          train.micro_batch_size or data.max_seq_length",
         format_bytes(needed),
-        reg.workers.len(),
+        count,
         format_bytes(largest)
     ))
 }

@@ -1,13 +1,12 @@
 //! A job's inputs: its prepared data (through `crate::data`), its model config, and the files
 //! each rank fetches.
 //!
-//! Everything here is blocking (tokenizing, sharding, hashing): the scheduler runs it on
-//! `spawn_blocking`.
+//! Everything here is blocking (tokenizing, sharding, hashing): the driver (`crate::driver`)
+//! runs it on threads of its own, never under the machine's lock.
 
 use crate::CoordinatorError;
 use crate::data::{PrepareOptions, VocabSource};
 use crate::input_roots::InputRoots;
-use crate::job::PreparedJob;
 use keel_proto::checkpoint::{sha256_file, write_file_atomic};
 use keel_proto::config::BertConfig;
 use keel_proto::jobspec::{JobSpec, Objective};
@@ -16,6 +15,22 @@ use keel_proto::rpc::JobFile;
 use keel_proto::split::WorkerPlan;
 use keel_proto::tokenizer::KeelTokenizer;
 use std::path::{Path, PathBuf};
+
+/// What preparation produced: everything needed to assign the job to workers.
+#[derive(Debug, Clone)]
+pub struct PreparedJob {
+    /// The prepared data folder (vocab.txt, tokenizer.json, shard-*.keel, heldout.keel).
+    pub data_dir: PathBuf,
+    /// Training sequences in the whole set.
+    pub total_sequences: u64,
+    /// The model's HF `config.json` text.
+    pub model_config_json: String,
+    /// `(role, path)` of files every rank fetches (heldout, vocab, tokenizer, init weights).
+    pub shared_files: Vec<(String, PathBuf)>,
+    /// Estimated bytes to train the model on one rank (`keel_proto::memory::estimate`):
+    /// only workers whose memory limit holds it are given the job.
+    pub memory_bytes: u64,
+}
 
 /// File name of the model config kept in the job folder (copied into every checkpoint).
 pub const JOB_CONFIG_FILE: &str = "config.json";

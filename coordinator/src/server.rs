@@ -1,17 +1,15 @@
-//! Runs a coordinator: the gRPC service plus the scheduler loop, until shutdown.
+//! Runs a coordinator: the gRPC service, the machine's driver and its timer, until shutdown.
 
 use crate::CoordinatorError;
+use crate::driver;
+use crate::driver::Shared;
 use crate::input_roots::InputRoots;
-use crate::persist;
-use crate::scheduler;
 use crate::service::CoordinatorService;
-use crate::state::Shared;
 use keel_proto::protocol::MAX_MESSAGE_BYTES;
 use keel_proto::rpc::coordinator_server::CoordinatorServer;
 use keel_proto::security::ServerSecurity;
 use std::future::Future;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 
@@ -48,12 +46,15 @@ pub async fn run(
     } else {
         tracing::info!(roots = %config.input_roots.describe(), "jobs may read only inside the input roots");
     }
-    let shared = Shared::new(config.data_dir.clone(), config.input_roots.clone());
+    let (shared, effects) = Shared::new(config.data_dir.clone(), config.input_roots.clone());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let scheduler = tokio::spawn(scheduler::run(shared.clone(), async move {
+    let ticker = tokio::spawn(driver::tick(shared.clone(), async move {
         let _ = stop_rx.await;
     }));
-    let progress = tokio::spawn(save_progress(shared.clone()));
+    let (driver_stop_tx, driver_stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let driver = tokio::spawn(driver::run(shared.clone(), effects, async move {
+        let _ = driver_stop_rx.await;
+    }));
     let service = CoordinatorServer::new(CoordinatorService::new(shared.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -77,9 +78,8 @@ pub async fn run(
     tokio::select! {
         result = &mut server => {
             let _ = stop_tx.send(());
-            let _ = scheduler.await;
-            progress.abort();
-            save_all(&shared);
+            let _ = ticker.await;
+            save_all(&shared, driver_stop_tx, driver).await;
             return result.map_err(CoordinatorError::from);
         }
         _ = shutdown => {}
@@ -87,51 +87,39 @@ pub async fn run(
     keel_proto::admin::mark_not_serving(&health_reporter).await;
     let _ = server_stop_tx.send(());
     let _ = stop_tx.send(());
-    {
-        // Close every attach stream so graceful shutdown does not wait on them.
-        let mut reg = shared.lock();
-        for w in reg.workers.values_mut() {
-            w.commands = None;
-        }
-    }
-    let _ = scheduler.await;
+    // Close every attach stream so graceful shutdown does not wait on them.
+    shared.close_streams();
+    let _ = ticker.await;
     let result = match tokio::time::timeout(Duration::from_secs(2), server).await {
         Ok(result) => result.map_err(CoordinatorError::from),
         Err(_) => Ok(()),
     };
-    progress.abort();
-    save_all(&shared);
+    save_all(&shared, driver_stop_tx, driver).await;
     result
 }
 
-/// Every [`persist::PROGRESS_INTERVAL`], writes the step progress that `Job::publish` held
-/// back and any unpublished change of an active job, so that a job that stops reporting is
-/// still saved.
-async fn save_progress(shared: Arc<Shared>) {
-    let mut tick = tokio::time::interval(persist::PROGRESS_INTERVAL);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let mut reg = shared.lock();
-        persist::flush_due(reg.jobs.values_mut());
-    }
-}
-
-/// Saves every job's state (shutdown) and says so.
-fn save_all(shared: &Shared) {
-    let mut reg = shared.lock();
-    let s = persist::flush_all(reg.jobs.values_mut());
-    if s.failed == 0 {
+/// Hands every job's record to the driver, stops it once it has written what was queued,
+/// and says so (shutdown).
+async fn save_all(
+    shared: &Shared,
+    stop: tokio::sync::oneshot::Sender<()>,
+    driver: tokio::task::JoinHandle<driver::Drained>,
+) {
+    let jobs = shared.read(|m| m.jobs().count());
+    shared.save_all();
+    let _ = stop.send(());
+    let drained = driver.await.unwrap_or_default();
+    if drained.failed == 0 {
         tracing::info!(
-            jobs = s.jobs,
-            written = s.written,
+            jobs,
+            written = drained.written,
             "job state saved before exit"
         );
     } else {
         tracing::error!(
-            jobs = s.jobs,
-            written = s.written,
-            failed = s.failed,
+            jobs,
+            written = drained.written,
+            failed = drained.failed,
             "job state not saved for every job before exit"
         );
     }

@@ -8,8 +8,10 @@
 //! into place.
 
 use crate::CoordinatorError;
+use crate::driver::Shared;
+pub use crate::layout::checkpoint_dir;
+use crate::machine::{Input, Reply};
 use crate::prepare_job::JOB_CONFIG_FILE;
-use crate::state::Shared;
 use futures::{Stream, StreamExt};
 use keel_proto::checkpoint::{MODEL_FILE, OPTIMIZER_FILE, check_plain_name, commit_dir};
 use keel_proto::rpc::{FileChunk, TrainingKey};
@@ -19,11 +21,6 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio::io::AsyncWriteExt;
-
-/// The folder of the checkpoint at `step` of the job in `job_dir`.
-pub fn checkpoint_dir(job_dir: &Path, step: u64) -> PathBuf {
-    job_dir.join("checkpoints").join(format!("step-{step}"))
-}
 
 /// Receives one checkpoint upload and stores it. Returns its key.
 ///
@@ -51,17 +48,14 @@ where
             let k = chunk.key.clone().ok_or_else(|| {
                 CoordinatorError::BadRequest("first upload chunk has no key".into())
             })?;
-            {
-                let mut reg = shared.lock();
-                let job = reg.check_key(Some(&k))?;
-                if job.is_finished() {
-                    // A finished job's checkpoints are final: nothing may replace them.
-                    return Err(CoordinatorError::Stale {
-                        job_id: k.job_id.clone(),
-                        message: "the job has ended: it takes no more checkpoints".into(),
-                    });
+            // Refused for a key that is not current, or a job that has ended.
+            match shared.apply(Input::UploadBegins(k.clone()))? {
+                Reply::JobDir(dir) => job_dir = dir,
+                other => {
+                    return Err(CoordinatorError::BadRequest(format!(
+                        "unexpected reply to an upload: {other:?}"
+                    )));
                 }
-                job_dir = job.dir.clone();
             }
             let parent = job_dir.join("checkpoints");
             std::fs::create_dir_all(&parent).map_err(CoordinatorError::io(&parent))?;
@@ -107,13 +101,10 @@ where
             .map_err(CoordinatorError::io(&path))?;
         hasher.update(&chunk.data);
         *written += chunk.data.len() as u64;
-        if let Some(k) = &key
-            && let Some(job) = shared.lock().jobs.get_mut(&k.job_id)
-            && job.generation == k.generation
-        {
+        if let Some(k) = &key {
             // A long upload (the final checkpoint of a big model) is progress: no step
             // follows it, and the watchdog must not take it for a stall.
-            job.progress.touch();
+            let _ = shared.apply(Input::UploadProgress(k.clone()));
         }
         if chunk.last {
             file.sync_all().await.map_err(CoordinatorError::io(&path))?;
@@ -174,38 +165,8 @@ where
     .await
     .map_err(|e| CoordinatorError::BadRequest(format!("checkpoint task: {e}")))??;
 
-    let mut reg = shared.lock();
-    if let Ok(job) = reg.job_mut(&key.job_id) {
-        if !job.checkpoints.contains(&step) {
-            job.checkpoints.push(step);
-            job.checkpoints.sort_unstable();
-        }
-        prune(
-            job.spec.train.keep_checkpoints,
-            job.spec.train.max_steps,
-            &job.dir,
-            &mut job.checkpoints,
-        );
-        job.publish();
-    }
-    tracing::info!(job = %key.job_id, step, "checkpoint stored");
+    shared.apply(Input::CheckpointStored(key.clone()))?;
     Ok(key)
-}
-
-/// Keeps the newest `keep` periodic checkpoints (and the final one at `max_steps`).
-fn prune(keep: usize, max_steps: u64, job_dir: &Path, steps: &mut Vec<u64>) {
-    let periodic: Vec<u64> = steps.iter().copied().filter(|&s| s != max_steps).collect();
-    if periodic.len() <= keep.max(1) {
-        return;
-    }
-    let drop = periodic.len() - keep.max(1);
-    for &step in &periodic[..drop] {
-        let dir = checkpoint_dir(job_dir, step);
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
-            tracing::warn!(dir = %dir.display(), "cannot remove old checkpoint: {e}");
-        }
-        steps.retain(|&s| s != step);
-    }
 }
 
 /// The files of a stored checkpoint, manifest first, then the others by name.

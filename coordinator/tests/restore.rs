@@ -2,12 +2,14 @@
 //! running comes back recovering with its prepared data; one that was preparing comes back
 //! queued and its preparation reuses the complete folder instead of redoing it.
 
-use keel_coordinator::job::Job;
-use keel_coordinator::persist::{self, JOB_STATE_FILE, JobRecord};
+use keel_coordinator::input_roots::InputRoots;
+use keel_coordinator::machine::Machine;
+use keel_coordinator::persist::{self, FORMAT_VERSION, JOB_STATE_FILE, JobRecord, LastMetrics};
 use keel_coordinator::prepare_job;
 use keel_proto::jobspec::JobSpec;
 use keel_proto::rpc::JobState;
 use std::path::Path;
+use std::time::{Instant, SystemTime};
 
 #[path = "../../fixtures/testdata.rs"]
 mod testdata;
@@ -60,35 +62,55 @@ fn restored_jobs_keep_their_prepared_data() {
     let prepared = prepare_job::prepare("job-1", &spec, &dir).unwrap();
     let manifest = std::fs::read(dir.join("data/manifest.json")).unwrap();
 
-    let mut job = Job::new("job-1".into(), spec.clone(), dir.clone());
-    job.state = JobState::Running;
-    job.generation = 1;
-    job.step = 7;
-    job.checkpoints = vec![5];
-    job.global_batch_size = 8;
-    job.publish();
-    drop(job);
+    JobRecord {
+        version: FORMAT_VERSION,
+        id: "job-1".into(),
+        spec: serde_json::to_value(&spec).unwrap(),
+        state: JobState::Running.as_str_name().into(),
+        generation: 1,
+        step: 7,
+        checkpoints: vec![5],
+        error: None,
+        worker_names: vec!["w-1 (127.0.0.1:1)".into()],
+        recoveries: 0,
+        skipped_steps: 0,
+        global_batch_size: Some(8),
+        precision: None,
+        submitted_unix_ms: 1,
+        metrics: LastMetrics::default(),
+    }
+    .write(&dir)
+    .unwrap();
 
-    // Running -> recovering, with the prepared data found again.
-    let jobs = persist::load_jobs(&jobs_dir);
+    // Running -> recovering (its next generation), with the prepared data found again.
+    let jobs = persist::load_jobs(&jobs_dir, &InputRoots::default());
     assert_eq!(jobs.len(), 1);
-    let job = &jobs[0];
-    assert_eq!(job.state, JobState::Recovering);
-    assert_eq!((job.generation, job.step), (1, 7));
-    assert_eq!(job.checkpoints, vec![5]);
-    assert_eq!(job.global_batch_size, 8);
-    let again = job.prepared.as_ref().expect("prepared data restored");
+    let mut machine = Machine::new(jobs_dir.clone());
+    machine.restore(Instant::now(), SystemTime::now(), jobs, 1);
+    let job = machine.job("job-1").unwrap();
+    assert_eq!(job.state(), JobState::Recovering);
+    assert_eq!((job.generation(), job.step()), (2, 7));
+    assert_eq!(job.checkpoints(), [5]);
+    assert_eq!(job.record().global_batch_size, Some(8));
+    let again = job.prepared().expect("prepared data restored");
     assert_eq!(again.total_sequences, prepared.total_sequences);
     assert_eq!(again.model_config_json, prepared.model_config_json);
     assert_eq!(again.shared_files, prepared.shared_files);
-    drop(jobs);
+    drop(machine);
 
     // Preparing -> queued; preparing again reuses the folder (the manifest, which records
     // the preparation's timings, is untouched).
     set_saved_state(&dir, JobState::Preparing);
-    let jobs = persist::load_jobs(&jobs_dir);
-    assert_eq!(jobs[0].state, JobState::Queued);
-    assert!(jobs[0].prepared.is_none());
+    let mut machine = Machine::new(jobs_dir.clone());
+    machine.restore(
+        Instant::now(),
+        SystemTime::now(),
+        persist::load_jobs(&jobs_dir, &InputRoots::default()),
+        1,
+    );
+    let job = machine.job("job-1").unwrap();
+    assert_eq!(job.state(), JobState::Queued);
+    assert!(job.prepared().is_none());
     let reused = prepare_job::prepare("job-1", &spec, &dir).unwrap();
     assert_eq!(reused.total_sequences, prepared.total_sequences);
     assert_eq!(

@@ -8,6 +8,12 @@
 //! Every message about training carries a [`TrainingKey`](crate::rpc::TrainingKey):
 //! `(job_id, generation, step)`. The generation names one membership of the job's ring.
 //!
+//! On the coordinator every step below that changes a job is one input of its state machine
+//! (`keel_coordinator::machine`: registered, heartbeat, submitted, prepared, files built, step,
+//! eval, done, failure, held, checkpoint stored, cancel, tick), whose phases are queued,
+//! preparing, waiting for workers, running, recovering (gathering, collecting, forming,
+//! verifying checkpoints) and finished; what the steps send and save are its effects.
+//!
 //! # Steps
 //! 1. **Register.** A worker calls `Register{advertise_addr, threads, hostname}` and gets a
 //!    `worker_id`, the heartbeat interval and the heartbeat timeout. The advertise address is
@@ -92,7 +98,7 @@
 //! closing, at once for a dead process; no heartbeat for `peer_timeout_seconds` for a cut
 //! link): recovery (or, with `max_recoveries = 0`, failure) starts within
 //! `peer_timeout_seconds` plus one heartbeat interval ([`HEARTBEAT_INTERVAL`]) and one
-//! scheduler tick (0.25 s). Eval and checkpoint staging happen between ring calls, so they
+//! tick of the coordinator's state machine (0.25 s). Eval and checkpoint staging happen between ring calls, so they
 //! must take less than the timeout.
 //!
 //! A job whose workers heartbeat but do not step is noticed by the coordinator's progress

@@ -6,7 +6,7 @@
 //! training is stuck before its ring calls (say, fetching its files), or a fake worker that
 //! registers and heartbeats but ignores `StartJob`. Such a job stayed `running, step 0` for
 //! ever. The watchdog notices it, names the workers that have not reported the next step, and
-//! re-forms the ring (`recovery::begin`, counted against `max_recoveries`) without those it
+//! re-forms the ring (a regroup, counted against `max_recoveries`) without those it
 //! can single out; out of recoveries, the job fails with that message.
 //!
 //! Progress is any of: the job's step advancing (rank 0's `ReportStep`, or a member's
@@ -14,46 +14,10 @@
 //! step reports queue behind a checkpoint upload), an evaluation report, or a checkpoint
 //! upload chunk arriving. The clock restarts whenever a generation starts.
 
-use crate::recovery;
-use crate::state::{Registry, Shared};
-use keel_proto::rpc::{CancelJob, JobState, TrainingKey, worker_command};
-use std::sync::Arc;
+use super::Machine;
+use super::phase::Phase;
+use keel_proto::rpc::{CancelJob, TrainingKey, worker_command};
 use std::time::{Duration, Instant};
-
-/// When a job last made progress, and how far it had got.
-#[derive(Debug, Clone, Copy)]
-pub struct Progress {
-    /// The newest step seen for the current generation.
-    pub step: u64,
-    /// When it (or other progress) was last seen.
-    pub at: Instant,
-}
-
-impl Progress {
-    /// A clock that starts now at `step` (a generation starting from `step`).
-    pub fn starting(step: u64) -> Self {
-        Progress {
-            step,
-            at: Instant::now(),
-        }
-    }
-
-    /// Records `step` if it is past the newest one seen; whether it was.
-    pub fn note_step(&mut self, step: u64) -> bool {
-        if step > self.step {
-            self.step = step;
-            self.at = Instant::now();
-            true
-        } else {
-            false
-        }
-    }
-
-    /// Records progress that is not a step (an evaluation, a checkpoint chunk).
-    pub fn touch(&mut self) {
-        self.at = Instant::now();
-    }
-}
 
 /// How long past `timeout` the job has been without progress at `now`, if it has been
 /// without progress for longer than `timeout` since `last`.
@@ -118,95 +82,85 @@ pub fn message(
     )
 }
 
-/// Checks every running job (called by the scheduler loop, every tick).
-pub fn tick(shared: &Arc<Shared>) {
-    let mut reg = shared.lock();
-    check(&mut reg, Instant::now());
-}
-
-/// Handles every running job without progress for its timeout at `now`: logs and records a
-/// `stall` event in its `metrics.jsonl`, cancels the generation on the workers it singles
-/// out and keeps them out of the job, and starts a recovery (which fails the job when
-/// `max_recoveries` is spent).
-pub fn check(reg: &mut Registry, now: Instant) {
-    let running: Vec<String> = reg
-        .order
-        .iter()
-        .filter(|id| {
-            reg.jobs
-                .get(*id)
-                .is_some_and(|j| j.state == JobState::Running)
-        })
-        .cloned()
-        .collect();
-    for id in running {
-        let Some(job) = reg.jobs.get(&id) else {
-            continue;
-        };
-        let timeout_seconds = job.spec.cluster.progress_timeout_seconds;
-        let Some(silent) = overdue(
-            job.progress.at,
-            now,
-            Duration::from_secs_f64(timeout_seconds),
-        ) else {
-            continue;
-        };
-        let (generation, step) = (job.generation, job.progress.step);
-        let members: Vec<Member> = job
-            .workers
-            .iter()
-            .map(|w| match reg.workers.get(w) {
-                Some(e) => Member {
-                    id: w.clone(),
-                    name: e.describe(),
-                    step: (e.generation == generation).then_some(e.step),
-                },
-                None => Member {
-                    id: w.clone(),
-                    name: w.clone(),
-                    step: None,
-                },
-            })
-            .collect();
-        let text = message(&id, generation, step, silent, timeout_seconds, &members);
-        let lost: Vec<String> = culprits(&members, step)
-            .into_iter()
-            .map(|m| m.id.clone())
-            .collect();
-        tracing::warn!(job = %id, generation, step, stalled = %lost.join(", "), "{text}");
-        crate::service::append_metrics(
-            job,
-            serde_json::json!({
-                "event": "stall",
-                "generation": generation,
-                "step": step,
-                "silent_seconds": silent.as_secs_f64(),
-                "workers": members.iter().map(|m| serde_json::json!({
-                    "worker": m.name,
-                    "step": m.step,
-                })).collect::<Vec<_>>(),
-                "dropped": lost,
-            }),
-        );
-        let key = TrainingKey {
-            job_id: id.clone(),
-            generation,
-            step,
-        };
-        for w in &lost {
-            if let Some(entry) = reg.workers.get(w) {
+impl Machine {
+    /// Handles every running job without progress for its timeout at `now`: logs and records
+    /// a `stall` event in its `metrics.jsonl`, cancels the generation on the workers it
+    /// singles out and keeps them out of the job, and starts a recovery (which fails the job
+    /// when `max_recoveries` is spent).
+    pub(super) fn check_stalls(&mut self, now: Instant) {
+        for id in self.ids_where(|p| matches!(p, Phase::Running(_))) {
+            let Some(job) = self.jobs.get(&id) else {
+                continue;
+            };
+            let Phase::Running(run) = &job.phase else {
+                continue;
+            };
+            let timeout_seconds = job.spec.cluster.progress_timeout_seconds;
+            let Some(silent) = overdue(
+                run.progress.at,
+                now,
+                Duration::from_secs_f64(timeout_seconds),
+            ) else {
+                continue;
+            };
+            let (generation, step) = (job.generation, run.progress.step);
+            let members: Vec<Member> = run
+                .workers
+                .iter()
+                .map(|w| match self.workers.get(w) {
+                    Some(e) => Member {
+                        id: w.clone(),
+                        name: e.describe(),
+                        step: (e.generation == generation).then_some(e.step),
+                    },
+                    None => Member {
+                        id: w.clone(),
+                        name: w.clone(),
+                        step: None,
+                    },
+                })
+                .collect();
+            let text = message(&id, generation, step, silent, timeout_seconds, &members);
+            let lost: Vec<String> = culprits(&members, step)
+                .into_iter()
+                .map(|m| m.id.clone())
+                .collect();
+            tracing::warn!(job = %id, generation, step, stalled = %lost.join(", "), "{text}");
+            self.append_metrics(
+                &id,
+                serde_json::json!({
+                    "event": "stall",
+                    "generation": generation,
+                    "step": step,
+                    "silent_seconds": silent.as_secs_f64(),
+                    "workers": members.iter().map(|m| serde_json::json!({
+                        "worker": m.name,
+                        "step": m.step,
+                    })).collect::<Vec<_>>(),
+                    "dropped": lost,
+                }),
+            );
+            let key = TrainingKey {
+                job_id: id.clone(),
+                generation,
+                step,
+            };
+            for w in &lost {
                 // A real worker stuck in this generation abandons it and becomes idle.
-                entry.send(worker_command::Command::Cancel(CancelJob {
-                    key: Some(key.clone()),
-                    reason: text.clone(),
-                }));
+                self.send(
+                    w,
+                    worker_command::Command::Cancel(CancelJob {
+                        key: Some(key.clone()),
+                        reason: text.clone(),
+                    }),
+                );
             }
+            if let Some(job) = self.jobs.get_mut(&id) {
+                job.excluded.extend(lost.iter().cloned());
+            }
+            let lost: Vec<&str> = lost.iter().map(String::as_str).collect();
+            self.begin_regroup(now, &id, text, &lost, true);
         }
-        if let Some(job) = reg.jobs.get_mut(&id) {
-            job.excluded.extend(lost.iter().cloned());
-        }
-        let lost: Vec<&str> = lost.iter().map(String::as_str).collect();
-        recovery::begin(reg, &id, text, &lost, true);
     }
 }
 
@@ -239,14 +193,14 @@ mod tests {
 
     #[test]
     fn a_step_moves_the_clock_only_forward() {
-        let mut p = Progress::starting(5);
-        let first = p.at;
-        assert!(!p.note_step(5));
-        assert!(!p.note_step(4));
-        assert_eq!((p.step, p.at), (5, first));
-        assert!(p.note_step(6));
-        assert_eq!(p.step, 6);
-        assert!(p.at >= first);
+        let t0 = Instant::now();
+        let mut p = super::super::phase::Progress::starting(5, t0);
+        let t1 = t0 + Duration::from_secs(1);
+        assert!(!p.note_step(5, t1));
+        assert!(!p.note_step(4, t1));
+        assert_eq!((p.step, p.at), (5, t0));
+        assert!(p.note_step(6, t1));
+        assert_eq!((p.step, p.at), (6, t1));
     }
 
     #[test]

@@ -1,0 +1,598 @@
+//! A job's whole life, and the membership it runs on, as a pure state machine.
+//!
+//! [`Machine`] owns the registry of workers and jobs. It has no async runtime, no file system and no
+//! clock inside: every change comes in as an [`Input`] with the time it happened
+//! ([`Machine::step`]), and everything the outside world must do because of it — commands
+//! to send to workers, statuses to publish, records to save, metrics lines to append, a
+//! preparation or a generation's files to build, checkpoints to verify or remove — comes
+//! out as [`Effect`]s ([`Machine::take_effects`]), in order. The driver (`crate::driver`)
+//! carries them out outside the lock and feeds their results back as inputs
+//! ([`Input::Prepared`], [`Input::FilesBuilt`], [`Input::CheckpointsVerified`], ...). This is
+//! the shape of raft-rs's `RawNode` (`step`, `ready`, `advance`), so that every transition is
+//! a unit test with injected time (`machine/tests.rs`).
+//!
+//! # Layout
+//! - [`phase`]: [`Phase`], the job's phase with the data of each.
+//! - [`job`]: [`Job`], one job's record (private fields; accessors).
+//! - `workers`: membership: registration, attach, heartbeats, dead workers.
+//! - `launch`: preparing queued jobs, forming the first ring, growth, a generation's start.
+//! - `recovery`: a new generation after a loss or a restart (protocol step 14).
+//! - `watchdog`: a running job without progress for `progress_timeout_seconds` is stalled.
+//! - `reports`: step, eval, done, failure and held reports; checkpoints stored; cancel.
+//! - `restore`: jobs read back after a coordinator restart.
+
+pub mod job;
+mod launch;
+pub mod phase;
+mod recovery;
+mod reports;
+pub mod restore;
+#[cfg(test)]
+mod tests;
+pub mod watchdog;
+mod workers;
+
+pub use job::Job;
+pub use launch::Launch;
+pub use phase::{Outcome, Phase};
+pub use workers::WorkerEntry;
+
+use crate::CoordinatorError;
+use crate::persist::JobRecord;
+use crate::prepare_job::PreparedJob;
+use keel_proto::jobspec::JobSpec;
+use keel_proto::rpc::{
+    DoneReport, EvalReport, FailureReport, HeldReport, JobFile, JobStatus, StepReport, TrainingKey,
+    worker_command,
+};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+/// What a worker said about itself at registration.
+#[derive(Debug, Clone, Default)]
+pub struct Registration {
+    /// host:port its ring peers reach it at (not empty).
+    pub advertise_addr: String,
+    /// Compute threads it runs.
+    pub threads: u32,
+    /// Whether it has native bf16 GEMMs that pay.
+    pub bf16_native: bool,
+    /// Its reason for `bf16_native`.
+    pub bf16_detail: String,
+    /// Its host name, for people.
+    pub hostname: String,
+    /// What it holds in memory: `(job, generation, step)`.
+    pub holds: Option<TrainingKey>,
+    /// Bytes of memory it can use (`None` from workers older than the field).
+    pub memory_limit: Option<u64>,
+}
+
+/// Each rank's files of a generation, as `(name, path, JobFile)`.
+pub type RankFiles = Vec<Vec<(String, PathBuf, JobFile)>>;
+
+/// Something that happened, with everything the machine needs to know about it.
+#[derive(Debug)]
+pub enum Input {
+    /// Time passed (the driver's timer, ~4 per second, and after every wake-up).
+    Tick,
+    /// A submission: reserve a job number for `spec` (its folder is then made by the caller).
+    /// Replies [`Reply::Reserved`]. Refused when no registered worker could hold the model.
+    Reserve {
+        /// The validated spec.
+        spec: JobSpec,
+    },
+    /// The reserved job's folder is ready: queue it.
+    Submitted {
+        /// `job-N`, from [`Reply::Reserved`].
+        id: String,
+        /// The validated spec.
+        spec: JobSpec,
+        /// Its folder (exists, holds `job.toml`).
+        dir: PathBuf,
+        /// Submission time, wall clock (saved).
+        wall: SystemTime,
+    },
+    /// The user cancels a job. Replies [`Reply::Status`].
+    Cancel {
+        /// `job-N`.
+        job_id: String,
+    },
+    /// A worker registers. Replies [`Reply::Registered`].
+    Register(Registration),
+    /// A worker's `Attach` stream opened (numbered `attach` by the driver).
+    Attached {
+        /// `w-N`.
+        worker_id: String,
+        /// The stream's number.
+        attach: u64,
+    },
+    /// A worker's `Attach` stream numbered `attach` closed.
+    Detached {
+        /// `w-N`.
+        worker_id: String,
+        /// The stream's number.
+        attach: u64,
+    },
+    /// A command could not be put on a worker's stream (full or closed).
+    Unreachable {
+        /// `w-N`.
+        worker_id: String,
+    },
+    /// A heartbeat. Replies [`Reply::Known`].
+    Heartbeat {
+        /// `w-N`.
+        worker_id: String,
+        /// The job, generation and step it is at, if any.
+        key: Option<TrainingKey>,
+    },
+    /// A preparation the machine asked for ended.
+    Prepared {
+        /// `job-N`.
+        job_id: String,
+        /// The prepared job, or why it failed.
+        result: Result<Arc<PreparedJob>, String>,
+    },
+    /// The files of a generation the machine launched are built.
+    FilesBuilt {
+        /// `job-N`.
+        job_id: String,
+        /// The generation.
+        generation: u64,
+        /// Each rank's files, or why they could not be built.
+        result: Result<RankFiles, String>,
+    },
+    /// The newest intact stored checkpoint among those the machine asked about.
+    CheckpointsVerified {
+        /// `job-N`.
+        job_id: String,
+        /// The generation being formed.
+        generation: u64,
+        /// Its step, `None` when none is intact.
+        newest: Option<u64>,
+    },
+    /// Rank `rank` completed a step.
+    Step(StepReport),
+    /// An evaluation ended.
+    Eval(EvalReport),
+    /// A rank finished every step.
+    Done(DoneReport),
+    /// A rank's step failed.
+    Failure(FailureReport),
+    /// A worker answers `Suspend` with what it holds.
+    Held(HeldReport),
+    /// A checkpoint upload starts. Replies [`Reply::JobDir`].
+    UploadBegins(TrainingKey),
+    /// A chunk of a checkpoint upload arrived (progress).
+    UploadProgress(TrainingKey),
+    /// A checkpoint was stored in the job's folder.
+    CheckpointStored(TrainingKey),
+    /// The driver could not write a job's record: it is due again.
+    SaveFailed {
+        /// `job-N`.
+        job_id: String,
+    },
+}
+
+/// The machine's answer to an input, for the caller (an RPC handler).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    /// Nothing to say.
+    None,
+    /// A job number and folder reserved for a submission.
+    Reserved {
+        /// `job-N`.
+        id: String,
+        /// `DATA_DIR/jobs/job-N`.
+        dir: PathBuf,
+    },
+    /// The job's status now.
+    Status(Box<JobStatus>),
+    /// The id and timing of a registered worker.
+    Registered {
+        /// `w-N`.
+        worker_id: String,
+    },
+    /// Whether the worker is known (false: it must register again).
+    Known(bool),
+    /// The job's folder (an upload may proceed).
+    JobDir(PathBuf),
+}
+
+/// What the outside world must do, in this order.
+#[derive(Debug, Clone)]
+pub enum Effect {
+    /// Put a command on a worker's `Attach` stream (in memory; a failure comes back as
+    /// [`Input::Unreachable`]).
+    Send {
+        /// `w-N`.
+        worker_id: String,
+        /// The command.
+        command: worker_command::Command,
+    },
+    /// Show a job's new status to its watchers (in memory).
+    Publish(Box<JobStatus>),
+    /// Write a job's record (`JOB_DIR/job-state.json`, atomically); a failure comes back as
+    /// [`Input::SaveFailed`].
+    Save {
+        /// `job-N`.
+        job_id: String,
+        /// Its folder.
+        dir: PathBuf,
+        /// The record.
+        record: Box<JobRecord>,
+    },
+    /// Append one line to `JOB_DIR/metrics.jsonl`.
+    AppendMetrics {
+        /// The job's folder.
+        dir: PathBuf,
+        /// The line (JSON object).
+        line: serde_json::Value,
+    },
+    /// Prepare a job's data (blocking work); the result comes back as [`Input::Prepared`].
+    Prepare {
+        /// `job-N`.
+        job_id: String,
+        /// Its spec.
+        spec: Box<JobSpec>,
+        /// Its folder.
+        dir: PathBuf,
+    },
+    /// Build every rank's files of a generation; they come back as [`Input::FilesBuilt`].
+    BuildFiles(Box<Launch>),
+    /// Verify the stored checkpoints `steps` (newest last) and say which is the newest intact
+    /// one ([`Input::CheckpointsVerified`]).
+    VerifyCheckpoints {
+        /// `job-N`.
+        job_id: String,
+        /// The generation being formed.
+        generation: u64,
+        /// The job's folder.
+        dir: PathBuf,
+        /// Steps to check, increasing.
+        steps: Vec<u64>,
+    },
+    /// Remove old checkpoint folders (pruned by `train.keep_checkpoints`).
+    RemoveCheckpoints {
+        /// The folders.
+        dirs: Vec<PathBuf>,
+    },
+}
+
+/// Workers and jobs, and the effects not yet taken.
+#[derive(Debug, Default)]
+pub struct Machine {
+    /// Where jobs live (`DATA_DIR/jobs/job-N`).
+    jobs_dir: PathBuf,
+    /// Registered workers by id.
+    workers: BTreeMap<String, WorkerEntry>,
+    /// Jobs by id.
+    jobs: BTreeMap<String, Job>,
+    /// Job ids in submission order (FIFO scheduling).
+    order: Vec<String>,
+    /// Counter for worker ids (`w-N`).
+    next_worker: u64,
+    /// Counter for job ids (`job-N`).
+    next_job: u64,
+    /// Effects produced and not yet taken by the driver.
+    effects: Vec<Effect>,
+}
+
+impl Machine {
+    /// An empty machine whose jobs live in `jobs_dir`.
+    pub fn new(jobs_dir: PathBuf) -> Self {
+        Machine {
+            jobs_dir,
+            ..Default::default()
+        }
+    }
+
+    /// Applies `input`, which happened at `now`. Effects accumulate until
+    /// [`take_effects`](Self::take_effects).
+    ///
+    /// Errors: what the RPC that carried the input must answer: `UnknownJob`,
+    /// `UnknownWorker`, `Stale` (a report of another generation, or out of order),
+    /// `BadRequest` (a rank or step that cannot be), `AddressInUse` (registration).
+    pub fn step(&mut self, now: Instant, input: Input) -> Result<Reply, CoordinatorError> {
+        match input {
+            Input::Tick => {
+                self.tick(now);
+                Ok(Reply::None)
+            }
+            Input::Reserve { spec } => self.reserve(&spec),
+            Input::Submitted {
+                id,
+                spec,
+                dir,
+                wall,
+            } => {
+                self.submitted(now, id, spec, dir, wall);
+                Ok(Reply::None)
+            }
+            Input::Cancel { job_id } => self.cancel(now, &job_id),
+            Input::Register(r) => self.register(now, r),
+            Input::Attached { worker_id, attach } => self.attached(now, &worker_id, attach),
+            Input::Detached { worker_id, attach } => {
+                self.detached(&worker_id, attach);
+                Ok(Reply::None)
+            }
+            Input::Unreachable { worker_id } => {
+                self.unreachable(&worker_id);
+                Ok(Reply::None)
+            }
+            Input::Heartbeat { worker_id, key } => Ok(self.heartbeat(now, &worker_id, key)),
+            Input::Prepared { job_id, result } => {
+                self.prepared(now, &job_id, result);
+                Ok(Reply::None)
+            }
+            Input::FilesBuilt {
+                job_id,
+                generation,
+                result,
+            } => {
+                self.files_built(now, &job_id, generation, result);
+                Ok(Reply::None)
+            }
+            Input::CheckpointsVerified {
+                job_id,
+                generation,
+                newest,
+            } => {
+                self.checkpoints_verified(now, &job_id, generation, newest);
+                Ok(Reply::None)
+            }
+            Input::Step(r) => self.step_reported(now, r),
+            Input::Eval(r) => self.eval_reported(now, r),
+            Input::Done(r) => self.done_reported(now, r),
+            Input::Failure(r) => self.failure_reported(now, r),
+            Input::Held(r) => self.held_reported(r),
+            Input::UploadBegins(key) => self.upload_begins(&key),
+            Input::UploadProgress(key) => {
+                self.upload_progress(now, &key);
+                Ok(Reply::None)
+            }
+            Input::CheckpointStored(key) => self.checkpoint_stored(now, &key),
+            Input::SaveFailed { job_id } => {
+                if let Some(job) = self.jobs.get_mut(&job_id) {
+                    job.save_failed();
+                }
+                Ok(Reply::None)
+            }
+        }
+    }
+
+    /// The effects produced since the last call, in order.
+    pub fn take_effects(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.effects)
+    }
+
+    /// The job `job_id`.
+    ///
+    /// Errors: [`CoordinatorError::UnknownJob`].
+    pub fn job(&self, job_id: &str) -> Result<&Job, CoordinatorError> {
+        self.jobs
+            .get(job_id)
+            .ok_or_else(|| CoordinatorError::UnknownJob {
+                job_id: job_id.to_string(),
+            })
+    }
+
+    /// Every job, in submission order.
+    pub fn jobs(&self) -> impl Iterator<Item = &Job> {
+        self.order.iter().filter_map(|id| self.jobs.get(id))
+    }
+
+    /// The worker `worker_id`, if registered.
+    pub fn worker(&self, worker_id: &str) -> Option<&WorkerEntry> {
+        self.workers.get(worker_id)
+    }
+
+    /// Every registered worker's advertised memory limit (`None`: it advertised none).
+    pub fn memory_limits(&self) -> impl Iterator<Item = Option<u64>> + Clone + '_ {
+        self.workers.values().map(|w| w.memory_limit)
+    }
+
+    /// The job a worker message names, checked to be about its current generation.
+    ///
+    /// Errors: `BadRequest` (no key), [`CoordinatorError::UnknownJob`],
+    /// [`CoordinatorError::Stale`].
+    pub fn current(&self, key: Option<&TrainingKey>) -> Result<&Job, CoordinatorError> {
+        let key = key.ok_or_else(|| CoordinatorError::BadRequest("missing training key".into()))?;
+        let job = self.job(&key.job_id)?;
+        if job.generation != key.generation {
+            return Err(CoordinatorError::Stale {
+                job_id: key.job_id.clone(),
+                message: format!(
+                    "generation {} is not the current one ({})",
+                    key.generation, job.generation
+                ),
+            });
+        }
+        Ok(job)
+    }
+
+    /// A record due for every job (`force`: even if only step progress changed recently):
+    /// the shutdown's last save. Returns how many records it handed out.
+    pub fn save_all(&mut self, now: Instant) -> usize {
+        let ids: Vec<String> = self.order.clone();
+        ids.iter().filter(|id| self.save(id, now, true)).count()
+    }
+
+    /// Publishes `job_id`'s status and hands out its record when due.
+    fn publish(&mut self, job_id: &str, now: Instant) {
+        if let Some(job) = self.jobs.get(job_id) {
+            let status = job.status(now);
+            self.effects.push(Effect::Publish(Box::new(status)));
+        }
+        self.save(job_id, now, false);
+    }
+
+    /// Hands out `job_id`'s record if due; whether it did.
+    fn save(&mut self, job_id: &str, now: Instant, force: bool) -> bool {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return false;
+        };
+        match job.record_due(now, force) {
+            Some(record) => {
+                self.effects.push(Effect::Save {
+                    job_id: job.id.clone(),
+                    dir: job.dir.clone(),
+                    record: Box::new(record),
+                });
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Appends `line` to `job_id`'s `metrics.jsonl`.
+    fn append_metrics(&mut self, job_id: &str, line: serde_json::Value) {
+        if let Some(job) = self.jobs.get(job_id) {
+            self.effects.push(Effect::AppendMetrics {
+                dir: job.dir.clone(),
+                line,
+            });
+        }
+    }
+
+    /// Sends `command` to `worker_id`, if it can take commands now; whether it could.
+    fn send(&mut self, worker_id: &str, command: worker_command::Command) -> bool {
+        match self.workers.get(worker_id) {
+            Some(w) if w.reachable() => {
+                self.effects.push(Effect::Send {
+                    worker_id: worker_id.to_string(),
+                    command,
+                });
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Job ids in submission order whose job is in a phase `keep` accepts.
+    fn ids_where(&self, keep: impl Fn(&Phase) -> bool) -> Vec<String> {
+        self.order
+            .iter()
+            .filter(|id| self.jobs.get(*id).is_some_and(|j| keep(&j.phase)))
+            .cloned()
+            .collect()
+    }
+
+    /// One tick: dead workers, stalled jobs, queued jobs, regroups, waiting jobs, saves.
+    fn tick(&mut self, now: Instant) {
+        self.reap_dead_workers(now);
+        self.check_stalls(now);
+        self.start_preparing(now);
+        self.advance_regroups(now);
+        self.assign_workers(now);
+        let due: Vec<String> = self
+            .jobs
+            .values()
+            .filter(|j| j.save_pending() || !j.is_finished())
+            .map(|j| j.id.clone())
+            .collect();
+        for id in due {
+            self.save(&id, now, false);
+        }
+    }
+
+    /// Reserves the next job number for `spec`, after checking that some registered worker
+    /// can hold its model (`crate::admission`).
+    fn reserve(&mut self, spec: &JobSpec) -> Result<Reply, CoordinatorError> {
+        crate::admission::check_submission(spec, self.memory_limits())?;
+        self.next_job += 1;
+        let id = format!("job-{}", self.next_job);
+        let dir = self.jobs_dir.join(&id);
+        Ok(Reply::Reserved { id, dir })
+    }
+
+    /// Queues a submitted job.
+    fn submitted(
+        &mut self,
+        now: Instant,
+        id: String,
+        spec: JobSpec,
+        dir: PathBuf,
+        wall: SystemTime,
+    ) {
+        self.jobs
+            .insert(id.clone(), Job::new(id.clone(), spec, dir, now, wall));
+        self.order.push(id.clone());
+        self.publish(&id, now);
+    }
+
+    /// Ends a job that is not finished yet: sets its outcome, tells its workers to drop it
+    /// (`CancelJob`, unless it completed) and frees them.
+    fn end_job(&mut self, job_id: &str, outcome: Outcome, now: Instant) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        if job.is_finished() {
+            return;
+        }
+        let members = job.members();
+        let reason = match &outcome {
+            Outcome::Completed => {
+                tracing::info!(job = job_id, state = ?keel_proto::rpc::JobState::Completed, "job ended");
+                None
+            }
+            Outcome::Cancelled(e) => {
+                tracing::warn!(job = job_id, "{e}");
+                Some(e.clone())
+            }
+            Outcome::Failed(e) => {
+                tracing::error!(job = job_id, "{e}");
+                Some(e.clone())
+            }
+        };
+        job.phase = Phase::Finished(outcome);
+        let key = TrainingKey {
+            job_id: job.id.clone(),
+            generation: job.generation,
+            step: job.step,
+        };
+        self.publish(job_id, now);
+        for id in members {
+            if let Some(w) = self.workers.get_mut(&id)
+                && w.job.as_ref().is_some_and(|(j, _)| j == job_id)
+            {
+                w.job = None;
+            }
+            if let Some(reason) = &reason {
+                self.send(
+                    &id,
+                    worker_command::Command::Cancel(keel_proto::rpc::CancelJob {
+                        key: Some(key.clone()),
+                        reason: reason.clone(),
+                    }),
+                );
+            }
+        }
+    }
+
+    /// `rank 1 = w-2 (127.0.0.1:7072)` for every rank of a job: appended to failure messages
+    /// so that a rank named by a ring error maps to a worker.
+    fn describe_ranks(&self, job: &Job) -> String {
+        job.members()
+            .iter()
+            .enumerate()
+            .map(|(rank, id)| match self.workers.get(id) {
+                Some(w) => format!("rank {rank} = {}", w.describe()),
+                None => format!("rank {rank} = {id}"),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// `w-2 (127.0.0.1:7072)` for each worker id (the id alone if it is gone).
+    fn names_of(&self, ids: &[String]) -> Vec<String> {
+        ids.iter()
+            .map(|id| {
+                self.workers
+                    .get(id)
+                    .map_or_else(|| id.clone(), |w| w.describe())
+            })
+            .collect()
+    }
+}
