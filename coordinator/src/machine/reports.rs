@@ -57,7 +57,12 @@ impl Machine {
     ) -> Result<Reply, CoordinatorError> {
         let job = self.current(r.key.as_ref())?;
         let step = r.key.as_ref().map_or(0, |k| k.step);
-        let ranks = job.members().len();
+        // The ring's size; a finished job keeps its last ring's (late reports are refused
+        // for what they are, not for naming a rank).
+        let ranks = match &job.phase {
+            Phase::Running(run) => run.workers.len(),
+            _ => job.worker_names.len(),
+        };
         if r.rank as usize >= ranks {
             return Err(CoordinatorError::BadRequest(format!(
                 "step report: rank {} is not in job {} ({ranks} ranks)",

@@ -230,3 +230,39 @@ fn a_detach_of_a_replaced_stream_is_ignored() {
     let outcome = Outcome::Completed;
     assert_eq!(Phase::Finished(outcome).state(), JobState::Completed);
 }
+
+#[test]
+fn late_step_reports_to_a_finished_job_are_refused_for_what_they_are() {
+    let (mut h, job, _) = running(2, "min_workers = 2");
+    for step in [4, 20] {
+        let key = h.key(&job, step);
+        h.feed(Input::CheckpointStored(key)).unwrap();
+    }
+    h.step(&job, 20);
+    for rank in 0..2 {
+        let key = Some(h.key(&job, 20));
+        h.feed(Input::Done(DoneReport {
+            key,
+            rank,
+            ..Default::default()
+        }))
+        .unwrap();
+    }
+    assert_eq!(h.state(&job), JobState::Completed);
+    let report = |step, rank| {
+        Input::Step(StepReport {
+            key: Some(h.key(&job, step)),
+            rank,
+            ..Default::default()
+        })
+    };
+    let cases = [
+        (report(1, 0), "order"),
+        (report(20, 9), "rank 9"),
+        (report(0, 0), "step 0"),
+    ];
+    for (input, needle) in cases {
+        let err = h.feed(input).unwrap_err().to_string();
+        assert!(err.contains(needle), "{needle:?} not in {err}");
+    }
+}
