@@ -4,8 +4,8 @@
 use crate::allreduce::{Mailbox, RingDataPlane, ring_service, tune_server};
 use crate::client::coordinator_client;
 use crate::control::{JobControl, StopReason};
+use crate::job::{self, JobContext};
 use crate::replica::HeldReplica;
-use crate::trainer::{self, JobContext};
 use keel_proto::auth::AuthChannel;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{
@@ -586,7 +586,7 @@ async fn run_and_report(
     let control = ctx.control.clone();
     let progress = ctx.progress.clone();
     tracing::info!(job = %key.job_id, generation = key.generation, rank, world_size = start.world_size, start_step = start.start_step, "starting job");
-    let (result, replica) = trainer::run_job(ctx, start, held).await;
+    let (result, replica) = job::run_job(ctx, start, held).await;
     let step = replica
         .as_ref()
         .map_or_else(|| progress.load(Ordering::SeqCst), |r| r.step);
