@@ -119,10 +119,7 @@ impl<'a> Trainer<'a> {
         // One rank has nothing to overlap: the word embeddings keep their whole gradient.
         let split_lookup = setup.world_size > 1;
         let buckets = Buckets::new(&model.ready_ranges(split_lookup), BUCKET_ELEMS);
-        let word_range = layout
-            .find("bert.embeddings.word_embeddings.weight")
-            .map(|e| e.range())
-            .ok_or_else(|| err("the parameter layout has no word embeddings".into()))?;
+        let word_range = model.word_embeddings_range();
         let t = &setup.spec.train;
         Ok(Self {
             grads: vec![0f32; layout.total_len()],
