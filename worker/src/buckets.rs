@@ -18,6 +18,49 @@ pub const BUCKET_ELEMS: usize = 1 << 20;
 /// Bucket id offsets: ids below [`FIRST_SPECIAL_BUCKET`] are gradient buckets.
 pub const FIRST_SPECIAL_BUCKET: u32 = 1 << 30;
 
+/// The all-reduces of a step that are not gradient buckets, each with its bucket id on the
+/// wire: the one place those ids are defined. Every rank submits them in the same order, and
+/// a (step, id) pair names one all-reduce, so the ids must be distinct (a unit test checks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SpecialBucket {
+    /// The step's counts: `[masked tokens, NSP labels, real tokens]`, then, with several
+    /// ranks, `[v]` presence flags (how many ranks use each token id).
+    Counts,
+    /// The step's loss sums: `[mlm loss sum, mlm correct, nsp loss sum, nsp correct]`.
+    Loss,
+    /// An eval's sums: `[mlm loss sum, masked tokens, correct]`.
+    Eval,
+    /// The word embeddings' lookup-gradient rows, `[u, c]` (several ranks only).
+    LookupRows,
+    /// The first of the state broadcast's buckets (`Broadcast.id()..`, upwards: the highest
+    /// special id, so the broadcast's range never meets another).
+    Broadcast,
+}
+
+impl SpecialBucket {
+    /// Every special bucket, in id order.
+    pub const ALL: [SpecialBucket; 5] = [
+        SpecialBucket::Counts,
+        SpecialBucket::Loss,
+        SpecialBucket::Eval,
+        SpecialBucket::LookupRows,
+        SpecialBucket::Broadcast,
+    ];
+
+    /// The bucket id this all-reduce travels under (unchanged wire values: `2^30 + 0..3`, and
+    /// `2^30 + 16` for the broadcast's first bucket).
+    pub const fn id(self) -> u32 {
+        FIRST_SPECIAL_BUCKET
+            + match self {
+                SpecialBucket::Counts => 0,
+                SpecialBucket::Loss => 1,
+                SpecialBucket::Eval => 2,
+                SpecialBucket::LookupRows => 3,
+                SpecialBucket::Broadcast => 16,
+            }
+    }
+}
+
 /// The buckets of one gradient buffer, reused step after step.
 #[derive(Debug)]
 pub struct Buckets {
@@ -134,6 +177,32 @@ impl Buckets {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn special_bucket_ids_are_distinct_and_above_every_gradient_bucket() {
+        let ids: Vec<u32> = SpecialBucket::ALL.iter().map(|b| b.id()).collect();
+        let mut unique = ids.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), ids.len(), "{ids:?}");
+        // The wire values of today's workers.
+        assert_eq!(
+            ids,
+            vec![
+                1 << 30,
+                (1 << 30) + 1,
+                (1 << 30) + 2,
+                (1 << 30) + 3,
+                (1 << 30) + 16
+            ]
+        );
+        // Gradient buckets are numbered 0.. and never reach the special ids: a u32-indexed
+        // buffer of f32 cut into BUCKET_ELEMS pieces has fewer than 2^30 buckets.
+        assert!((u32::MAX as usize).div_ceil(BUCKET_ELEMS) < FIRST_SPECIAL_BUCKET as usize);
+        // The broadcast's range starts above every other special id.
+        let broadcast = SpecialBucket::Broadcast.id();
+        assert!(ids.iter().all(|&id| id <= broadcast));
+    }
 
     #[test]
     fn bucket_ranges_cover_the_buffer_exactly() {

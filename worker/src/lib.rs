@@ -8,10 +8,14 @@
 //! - `optim/`: AdamW, LAMB, learning-rate schedules, gradient clipping.
 //! - `data/`: masking (static, dynamic, whole-word) and collation of shard sequences into batches.
 //! - `allreduce/`: ring reduce-scatter + all-gather between workers over gRPC.
-//! - `serve`, `trainer`: the worker process (registration, heartbeats, one job's life).
+//! - `serve`: the worker process (registration, heartbeats, commands); `job`: one job's life
+//!   on this worker (files, ring, training thread, reports).
 //! - `client`: file transfers with the coordinator (shards in, checkpoints out).
-//! - `step`: the training loop of one rank; `buckets`: gradient buckets overlapped with
-//!   backward; `ringlink`: the bridge from the math thread to the async ring.
+//! - `train/`: the training loop of one rank in parts: starting state (`start`), data
+//!   pipeline, the step's collectives, checkpoint staging, eval, optimizer from the spec, and
+//!   `Trainer`, whose `step()` is the step.
+//! - `buckets`: gradient buckets overlapped with backward, and the ids of every other
+//!   all-reduce (`SpecialBucket`); `ringlink`: the bridge from the math thread to the async ring.
 //! - `bench`: `keel-worker bench`, the training-step benchmark.
 //! - `control`: stopping a job from outside (cancel, suspend, shutdown).
 //! - `allocator`: glibc settings that keep the ring's freed frame buffers for reuse.
@@ -30,11 +34,11 @@ pub mod buckets;
 pub mod client;
 pub mod control;
 pub mod data;
+pub mod job;
 pub mod model;
 pub mod optim;
 pub mod optim_state;
 pub mod replica;
 pub mod ringlink;
 pub mod serve;
-pub mod step;
-pub mod trainer;
+pub mod train;

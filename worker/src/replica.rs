@@ -4,12 +4,9 @@
 //! the newest step can give it to the ranks that do not (a new worker, or one that was a step
 //! behind when the ring broke) by [`broadcast`].
 
-use crate::buckets::{BUCKET_ELEMS, FIRST_SPECIAL_BUCKET};
+use crate::buckets::{BUCKET_ELEMS, SpecialBucket};
 use crate::optim::Optimizer;
 use crate::ringlink::{RingLink, RingLinkError, RingReply};
-
-/// First bucket id of the state broadcast (above the per-step special buckets).
-pub const BROADCAST_FIRST_BUCKET: u32 = FIRST_SPECIAL_BUCKET + 16;
 
 /// Bits per f32 piece when an integer travels through the all-reduce (exact below 2^24).
 const PIECE_BITS: u32 = 22;
@@ -80,7 +77,7 @@ fn from_pieces(p: &[f32]) -> u64 {
 /// the root contributes its values and every other rank `-0.0`, and `x + (-0.0) = x` exactly
 /// for every f32 `x` (IEEE 754, round to nearest), whatever the order of the sum.
 /// Non-root ranks pass a replica of the right shape (fresh optimizer, any weights). Buckets
-/// `BROADCAST_FIRST_BUCKET..` of `step` carry it, in chunks of [`BUCKET_ELEMS`].
+/// [`SpecialBucket::Broadcast`]`.id()..` of `step` carry it, in chunks of [`BUCKET_ELEMS`].
 ///
 /// Errors: [`BroadcastError::Ring`] from the ring (`Aborted` if the job is stopped meanwhile);
 /// [`BroadcastError::State`] if the optimizer rejects the received buffers.
@@ -97,7 +94,7 @@ pub fn broadcast(
             vec![-0.0; data.len()]
         }
     };
-    let mut bucket = BROADCAST_FIRST_BUCKET;
+    let mut bucket = SpecialBucket::Broadcast.id();
     let mut next_bucket = || {
         let b = bucket;
         bucket += 1;

@@ -24,6 +24,11 @@ use super::nsp_head::{NspCache, NspHead};
 use super::{Element, LossSums, ModelError, StepOptions};
 use crate::batch::Batch;
 
+// Checks of the inputs (`impl Bert` continued).
+#[path = "bert_inputs.rs"]
+mod inputs;
+use inputs::Tokens;
+
 /// BERT with its heads, generic over f32 (training) and f64 (exactness checks). Holds no
 /// parameters, only their layout and the activation buffers it reuses from step to step
 /// (they grow to the largest batch seen and never shrink).
@@ -83,15 +88,6 @@ pub struct ForwardOutputs<A> {
     pub logits: Array2<A>,
     /// NSP logits `[b, 2]` (PreTraining only).
     pub seq_relationship_logits: Option<Array2<A>>,
-}
-
-/// Token inputs after checking, as flat slices.
-struct Tokens<'a> {
-    ids: &'a [u32],
-    types: &'a [u32],
-    mask: &'a [u8],
-    b: usize,
-    t: usize,
 }
 
 impl<A: Element> Bert<A> {
@@ -179,122 +175,6 @@ impl<A: Element> Bert<A> {
     /// The heads on the encoder.
     pub fn heads(&self) -> Heads {
         self.heads
-    }
-
-    fn check_buffer(&self, buffer: &'static str, len: usize) -> Result<(), ModelError> {
-        if len != self.layout.total_len() {
-            return Err(ModelError::BufferLength {
-                buffer,
-                expected: self.layout.total_len(),
-                got: len,
-            });
-        }
-        Ok(())
-    }
-
-    /// Checks ids and shapes of token inputs.
-    fn check_tokens(
-        &self,
-        ids: &[u32],
-        types: &[u32],
-        mask: &[u8],
-        b: usize,
-        t: usize,
-    ) -> Result<(), ModelError> {
-        if t > self.config.max_position_embeddings {
-            return Err(ModelError::SequenceTooLong {
-                seq_len: t,
-                max: self.config.max_position_embeddings,
-            });
-        }
-        for (field, len) in [
-            ("token_type_ids", types.len()),
-            ("attention_mask", mask.len()),
-        ] {
-            if len != b * t {
-                return Err(ModelError::ShapeMismatch {
-                    field,
-                    expected: vec![b, t],
-                    got: vec![len],
-                });
-            }
-        }
-        check_ids("input_ids", ids, self.config.vocab_size)?;
-        check_ids("token_type_ids", types, self.config.type_vocab_size)?;
-        Ok(())
-    }
-
-    fn check_batch(&self, batch: &Batch, need_sample_ids: bool) -> Result<(), ModelError> {
-        let (b, t) = (batch.batch_size(), batch.seq_len());
-        for (field, dim) in [
-            ("token_type_ids", batch.token_type_ids.dim()),
-            ("attention_mask", batch.attention_mask.dim()),
-        ] {
-            if dim != (b, t) {
-                return Err(ModelError::ShapeMismatch {
-                    field,
-                    expected: vec![b, t],
-                    got: vec![dim.0, dim.1],
-                });
-            }
-        }
-        if batch.masked_labels.len() != batch.masked_positions.len() {
-            return Err(ModelError::ShapeMismatch {
-                field: "masked_labels",
-                expected: vec![batch.masked_positions.len()],
-                got: vec![batch.masked_labels.len()],
-            });
-        }
-        for (index, &p) in batch.masked_positions.iter().enumerate() {
-            if p >= b * t {
-                return Err(ModelError::OutOfRange {
-                    field: "masked_positions",
-                    index,
-                    value: p,
-                    limit: b * t,
-                });
-            }
-        }
-        check_ids(
-            "masked_labels",
-            &batch.masked_labels,
-            self.config.vocab_size,
-        )?;
-        if need_sample_ids && batch.sample_ids.len() != b {
-            return Err(ModelError::ShapeMismatch {
-                field: "sample_ids",
-                expected: vec![b],
-                got: vec![batch.sample_ids.len()],
-            });
-        }
-        if self.nsp.is_some() {
-            let labels = batch
-                .next_sentence_labels
-                .as_ref()
-                .ok_or(ModelError::MissingNextSentenceLabels)?;
-            if labels.len() != b {
-                return Err(ModelError::ShapeMismatch {
-                    field: "next_sentence_labels",
-                    expected: vec![b],
-                    got: vec![labels.len()],
-                });
-            }
-            check_ids("next_sentence_labels", labels, 2)?;
-        }
-        Ok(())
-    }
-
-    fn tokens<'a>(&self, batch: &'a Batch) -> Result<Tokens<'a>, ModelError> {
-        let (b, t) = (batch.batch_size(), batch.seq_len());
-        let tokens = Tokens {
-            ids: as_flat("input_ids", &batch.input_ids)?,
-            types: as_flat("token_type_ids", &batch.token_type_ids)?,
-            mask: as_flat("attention_mask", &batch.attention_mask)?,
-            b,
-            t,
-        };
-        self.check_tokens(tokens.ids, tokens.types, tokens.mask, b, t)?;
-        Ok(tokens)
     }
 
     /// Embeddings and encoder: fills `state.hidden[0..=L]`.
@@ -396,6 +276,12 @@ impl<A: Element> Bert<A> {
             r.embeddings.clone()
         });
         out
+    }
+
+    /// The word embeddings' range `[v * c]` of the flat parameter and gradient buffers
+    /// (`bert.embeddings.word_embeddings.weight`).
+    pub fn word_embeddings_range(&self) -> Range<usize> {
+        self.ready.word.clone()
     }
 
     fn step(
@@ -639,21 +525,4 @@ impl<A: Element> Bert<A> {
             seq_relationship_logits,
         })
     }
-}
-
-fn check_ids(field: &'static str, ids: &[u32], limit: usize) -> Result<(), ModelError> {
-    match ids.iter().position(|&id| id as usize >= limit) {
-        Some(index) => Err(ModelError::OutOfRange {
-            field,
-            index,
-            value: ids[index] as usize,
-            limit,
-        }),
-        None => Ok(()),
-    }
-}
-
-/// The row-major elements of a batch field.
-fn as_flat<'a, T>(field: &'static str, a: &'a Array2<T>) -> Result<&'a [T], ModelError> {
-    a.as_slice().ok_or(ModelError::NotContiguous { field })
 }

@@ -1,5 +1,5 @@
 //! One job on one worker (protocol steps 6-11 in `keel_proto::protocol`): fetch the files,
-//! join the ring, run the training loop on a blocking thread (`step`), and forward its reports
+//! join the ring, run the training loop on a blocking thread (`train`), and forward its reports
 //! and checkpoints to the coordinator in order.
 
 use crate::allreduce::{Mailbox, Ring, RingConfig};
@@ -7,7 +7,7 @@ use crate::client::{TransferError, UPLOAD_FIRST_PAUSE, fetch_cached, upload_dir_
 use crate::control::JobControl;
 use crate::replica::Replica;
 use crate::ringlink::RingLink;
-use crate::step::{Event, InitialState, TrainError, TrainSetup};
+use crate::train::{Event, InitialState, TrainError, TrainSetup};
 use keel_proto::auth::AuthChannel;
 use keel_proto::config::BertConfig;
 use keel_proto::jobspec::JobSpec;
@@ -292,7 +292,7 @@ async fn prepare_and_train(
     let reporter = tokio::spawn(report_events(client.clone(), key.clone(), events_rx));
     let (control, progress) = (ctx.control.clone(), ctx.progress.clone());
     let math = tokio::task::spawn_blocking(move || {
-        crate::step::train(setup, link, events_tx, &control, &progress, &busy)
+        crate::train::train(setup, link, events_tx, &control, &progress, &busy)
     });
     let trained = math.await;
     // The events channel is closed now: the reporter drains it (final upload) and ends.

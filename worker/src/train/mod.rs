@@ -1,0 +1,76 @@
+//! The training loop of one rank, run on a blocking thread (protocol step 8), in parts:
+//!
+//! - `start`: where the generation's starting state comes from ([`InitialState`]): the seed,
+//!   HF weights, a checkpoint, or the held replica plus a broadcast.
+//! - `pipeline`: this rank's micro-batches, masked as the spec says
+//!   (`MaskingConfig::from_spec`).
+//! - `collectives`: the step's all-reduces besides the gradient buckets (counts, loss,
+//!   lookup rows), under the ids of [`crate::buckets::SpecialBucket`].
+//! - `checkpoint`: staging a checkpoint folder for upload.
+//! - `eval`: the held-out evaluation.
+//! - `optimizer`: the optimizer and learning-rate schedule from the spec.
+//! - `trainer`: [`Trainer`], whose `step()` is the step, a few calls long.
+//! - `setup`, `error`: what the loop is given ([`TrainSetup`]), tells ([`Event`]) and fails
+//!   with ([`TrainError`]).
+//!
+//! With several ranks the word embeddings' gradient travels in two parts (see
+//! `model::LookupGrads`): the tied decoder's dense share as soon as the MLM head's backward is
+//! done, and the embedding lookup's share, only the rows of tokens some rank used, at the end
+//! (when those rows are at most half the vocabulary; else in one piece at the end).
+
+pub mod checkpoint;
+pub mod collectives;
+pub mod error;
+pub mod eval;
+pub mod optimizer;
+pub mod pipeline;
+pub mod setup;
+pub mod start;
+pub mod trainer;
+
+pub use error::TrainError;
+pub use optimizer::{optimizer_for, schedule_for};
+pub use setup::{Event, TrainSetup};
+pub use start::InitialState;
+pub use trainer::{Links, Trainer};
+
+use crate::control::JobControl;
+use crate::replica::Replica;
+use crate::ringlink::RingLink;
+use keel_proto::params::ParamLayout;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// Runs the job's steps `start_step..max_steps` on this rank. Returns how it ended and the
+/// rank's replica, which is always consistent (a whole number of steps) when it exists: the
+/// optimizer update is the last thing a step does before counting it, and nothing after it
+/// can fail half-way.
+///
+/// Errors: [`TrainError`] with the step it happened at; see [`TrainError::is_recoverable`].
+pub fn train(
+    mut setup: TrainSetup,
+    ring: RingLink,
+    events: UnboundedSender<Event>,
+    control: &JobControl,
+    progress: &AtomicU64,
+    ring_busy_us: &AtomicU64,
+) -> (Result<(), TrainError>, Option<Replica>) {
+    let config = setup.config.clone();
+    let layout = ParamLayout::bert(&config, config.heads());
+    let initial = std::mem::replace(&mut setup.initial, InitialState::Init { weights: None });
+    let mut replica = match start::starting_replica(initial, &setup, &layout, &ring) {
+        Ok(r) => r,
+        Err(e) => return (Err(e), None),
+    };
+    progress.store(replica.step, Ordering::SeqCst);
+    let links = Links {
+        ring,
+        events,
+        control,
+        progress,
+        ring_busy_us,
+    };
+    let result = Trainer::new(setup, layout, replica.step, links)
+        .and_then(|mut trainer| trainer.run(&mut replica));
+    (result, Some(replica))
+}

@@ -1,0 +1,106 @@
+//! The job's optimizer and learning-rate schedule, from the spec's `[train]` section.
+
+use crate::optim::{AdamW, AdamWConfig, Lamb, LambConfig, LrSchedule, Optimizer, ScheduleKind};
+use keel_proto::jobspec::{OptimizerKind, TrainSpec};
+use keel_proto::params::ParamLayout;
+
+/// The job's optimizer over `layout` (moments `[P]` each, hyper-parameters from `[train]`:
+/// `adam_beta1`, `adam_beta2`, `adam_epsilon`, `weight_decay`; AdamW with bias correction).
+pub fn optimizer_for(t: &TrainSpec, layout: &ParamLayout) -> Box<dyn Optimizer> {
+    match t.optimizer {
+        OptimizerKind::Adamw => Box::new(AdamW::<f32>::new(
+            layout,
+            AdamWConfig {
+                beta1: t.adam_beta1,
+                beta2: t.adam_beta2,
+                eps: t.adam_epsilon,
+                weight_decay: t.weight_decay,
+                bias_correction: true,
+            },
+        )),
+        OptimizerKind::Lamb => Box::new(Lamb::<f32>::new(
+            layout,
+            LambConfig {
+                beta1: t.adam_beta1,
+                beta2: t.adam_beta2,
+                eps: t.adam_epsilon,
+                weight_decay: t.weight_decay,
+            },
+        )),
+    }
+}
+
+/// The optimizer's name in `trainer_state.json` (`"adamw"`, `"lamb"`).
+pub fn optimizer_name(kind: &OptimizerKind) -> &'static str {
+    match kind {
+        OptimizerKind::Adamw => "adamw",
+        OptimizerKind::Lamb => "lamb",
+    }
+}
+
+/// The job's learning-rate schedule: `warmup_steps` of linear warmup to `learning_rate`,
+/// then `[train] schedule` down to 0 at `max_steps` (steps are 0-based optimizer steps).
+pub fn schedule_for(t: &TrainSpec) -> LrSchedule {
+    LrSchedule {
+        kind: match t.schedule {
+            keel_proto::jobspec::ScheduleKind::Linear => ScheduleKind::Linear,
+            keel_proto::jobspec::ScheduleKind::Poly => ScheduleKind::Poly {
+                power: t.poly_power,
+            },
+            keel_proto::jobspec::ScheduleKind::Constant => ScheduleKind::Constant,
+        },
+        peak_lr: t.learning_rate,
+        warmup_steps: t.warmup_steps,
+        total_steps: t.max_steps,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_proto::jobspec::JobSpec;
+
+    fn spec(train: &str) -> JobSpec {
+        let text = format!(
+            "[data]\ncorpus = [\"/corpus.txt\"]\nvocab_size = 1000\nmax_seq_length = 128\n\
+             [model]\npreset = \"tiny\"\n[train]\nmicro_batch_size = 8\nmax_steps = 100\n{train}"
+        );
+        JobSpec::from_toml_str(&text, "job.toml").unwrap()
+    }
+
+    #[test]
+    fn the_schedule_follows_the_spec() {
+        let t = spec(
+            "learning_rate = 0.001\nwarmup_steps = 10\nschedule = \"poly\"\npoly_power = 2.0\n",
+        )
+        .train;
+        let s = schedule_for(&t);
+        assert_eq!(s.kind, ScheduleKind::Poly { power: 2.0 });
+        assert_eq!((s.peak_lr, s.warmup_steps, s.total_steps), (0.001, 10, 100));
+        let constant = schedule_for(&spec("schedule = \"constant\"\n").train);
+        assert_eq!(constant.kind, ScheduleKind::Constant);
+        assert_eq!(
+            schedule_for(&spec("schedule = \"linear\"\n").train).kind,
+            ScheduleKind::Linear
+        );
+    }
+
+    #[test]
+    fn the_optimizer_follows_the_spec() {
+        let config = keel_proto::config::BertConfig::preset("tiny", 1000).unwrap();
+        let layout = ParamLayout::bert(&config, config.heads());
+        for (name, kind) in [
+            ("adamw", OptimizerKind::Adamw),
+            ("lamb", OptimizerKind::Lamb),
+        ] {
+            let t = spec(&format!("optimizer = \"{name}\"\n")).train;
+            assert_eq!(t.optimizer, kind);
+            assert_eq!(optimizer_name(&t.optimizer), name);
+            let opt = optimizer_for(&t, &layout);
+            assert_eq!(opt.steps_taken(), 0);
+            for (_, state) in opt.state() {
+                assert_eq!(state.len(), layout.total_len());
+            }
+        }
+    }
+}

@@ -1,0 +1,75 @@
+//! What the training loop of one rank is given ([`TrainSetup`], prepared by `job`) and what it
+//! tells the reporter ([`Event`]).
+
+use super::start::InitialState;
+use keel_proto::config::BertConfig;
+use keel_proto::jobspec::JobSpec;
+use keel_proto::precision::Precision;
+use keel_proto::rpc::{EvalReport, StepReport};
+use std::path::PathBuf;
+
+/// Everything the loop needs, prepared by `job`.
+#[derive(Debug)]
+pub struct TrainSetup {
+    /// The job.
+    pub job_id: String,
+    /// Membership generation.
+    pub generation: u64,
+    /// This rank.
+    pub rank: u32,
+    /// World size `W`.
+    pub world_size: u32,
+    /// The job spec.
+    pub spec: JobSpec,
+    /// The model config.
+    pub config: BertConfig,
+    /// Training sequences in the whole set.
+    pub total_sequences: u64,
+    /// This rank's shard.
+    pub shard: PathBuf,
+    /// The held-out shard.
+    pub heldout: PathBuf,
+    /// The tokenizer (tokenizer.json), for the special ids and vocabulary of masking.
+    pub tokenizer: PathBuf,
+    /// Where the starting weights and optimizer state come from.
+    pub initial: InitialState,
+    /// Steps already completed: the loop runs `start_step..max_steps`.
+    pub start_step: u64,
+    /// Sequences per step, fixed for the job's life (`B`; 0 = `W * b * k`).
+    pub global_batch_size: u64,
+    /// GEMM precision the coordinator decided for the job.
+    pub precision: Precision,
+    /// Stage a checkpoint of `start_step` before the first step (rank 0).
+    pub checkpoint_first: bool,
+    /// Fault injection for tests: make this rank's loss at this 0-based step NaN.
+    pub fault_nan_at_step: Option<u64>,
+    /// Scratch folder for staging checkpoints.
+    pub work_dir: PathBuf,
+}
+
+impl TrainSetup {
+    /// Sequences per step `B`: `global_batch_size`, or `W * b * k` from the spec when it is 0.
+    pub fn global_batch(&self) -> u64 {
+        if self.global_batch_size > 0 {
+            self.global_batch_size
+        } else {
+            self.spec.global_batch(self.world_size as usize) as u64
+        }
+    }
+}
+
+/// What the loop tells the reporter (in order).
+#[derive(Debug)]
+pub enum Event {
+    /// A finished step's metrics (rank 0).
+    Step(StepReport),
+    /// An eval's results (rank 0).
+    Eval(EvalReport),
+    /// A checkpoint folder staged at `dir`, to upload (rank 0).
+    Checkpoint {
+        /// Steps completed.
+        step: u64,
+        /// The staged folder.
+        dir: PathBuf,
+    },
+}

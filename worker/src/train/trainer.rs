@@ -1,0 +1,471 @@
+//! [`Trainer`]: one rank's training loop, a step at a time (protocol step 8).
+//!
+//! A step: this rank's micro-batches; all-reduce the counts; forward/backward every
+//! micro-batch with `mlm_scale = 1 / global masked count`, gradient buckets going to the ring
+//! as backward finishes them; wait for the summed gradient; all-reduce the loss sums; clip and
+//! update (every rank holds the same sums, so every rank applies the same update); report;
+//! evaluate and stage a checkpoint when due.
+//!
+//! Shape legend: `b` micro-batch size (sequences), `k` gradient accumulation steps, `W` world
+//! size, `P` parameters (flat buffer length), `v` vocabulary, `c` hidden size.
+
+use super::checkpoint::stage_checkpoint;
+use super::collectives::{
+    LossSums, StepCounts, all_reduce_counts, all_reduce_loss, lookup_rows, split_pays,
+    submit_lookup_rows,
+};
+use super::error::{TrainError, data_err, model_err, ring_err};
+use super::eval::Evaluator;
+use super::optimizer::schedule_for;
+use super::pipeline::Pipeline;
+use super::setup::{Event, TrainSetup};
+use crate::batch::Batch;
+use crate::buckets::{BUCKET_ELEMS, Buckets};
+use crate::control::JobControl;
+use crate::model::{Bert, DropoutKey, LookupGrads, StepOptions};
+use crate::optim::{LrSchedule, clip_grad_norm, global_norm};
+use crate::replica::Replica;
+use crate::ringlink::RingLink;
+use keel_proto::jobspec::Objective;
+use keel_proto::params::ParamLayout;
+use keel_proto::rpc::{EvalReport, StepReport, TrainingKey};
+use keel_proto::shard::ShardReader;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What the loop talks to outside its own math.
+pub struct Links<'a> {
+    /// The ring all-reduce.
+    pub ring: RingLink,
+    /// Reports and checkpoints for the reporter, in order.
+    pub events: UnboundedSender<Event>,
+    /// Stops the job from outside.
+    pub control: &'a JobControl,
+    /// Steps completed (read by heartbeats).
+    pub progress: &'a AtomicU64,
+    /// Microseconds the ring has been busy (for the step's all-reduce time).
+    pub ring_busy_us: &'a AtomicU64,
+}
+
+/// One rank's training loop over a replica, with everything a step reuses.
+pub struct Trainer<'a> {
+    setup: TrainSetup,
+    layout: ParamLayout,
+    model: Bert<f32>,
+    /// The step's gradient, `[P]`.
+    grads: Vec<f32>,
+    schedule: LrSchedule,
+    pipeline: Pipeline,
+    eval: Evaluator,
+    buckets: Buckets,
+    /// The word embeddings' range `[v * c]` of the flat buffers.
+    word_range: Range<usize>,
+    /// Sequences per step `B`.
+    global_batch: u64,
+    /// The objective has NSP.
+    nsp: bool,
+    /// Several ranks: the word embeddings' gradient may travel in two parts.
+    split_lookup: bool,
+    /// Whether the last step sent the word embeddings' gradient in two parts (logged on change).
+    last_split: Option<bool>,
+    links: Links<'a>,
+}
+
+/// What the optimizer did in a step.
+struct Update {
+    lr: f32,
+    grad_norm: f32,
+    finite: bool,
+}
+
+/// When a step's phases began, for its report.
+struct Clock {
+    started: Instant,
+    busy_before: u64,
+    compute_started: Instant,
+    compute_done: Instant,
+}
+
+impl<'a> Trainer<'a> {
+    /// Builds the model, the pipeline and the evaluator of `setup` over `layout`, to go on
+    /// from a replica at `step` (which names the step in errors).
+    ///
+    /// Errors: [`TrainError::Model`] for a config the model refuses; [`TrainError::Data`] for
+    /// an unreadable tokenizer, shard or held-out shard, or a plan that does not fit.
+    pub fn new(
+        setup: TrainSetup,
+        layout: ParamLayout,
+        step: u64,
+        links: Links<'a>,
+    ) -> Result<Self, TrainError> {
+        let err = data_err(step);
+        let config = &setup.config;
+        let mut model = Bert::<f32>::new(config, config.heads()).map_err(model_err(step))?;
+        model.set_precision(setup.precision);
+        tracing::info!(
+            job = %setup.job_id,
+            rank = setup.rank,
+            precision = %setup.precision,
+            backend = crate::model::bf16_backend_name(setup.precision),
+            "training GEMMs in {}",
+            setup.precision
+        );
+        let global_batch = setup.global_batch();
+        let pipeline = Pipeline::open(&setup, global_batch, step)?;
+        let heldout = ShardReader::open(&setup.heldout)
+            .map_err(|e| err(format!("{}: {e}", setup.heldout.display())))?;
+        // One rank has nothing to overlap: the word embeddings keep their whole gradient.
+        let split_lookup = setup.world_size > 1;
+        let buckets = Buckets::new(&model.ready_ranges(split_lookup), BUCKET_ELEMS);
+        let word_range = model.word_embeddings_range();
+        let t = &setup.spec.train;
+        Ok(Self {
+            grads: vec![0f32; layout.total_len()],
+            schedule: schedule_for(t),
+            eval: Evaluator::new(heldout, setup.rank, setup.world_size, t.micro_batch_size),
+            nsp: setup.spec.data.objective == Objective::MlmNsp,
+            setup,
+            layout,
+            model,
+            pipeline,
+            buckets,
+            word_range,
+            global_batch,
+            split_lookup,
+            last_split: None,
+            links,
+        })
+    }
+
+    /// Runs steps `replica.step..max_steps` (after staging a checkpoint of the start when
+    /// asked). The replica stays consistent (a whole number of steps) whatever happens: the
+    /// optimizer update is the last thing a step does before counting it.
+    ///
+    /// Errors: [`TrainError`] with the step it happened at; [`TrainError::Stopped`] when the
+    /// job is stopped from outside between steps.
+    pub fn run(&mut self, replica: &mut Replica) -> Result<(), TrainError> {
+        if self.setup.rank == 0 && self.setup.checkpoint_first {
+            let dir = stage_checkpoint(
+                &self.setup,
+                &self.layout,
+                replica,
+                f64::NAN,
+                self.global_batch,
+            )?;
+            let _ = self.links.events.send(Event::Checkpoint {
+                step: replica.step,
+                dir,
+            });
+        }
+        while replica.step < self.setup.spec.train.max_steps {
+            if self.links.control.is_stopped() {
+                return Err(TrainError::Stopped { step: replica.step });
+            }
+            self.step(replica)?;
+        }
+        Ok(())
+    }
+
+    /// One optimizer step of `replica`, then its report, eval and checkpoint when due.
+    ///
+    /// Errors: [`TrainError`] at this step; the replica is updated only if none occurred
+    /// before the update.
+    pub fn step(&mut self, replica: &mut Replica) -> Result<(), TrainError> {
+        let step = replica.step;
+        let (started, busy_before) = (Instant::now(), self.ring_busy());
+        let batches = self.pipeline.micro_batches(step)?;
+        let presence = self.split_lookup.then_some(self.setup.config.vocab_size);
+        let counts = all_reduce_counts(&self.links.ring, step, &batches, self.nsp, presence)
+            .map_err(ring_err(step))?;
+        let mut lookup = self.lookup_rows(step, &counts);
+        let compute_started = Instant::now();
+        let sums = self.forward_backward(replica, step, &batches, &counts, lookup.as_mut())?;
+        let compute_done = Instant::now();
+        self.reduce_gradients(step, lookup.as_mut())?;
+        let loss = all_reduce_loss(&self.links.ring, step, sums).map_err(ring_err(step))?;
+        let allreduce_wait = compute_done.elapsed();
+        let update = self.update(replica, step, &loss)?;
+        replica.step = step + 1;
+        self.links.progress.store(replica.step, Ordering::SeqCst);
+        let clock = Clock {
+            started,
+            busy_before,
+            compute_started,
+            compute_done,
+        };
+        let mean_loss = self.report(replica, &counts, &loss, &update, &clock, allreduce_wait);
+        self.evaluate_and_checkpoint(replica, mean_loss)
+    }
+
+    fn ring_busy(&self) -> u64 {
+        self.links.ring_busy_us.load(Ordering::Relaxed)
+    }
+
+    /// The step's lookup-gradient rows when the word embeddings' gradient travels in two
+    /// parts (see [`lookup_rows`]); logs when that decision changes.
+    fn lookup_rows(&mut self, step: u64, counts: &StepCounts) -> Option<LookupGrads<f32>> {
+        let vocab = self.setup.config.vocab_size;
+        let rows = lookup_rows(counts, self.setup.config.hidden_size)?;
+        let split = split_pays(&rows, vocab);
+        if self.last_split != Some(split) {
+            tracing::info!(
+                step,
+                rows = rows.ids().len(),
+                vocab,
+                "word embeddings' gradient: {}",
+                if split {
+                    "in two parts (decoder share early, the lookup's rows at the end)"
+                } else {
+                    "in one piece at the end (the lookup's rows exceed half the vocabulary)"
+                }
+            );
+            self.last_split = Some(split);
+        }
+        split.then_some(rows)
+    }
+
+    /// Zeroes the gradient and runs forward/backward over `batches`, each finished gradient
+    /// range going to its bucket; returns this rank's `[mlm loss sum, mlm correct, nsp loss
+    /// sum, nsp correct]`.
+    fn forward_backward(
+        &mut self,
+        replica: &Replica,
+        step: u64,
+        batches: &[Batch],
+        counts: &StepCounts,
+        mut lookup: Option<&mut LookupGrads<f32>>,
+    ) -> Result<[f64; 4], TrainError> {
+        let (global_masked, global_nsp) = (counts.masked(), counts.nsp());
+        let opts_for = |last: bool| StepOptions {
+            mlm_scale: if global_masked > 0.0 {
+                1.0 / global_masked
+            } else {
+                0.0
+            },
+            nsp_scale: if global_nsp > 0.0 {
+                1.0 / global_nsp
+            } else {
+                0.0
+            },
+            dropout: Some(DropoutKey {
+                seed: self.setup.spec.train.seed,
+                step,
+            }),
+            report_ready: last,
+        };
+        self.grads.fill(0.0);
+        self.buckets.begin();
+        let mut sums = [0f64; 4];
+        for (j, batch) in batches.iter().enumerate() {
+            let opts = opts_for(j + 1 == batches.len());
+            let (buckets, ring) = (&mut self.buckets, &self.links.ring);
+            let mut on_ready = |range, data: &[f32]| buckets.ready(range, data, ring, step);
+            let (model, grads) = (&mut self.model, &mut self.grads);
+            let s = match lookup.as_deref_mut() {
+                Some(lookup) => model.forward_backward_split_lookup(
+                    &replica.params,
+                    grads,
+                    lookup,
+                    batch,
+                    &opts,
+                    &mut on_ready,
+                ),
+                None => model.forward_backward(&replica.params, grads, batch, &opts, &mut on_ready),
+            }
+            .map_err(model_err(step))?;
+            sums[0] += f64::from(s.mlm_loss_sum);
+            sums[1] += s.mlm_correct as f64;
+            sums[2] += f64::from(s.nsp_loss_sum);
+            sums[3] += s.nsp_correct as f64;
+        }
+        if self.setup.fault_nan_at_step == Some(step) {
+            tracing::warn!(step, "fault injection: this rank's loss is NaN");
+            sums[0] = f64::NAN;
+        }
+        Ok(sums)
+    }
+
+    /// Waits for the summed gradient `[P]`: sends the lookup rows, then what backward did not
+    /// report (nothing, normally), in the same order on every rank, and adds the summed rows
+    /// into the word embeddings' gradient.
+    fn reduce_gradients(
+        &mut self,
+        step: u64,
+        mut lookup: Option<&mut LookupGrads<f32>>,
+    ) -> Result<(), TrainError> {
+        let ring = &self.links.ring;
+        let lookup_sum = lookup
+            .as_deref_mut()
+            .map(|l| submit_lookup_rows(ring, step, l));
+        self.buckets.flush(&self.grads, ring, step);
+        self.buckets
+            .finish(&mut self.grads)
+            .map_err(ring_err(step))?;
+        if let (Some(lookup), Some(sum)) = (lookup, lookup_sum) {
+            lookup
+                .set_grads(sum.wait().map_err(ring_err(step))?)
+                .map_err(model_err(step))?;
+            lookup
+                .add_into(&mut self.grads[self.word_range.clone()])
+                .map_err(model_err(step))?;
+        }
+        Ok(())
+    }
+
+    /// Clips the summed gradient and applies the optimizer, or skips the update when the
+    /// loss or gradient is not finite (every rank holds the same sums, so every rank takes
+    /// the same decision).
+    ///
+    /// Errors: [`TrainError::NonFinite`] past `[train] max_skipped_steps`.
+    fn update(
+        &mut self,
+        replica: &mut Replica,
+        step: u64,
+        loss: &LossSums,
+    ) -> Result<Update, TrainError> {
+        let t = &self.setup.spec.train;
+        let grad_norm = global_norm(&self.grads);
+        let finite = grad_norm.is_finite() && loss.is_finite();
+        let lr = self.schedule.lr(step);
+        if finite {
+            if t.max_grad_norm > 0.0 {
+                clip_grad_norm(&mut self.grads, t.max_grad_norm as f32);
+            }
+            replica.optimizer.step(&mut replica.params, &self.grads, lr);
+        } else {
+            replica.skipped_steps += 1;
+            tracing::warn!(
+                step,
+                skipped = replica.skipped_steps,
+                "non-finite loss or gradient: update skipped"
+            );
+            if replica.skipped_steps > t.max_skipped_steps {
+                return Err(TrainError::NonFinite {
+                    step,
+                    skipped: replica.skipped_steps,
+                    max: t.max_skipped_steps,
+                });
+            }
+        }
+        Ok(Update {
+            lr,
+            grad_norm,
+            finite,
+        })
+    }
+
+    /// Logs and (rank 0) reports the finished step `replica.step`; returns its mean loss
+    /// (MLM + NSP, nats).
+    fn report(
+        &self,
+        replica: &Replica,
+        counts: &StepCounts,
+        loss: &LossSums,
+        update: &Update,
+        clock: &Clock,
+        allreduce_wait: std::time::Duration,
+    ) -> f64 {
+        let step_seconds = clock.started.elapsed().as_secs_f64();
+        let masked = f64::from(counts.masked().max(1.0));
+        let mlm_loss = f64::from(loss.mlm_loss) / masked;
+        let nsp_loss = if self.nsp {
+            f64::from(loss.nsp_loss) / f64::from(counts.nsp().max(1.0))
+        } else {
+            0.0
+        };
+        if self.setup.rank != 0 {
+            return mlm_loss + nsp_loss;
+        }
+        let ring_seconds = (self.ring_busy() - clock.busy_before) as f64 * 1e-6;
+        let report = StepReport {
+            key: Some(self.key(replica.step)),
+            rank: self.setup.rank,
+            loss: mlm_loss + nsp_loss,
+            mlm_loss,
+            nsp_loss,
+            mlm_accuracy: f64::from(loss.mlm_correct) / masked,
+            learning_rate: f64::from(update.lr),
+            grad_norm: f64::from(update.grad_norm),
+            tokens_per_second: f64::from(counts.tokens()) / step_seconds.max(1e-9),
+            step_seconds,
+            allreduce_seconds: ring_seconds,
+            tokens: counts.tokens() as u64,
+            skipped: !update.finite,
+            skipped_steps: replica.skipped_steps,
+        };
+        tracing::info!(
+            "step {} | loss {:.4} | lr {:.1e} | {:.0} ms | {:.1}k tok/s | setup {:.0} ms | compute {:.0} ms | allreduce {:.0} ms (waited {:.0} ms)",
+            replica.step,
+            report.loss,
+            update.lr,
+            step_seconds * 1e3,
+            report.tokens_per_second / 1e3,
+            (clock.compute_started - clock.started).as_secs_f64() * 1e3,
+            (clock.compute_done - clock.compute_started).as_secs_f64() * 1e3,
+            ring_seconds * 1e3,
+            allreduce_wait.as_secs_f64() * 1e3
+        );
+        let _ = self.links.events.send(Event::Step(report));
+        mlm_loss + nsp_loss
+    }
+
+    /// Evaluates (every `eval_every` steps and at the end, all ranks) and stages a checkpoint
+    /// (every `checkpoint_every` steps and at the end, rank 0) after `replica.step` steps.
+    fn evaluate_and_checkpoint(
+        &mut self,
+        replica: &Replica,
+        mean_loss: f64,
+    ) -> Result<(), TrainError> {
+        let t = &self.setup.spec.train;
+        let done = replica.step;
+        let last = done == t.max_steps;
+        if (t.eval_every > 0 && done.is_multiple_of(t.eval_every)) || last {
+            let report = self.eval.evaluate(
+                &mut self.model,
+                &replica.params,
+                &self.pipeline,
+                &self.links.ring,
+                done,
+            )?;
+            if self.setup.rank == 0 {
+                tracing::info!(
+                    "eval at step {done} | mlm loss {:.4} | accuracy {:.3} | perplexity {:.2}",
+                    report.mlm_loss,
+                    report.mlm_accuracy,
+                    report.perplexity
+                );
+                let _ = self.links.events.send(Event::Eval(EvalReport {
+                    key: Some(self.key(done)),
+                    ..report
+                }));
+            }
+        }
+        if self.setup.rank == 0
+            && ((t.checkpoint_every > 0 && done.is_multiple_of(t.checkpoint_every)) || last)
+        {
+            let dir = stage_checkpoint(
+                &self.setup,
+                &self.layout,
+                replica,
+                mean_loss,
+                self.global_batch,
+            )?;
+            let _ = self
+                .links
+                .events
+                .send(Event::Checkpoint { step: done, dir });
+        }
+        Ok(())
+    }
+
+    /// The training key of this generation after `step` steps.
+    fn key(&self, step: u64) -> TrainingKey {
+        TrainingKey {
+            job_id: self.setup.job_id.clone(),
+            generation: self.setup.generation,
+            step,
+        }
+    }
+}
