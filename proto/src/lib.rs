@@ -10,6 +10,7 @@
 //! - `tokenizer`, `shard`, `split`: WordPiece vocabulary, the binary shard format, and how
 //!   sequences are split among workers.
 //! - `jobspec`, `checkpoint`: the job file (TOML) and the checkpoint folder.
+//! - `atomic`: the one atomic file write (temporary file, fsync, rename, fsync of the folder).
 //! - `limits`, `memory`: bounds on the files a job names (regular files, sizes, line lengths)
 //!   and the memory a model needs to train, checked against what a worker has.
 //! - `protocol`: the control-plane protocol as numbered steps, and its timeouts.
@@ -36,6 +37,7 @@ pub mod ring_rpc {
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("keel_descriptor");
 
 pub mod admin;
+pub mod atomic;
 pub mod auth;
 pub mod checkpoint;
 pub mod config;
