@@ -10,6 +10,7 @@
 //! - `tokenizer`, `shard`, `split`: WordPiece vocabulary, the binary shard format, and how
 //!   sequences are split among workers.
 //! - `jobspec`, `checkpoint`: the job file (TOML) and the checkpoint folder.
+//! - `metrics`: the typed lines of a job's `metrics.jsonl` ([`metrics::MetricsLine`]).
 //! - `atomic`: the one atomic file write (temporary file, fsync, rename, fsync of the folder).
 //! - `limits`, `memory`: bounds on the files a job names (regular files, sizes, line lengths)
 //!   and the memory a model needs to train, checked against what a worker has.
@@ -46,6 +47,7 @@ pub mod incoming;
 pub mod jobspec;
 pub mod limits;
 pub mod memory;
+pub mod metrics;
 pub mod params;
 pub mod precision;
 pub mod protocol;
