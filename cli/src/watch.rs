@@ -6,13 +6,13 @@
 //! terminal (`2> file`, CI logs) it prints plain lines instead, on each change of state and at
 //! most every [`PLAIN_EVERY`] otherwise. The ETA comes from [`crate::eta`].
 
-use crate::client::state_name;
 use crate::eta::{Eta, eta_text};
 use crate::output::errln;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{GetJobRequest, JobState, JobStatus};
+use keel_proto::status::state_name;
 use std::time::{Duration, Instant};
 
 /// How long `keel watch` keeps trying to reconnect when the coordinator goes away (it may be

@@ -11,6 +11,7 @@
 //!   sequences are split among workers.
 //! - `jobspec`, `checkpoint`: the job file (TOML) and the checkpoint folder.
 //! - `metrics`: the typed lines of a job's `metrics.jsonl` ([`metrics::MetricsLine`]).
+//! - `status`: state names and the JSON of a job's status (serde on the generated types).
 //! - `atomic`: the one atomic file write (temporary file, fsync, rename, fsync of the folder).
 //! - `limits`, `memory`: bounds on the files a job names (regular files, sizes, line lengths)
 //!   and the memory a model needs to train, checked against what a worker has.
@@ -57,6 +58,7 @@ pub mod report;
 pub mod security;
 pub mod shard;
 pub mod split;
+pub mod status;
 pub mod tls;
 pub mod tokenizer;
 pub mod weights;
