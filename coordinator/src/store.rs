@@ -8,17 +8,17 @@
 //! into place.
 
 use crate::CoordinatorError;
+use crate::files::transfer_error;
 use crate::prepare_job::JOB_CONFIG_FILE;
 use crate::state::Shared;
 use futures::{Stream, StreamExt};
 use keel_proto::checkpoint::{MODEL_FILE, OPTIMIZER_FILE, check_plain_name, commit_dir};
 use keel_proto::rpc::{FileChunk, TrainingKey};
 use keel_proto::tokenizer::KeelTokenizer;
+use keel_proto::transfer::Receiver;
 use keel_proto::weights::check_finite_bytes;
-use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use tokio::io::AsyncWriteExt;
 
 /// The folder of the checkpoint at `step` of the job in `job_dir`.
 pub fn checkpoint_dir(job_dir: &Path, step: u64) -> PathBuf {
@@ -43,7 +43,7 @@ where
     let mut key: Option<TrainingKey> = None;
     let mut tmp: Option<tempfile::TempDir> = None;
     let mut job_dir = PathBuf::new();
-    let mut current: Option<(String, tokio::fs::File, Sha256, u64)> = None;
+    let mut receiver: Option<Receiver> = None;
     while let Some(chunk) = stream.next().await {
         let chunk =
             chunk.map_err(|s| CoordinatorError::BadRequest(format!("upload stream: {s}")))?;
@@ -77,36 +77,11 @@ where
             continue;
         };
         check_plain_name(&chunk.name)?;
-        if current
-            .as_ref()
-            .is_none_or(|(name, ..)| name != &chunk.name)
-        {
-            if let Some((name, ..)) = &current {
-                return Err(CoordinatorError::BadRequest(format!(
-                    "file {name} ended without its last chunk"
-                )));
-            }
-            let path = dir.join(&chunk.name);
-            let file = tokio::fs::File::create(&path)
-                .await
-                .map_err(CoordinatorError::io(&path))?;
-            current = Some((chunk.name.clone(), file, Sha256::new(), 0));
-        }
-        let Some((name, file, hasher, written)) = current.as_mut() else {
-            continue;
-        };
-        if chunk.offset != *written {
-            return Err(CoordinatorError::BadRequest(format!(
-                "{name}: chunk at offset {} but {written} bytes written",
-                chunk.offset
-            )));
-        }
-        let path = dir.join(name.as_str());
-        file.write_all(&chunk.data)
+        receiver
+            .get_or_insert_with(|| Receiver::into_dir(dir))
+            .accept(chunk)
             .await
-            .map_err(CoordinatorError::io(&path))?;
-        hasher.update(&chunk.data);
-        *written += chunk.data.len() as u64;
+            .map_err(transfer_error)?;
         if let Some(k) = &key
             && let Some(job) = shared.lock().jobs.get_mut(&k.job_id)
             && job.generation == k.generation
@@ -115,24 +90,9 @@ where
             // follows it, and the watchdog must not take it for a stall.
             job.progress.touch();
         }
-        if chunk.last {
-            file.sync_all().await.map_err(CoordinatorError::io(&path))?;
-            let got = keel_proto::checkpoint::hex(&hasher.clone().finalize());
-            if got != chunk.sha256 {
-                return Err(keel_proto::checkpoint::CheckpointError::ChecksumMismatch {
-                    path,
-                    expected: chunk.sha256.clone(),
-                    got,
-                }
-                .into());
-            }
-            current = None;
-        }
     }
-    if let Some((name, ..)) = current {
-        return Err(CoordinatorError::BadRequest(format!(
-            "upload ended in the middle of {name}"
-        )));
+    if let Some(receiver) = receiver {
+        receiver.finish().map_err(transfer_error)?;
     }
     let (Some(key), Some(tmp)) = (key, tmp) else {
         return Err(CoordinatorError::BadRequest(

@@ -12,6 +12,7 @@
 //! - `jobspec`, `checkpoint`: the job file (TOML) and the checkpoint folder.
 //! - `metrics`: the typed lines of a job's `metrics.jsonl` ([`metrics::MetricsLine`]).
 //! - `status`: state names and the JSON of a job's status (serde on the generated types).
+//! - `transfer`: files as sha256-checked chunk streams, the one sender and receiver.
 //! - `atomic`: the one atomic file write (temporary file, fsync, rename, fsync of the folder).
 //! - `limits`, `memory`: bounds on the files a job names (regular files, sizes, line lengths)
 //!   and the memory a model needs to train, checked against what a worker has.
@@ -61,4 +62,5 @@ pub mod split;
 pub mod status;
 pub mod tls;
 pub mod tokenizer;
+pub mod transfer;
 pub mod weights;
