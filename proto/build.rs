@@ -13,6 +13,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .file_descriptor_set_path(out_dir.join("keel_descriptor.bin"))
         // Tensor payloads decode to zero-copy `Bytes` (STACK.md: 2.5-3x faster than repeated float).
         .bytes(".")
+        // `keel status --json` prints a job's status through serde (see `keel_proto::status`):
+        // state names, non-finite numbers as null, no precision yet as null.
+        .type_attribute(".keel.v1.JobStatus", "#[derive(serde::Serialize)]")
+        .field_attribute(
+            ".keel.v1.JobStatus.state",
+            "#[serde(serialize_with = \"crate::status::serialize_state\")]",
+        )
+        .field_attribute(
+            ".keel.v1.JobStatus.precision",
+            "#[serde(serialize_with = \"crate::status::empty_as_null\")]",
+        )
+        .type_attribute(
+            ".keel.v1.JobState",
+            "#[derive(serde::Serialize)] #[serde(rename_all = \"kebab-case\")]",
+        )
+        .field_attribute(
+            ".keel.v1.JobState.JOB_STATE_UNSPECIFIED",
+            "#[serde(rename = \"unknown\")]",
+        )
         .compile_protos(&protos, &["proto"])?;
     for p in protos {
         println!("cargo:rerun-if-changed={p}");

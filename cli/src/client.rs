@@ -11,6 +11,7 @@ use keel_proto::rpc::{
     CancelJobRequest, GetJobRequest, JobState, JobStatus, ListJobsRequest, SubmitJobRequest,
 };
 use keel_proto::security::ClientSecurity;
+use keel_proto::status::{state_name, status_json};
 use keel_proto::tls::ClientTlsArgs;
 use std::path::{Path, PathBuf};
 
@@ -220,53 +221,6 @@ fn failure_note(job: &JobStatus) -> String {
         Some(reason) if failed && !reason.is_empty() => format!("  reason: {reason}"),
         _ => String::new(),
     }
-}
-
-/// `running`, `completed`, ...
-pub fn state_name(state: i32) -> &'static str {
-    match JobState::try_from(state) {
-        Ok(JobState::Queued) => "queued",
-        Ok(JobState::Preparing) => "preparing",
-        Ok(JobState::WaitingForWorkers) => "waiting-for-workers",
-        Ok(JobState::Running) => "running",
-        Ok(JobState::Completed) => "completed",
-        Ok(JobState::Failed) => "failed",
-        Ok(JobState::Cancelled) => "cancelled",
-        Ok(JobState::Recovering) => "recovering",
-        _ => "unknown",
-    }
-}
-
-/// A job status as JSON (NaN as null).
-pub fn status_json(s: &JobStatus) -> serde_json::Value {
-    let num = |x: f64| {
-        if x.is_finite() {
-            serde_json::json!(x)
-        } else {
-            serde_json::Value::Null
-        }
-    };
-    serde_json::json!({
-        "job_id": s.job_id,
-        "state": state_name(s.state),
-        "generation": s.generation,
-        "step": s.step,
-        "max_steps": s.max_steps,
-        "loss": num(s.loss),
-        "learning_rate": num(s.learning_rate),
-        "tokens_per_second": num(s.tokens_per_second),
-        "step_seconds": num(s.step_seconds),
-        "eval_loss": num(s.eval_loss),
-        "eval_accuracy": num(s.eval_accuracy),
-        "workers": s.workers,
-        "checkpoints": s.checkpoints,
-        "error": s.error,
-        "elapsed_seconds": s.elapsed_seconds,
-        "recoveries": s.recoveries,
-        "skipped_steps": s.skipped_steps,
-        // "fp32" or "bf16" once the job's first generation started; null before.
-        "precision": (!s.precision.is_empty()).then_some(&s.precision),
-    })
 }
 
 /// Ok for a completed job; the job's error otherwise.

@@ -9,6 +9,7 @@ use crate::output::{errln, outln};
 use crate::{pull, watch};
 use anyhow::Context;
 use keel_proto::jobspec::JobSpec;
+use keel_proto::metrics::MetricsLine;
 use keel_proto::rpc::PingRequest;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -284,10 +285,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 /// steps (warm-up: allocation, first connections). Returns (mean, (first step, last step)).
 pub fn mean_throughput(metrics: &Path) -> (f64, (u64, u64)) {
     let text = std::fs::read_to_string(metrics).unwrap_or_default();
+    // A line this version cannot read counts for nothing here (a summary, not a check).
     let rows: Vec<(u64, f64)> = text
         .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| Some((v.get("step")?.as_u64()?, v.get("tokens_per_s")?.as_f64()?)))
+        .filter_map(|l| MetricsLine::parse(l).ok())
+        .filter_map(|line| match line {
+            MetricsLine::Step(s) if !s.tokens_per_s.is_nan() => Some((s.step, s.tokens_per_s)),
+            _ => None,
+        })
         .collect();
     if rows.is_empty() {
         return (f64::NAN, (0, 0));

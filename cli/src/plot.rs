@@ -1,11 +1,11 @@
 //! The loss-curve picture `keel pull` writes beside a checkpoint (`loss.png`).
 //!
-//! Reads `metrics.jsonl` (one JSON object per line). Lines with numeric `step` and `loss` form
-//! the training curve; lines with numeric `step` and `eval_loss` are drawn as evaluation
-//! points. Other lines are skipped. Text is drawn with an embedded DejaVu Sans font, so no
-//! system fonts are needed.
+//! Reads `metrics.jsonl` with [`keel_proto::metrics`]. Step lines form the training curve;
+//! eval lines are drawn as evaluation points. Other lines are skipped. Text is drawn with an
+//! embedded DejaVu Sans font, so no system fonts are needed.
 
 use anyhow::{Context, bail};
+use keel_proto::metrics::{self, MetricsLine};
 use plotters::prelude::*;
 use std::path::Path;
 use std::sync::Once;
@@ -22,34 +22,21 @@ pub struct LossCurves {
     pub eval: Vec<(f64, f64)>,
 }
 
-/// Parses the `metrics.jsonl` text into curves.
-///
-/// # Errors
-/// A line that is not JSON names its line number (1-based). Non-finite losses are skipped
-/// (they are reported elsewhere as skipped steps).
-pub fn read_loss_curves(text: &str) -> anyhow::Result<LossCurves> {
+/// The training and evaluation curves of `lines`: the finite losses of step and eval lines.
+pub fn loss_curves(lines: &[MetricsLine]) -> LossCurves {
     let mut curves = LossCurves::default();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let value: serde_json::Value = serde_json::from_str(line)
-            .with_context(|| format!("metrics line {}: not a JSON object", i + 1))?;
-        let Some(step) = value.get("step").and_then(|s| s.as_f64()) else {
-            continue;
-        };
-        if let Some(loss) = value.get("loss").and_then(|l| l.as_f64())
-            && loss.is_finite()
-        {
-            curves.train.push((step, loss));
-        }
-        if let Some(loss) = value.get("eval_loss").and_then(|l| l.as_f64())
-            && loss.is_finite()
-        {
-            curves.eval.push((step, loss));
+    for line in lines {
+        match line {
+            MetricsLine::Step(s) if s.loss.is_finite() => {
+                curves.train.push((s.step as f64, s.loss));
+            }
+            MetricsLine::Eval(e) if e.eval_loss.is_finite() => {
+                curves.eval.push((e.step as f64, e.eval_loss));
+            }
+            _ => {}
         }
     }
-    Ok(curves)
+    curves
 }
 
 /// Draws `metrics_jsonl`'s loss curves to `out_png` (800 x 500 pixels), written atomically.
@@ -58,29 +45,22 @@ pub fn read_loss_curves(text: &str) -> anyhow::Result<LossCurves> {
 /// The metrics file is unreadable or malformed, it holds no loss at all, or the PNG cannot be
 /// written.
 pub fn write_loss_png(metrics_jsonl: &Path, out_png: &Path) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(metrics_jsonl)
-        .with_context(|| format!("reading {}", metrics_jsonl.display()))?;
-    let curves =
-        read_loss_curves(&text).with_context(|| format!("reading {}", metrics_jsonl.display()))?;
+    let curves = loss_curves(&metrics::read(metrics_jsonl)?);
     if curves.train.is_empty() && curves.eval.is_empty() {
         bail!("{}: no line has a step and a loss", metrics_jsonl.display());
     }
-    let dir = out_png.parent().unwrap_or_else(|| Path::new("."));
+    let dir = match out_png.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
     let tmp = tempfile::Builder::new()
         .prefix(".loss-")
         .suffix(".png")
         .tempfile_in(dir)
         .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
     draw(&curves, tmp.path())?;
-    tmp.as_file().sync_all()?;
     // Temporary files are created 0600; the picture is as readable as the checkpoint beside it.
-    #[cfg(unix)]
-    std::fs::set_permissions(
-        tmp.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o644),
-    )?;
-    tmp.persist(out_png)
-        .with_context(|| format!("writing {}", out_png.display()))?;
+    keel_proto::atomic::persist_atomic(tmp, out_png, keel_proto::atomic::Access::Everyone)?;
     Ok(())
 }
 
@@ -145,6 +125,11 @@ fn draw(curves: &LossCurves, path: &Path) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn read_loss_curves(text: &str) -> anyhow::Result<LossCurves> {
+        let lines = metrics::parse_all(Path::new(metrics::METRICS_FILE), text)?;
+        Ok(loss_curves(&lines))
+    }
 
     #[test]
     fn curves_come_from_step_and_loss_lines() {

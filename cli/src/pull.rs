@@ -5,14 +5,11 @@ use crate::client::Conn;
 use crate::output::errln;
 use anyhow::Context;
 use keel_proto::checkpoint::{Manifest, check_plain_name};
+use keel_proto::metrics::METRICS_FILE;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{FileChunk, GetJobRequest, PullCheckpointRequest};
-use sha2::{Digest, Sha256};
-use std::io::Write;
+use keel_proto::transfer::Receiver;
 use std::path::{Path, PathBuf};
-
-/// The job's metrics file, pulled beside the checkpoint.
-const METRICS_FILE: &str = "metrics.jsonl";
 
 /// Arguments of `keel pull`.
 #[derive(clap::Args, Debug)]
@@ -112,8 +109,7 @@ where
     S: futures::Stream<Item = Result<FileChunk, tonic::Status>> + Unpin,
 {
     use futures::StreamExt;
-    let mut names: Vec<String> = Vec::new();
-    let mut current: Option<(String, std::fs::File, Sha256, u64)> = None;
+    let mut receiver = Receiver::into_dir(dir);
     // The manifest, once received first; then every file's recorded size is its bound.
     let mut manifest: Option<Manifest> = None;
     let manifest_name = keel_proto::checkpoint::MANIFEST_FILE;
@@ -129,11 +125,9 @@ where
                 chunk.name
             );
         }
-        if current.as_ref().is_none_or(|(n, ..)| *n != chunk.name) {
-            if let Some((n, ..)) = &current {
-                anyhow::bail!("{n}: the stream moved on before its last chunk");
-            }
-            if names.contains(&chunk.name) {
+        // A new file (a chunk of another while one is open is refused by `accept`).
+        if receiver.current().is_none() {
+            if receiver.received().iter().any(|f| f.name == chunk.name) {
                 anyhow::bail!("{}: the coordinator sent this file twice", chunk.name);
             }
             // A manifest from before sizes were recorded bounds nothing: checked afterwards.
@@ -152,28 +146,21 @@ where
                     );
                 }
             }
-            let path = dir.join(&chunk.name);
-            let file = std::fs::File::create(&path)
-                .with_context(|| format!("creating {}", path.display()))?;
-            current = Some((chunk.name.clone(), file, Sha256::new(), 0));
         }
-        let Some((name, file, hasher, written)) = current.as_mut() else {
-            continue;
-        };
-        if chunk.offset != *written {
-            anyhow::bail!(
-                "{name}: chunk at offset {} after {written} bytes",
-                chunk.offset
-            );
-        }
-        let bound = if *name == manifest_name && only.is_none() {
+        let name = chunk.name.clone();
+        let bound = if name == manifest_name && only.is_none() {
             Some(keel_proto::limits::MAX_RECORD_BYTES)
         } else {
             manifest
                 .as_ref()
                 .and_then(|m| m.sizes.get(name.as_str()).copied())
         };
-        let end = *written + chunk.data.len() as u64;
+        let so_far = if receiver.starts_file(&chunk) {
+            0
+        } else {
+            receiver.written()
+        };
+        let end = so_far + chunk.data.len() as u64;
         if let Some(bound) = bound
             && end > bound
         {
@@ -182,29 +169,20 @@ where
                  (stopped at byte {bound}, before writing past it)"
             );
         }
-        file.write_all(&chunk.data)?;
-        hasher.update(&chunk.data);
-        *written = end;
-        if chunk.last {
-            file.sync_all()?;
-            let got = keel_proto::checkpoint::hex(&hasher.clone().finalize());
-            if got != chunk.sha256 {
-                anyhow::bail!(
-                    "{name}: received sha256 {got}, the coordinator sent {}",
-                    chunk.sha256
-                );
-            }
-            if names.is_empty() && *name == manifest_name && only.is_none() {
-                manifest = Some(Manifest::read(dir)?);
-            }
-            names.push(name.clone());
-            current = None;
+        let first = receiver.received().is_empty();
+        if receiver.accept(chunk).await?.is_some()
+            && first
+            && name == manifest_name
+            && only.is_none()
+        {
+            manifest = Some(Manifest::read(dir)?);
         }
     }
-    if let Some((n, ..)) = current {
-        anyhow::bail!("{n}: the stream ended before its last chunk");
-    }
-    Ok(names)
+    Ok(receiver
+        .finish()?
+        .into_iter()
+        .map(|file| file.name)
+        .collect())
 }
 
 #[cfg(test)]
@@ -212,15 +190,7 @@ mod tests {
     use super::*;
 
     fn whole_file(name: &str, data: &[u8]) -> Result<FileChunk, tonic::Status> {
-        Ok(FileChunk {
-            key: None,
-            name: name.to_string(),
-            offset: 0,
-            data: data.to_vec().into(),
-            last: true,
-            sha256: keel_proto::checkpoint::sha256_hex(data),
-            size: data.len() as u64,
-        })
+        Ok(keel_proto::transfer::whole_file_chunk(name, data, None))
     }
 
     async fn receive(
@@ -301,9 +271,8 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("more than the 4 bytes recorded"), "{err}");
-        let written = std::fs::metadata(dir.path().join("model.safetensors"))
-            .unwrap()
-            .len();
+        let written =
+            std::fs::metadata(dir.path().join("model.safetensors")).map_or(0, |m| m.len());
         assert_eq!(written, 0, "nothing of the oversized chunk was written");
         // A file the manifest does not list is refused before it is created.
         let dir = tempfile::tempdir().unwrap();

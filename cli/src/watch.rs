@@ -6,18 +6,22 @@
 //! terminal (`2> file`, CI logs) it prints plain lines instead, on each change of state and at
 //! most every [`PLAIN_EVERY`] otherwise. The ETA comes from [`crate::eta`].
 
-use crate::client::state_name;
 use crate::eta::{Eta, eta_text};
 use crate::output::errln;
 use anyhow::Context;
+use backon::{ConstantBuilder, Retryable};
 use indicatif::{ProgressBar, ProgressStyle};
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{GetJobRequest, JobState, JobStatus};
+use keel_proto::status::state_name;
 use std::time::{Duration, Instant};
 
 /// How long `keel watch` keeps trying to reconnect when the coordinator goes away (it may be
 /// restarting: jobs survive a restart).
 const RECONNECT_FOR: Duration = Duration::from_secs(60);
+
+/// The pause before each try to reopen a broken watch.
+const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
 
 /// Seconds between plain progress lines when stderr is not a terminal.
 pub const PLAIN_EVERY: Duration = Duration::from_secs(10);
@@ -37,23 +41,7 @@ pub async fn watch(
     let mut last: Option<JobStatus> = None;
     let mut broken_since: Option<Instant> = None;
     'reconnect: loop {
-        let opened = client
-            .watch_job(GetJobRequest {
-                job_id: job.to_string(),
-            })
-            .await;
-        let mut stream = match opened {
-            Ok(s) => s.into_inner(),
-            Err(e) if retryable(&e) => {
-                let since = *broken_since.get_or_insert_with(Instant::now);
-                if since.elapsed() > RECONNECT_FOR {
-                    return Err(e).with_context(|| format!("watching {job}"));
-                }
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue 'reconnect;
-            }
-            Err(e) => return Err(e.into()),
-        };
+        let mut stream = open(client, job, broken_since).await?;
         loop {
             let status = match stream.message().await {
                 Ok(Some(status)) => status,
@@ -64,7 +52,7 @@ pub async fn watch(
                         e.message()
                     ));
                     broken_since = Some(Instant::now());
-                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    tokio::time::sleep(RECONNECT_PAUSE).await;
                     continue 'reconnect;
                 }
                 Err(e) => return Err(e).with_context(|| format!("watching {job}")),
@@ -82,6 +70,39 @@ pub async fn watch(
     }
     view.finish();
     last.ok_or_else(|| anyhow::anyhow!("the coordinator closed the watch of {job}"))
+}
+
+/// Opens the watch of `job`, trying again every [`RECONNECT_PAUSE`] while the coordinator is
+/// unreachable ([`retryable`]), for up to [`RECONNECT_FOR`] since `broken_since` (the stream
+/// broke then), or since the first failed try.
+///
+/// Errors: the coordinator's refusal (an unknown job), or the last failure once the time is up.
+async fn open(
+    client: &mut CoordinatorClient<keel_proto::auth::AuthChannel>,
+    job: &str,
+    broken_since: Option<Instant>,
+) -> anyhow::Result<tonic::Streaming<JobStatus>> {
+    let mut since = broken_since;
+    let watch = || {
+        let mut client = client.clone();
+        let request = GetJobRequest {
+            job_id: job.to_string(),
+        };
+        async move { client.watch_job(request).await }
+    };
+    let opened = watch
+        .retry(
+            ConstantBuilder::new()
+                .with_delay(RECONNECT_PAUSE)
+                .without_max_times(),
+        )
+        .when(|e| retryable(e) && since.get_or_insert_with(Instant::now).elapsed() <= RECONNECT_FOR)
+        .await;
+    match opened {
+        Ok(stream) => Ok(stream.into_inner()),
+        Err(e) if retryable(&e) => Err(e).with_context(|| format!("watching {job}")),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// `job-1: completed at step 200/200, loss 5.1234`: how a watched job ended.

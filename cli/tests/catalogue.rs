@@ -420,15 +420,7 @@ async fn prepared_inputs(client: &mut Coord, root: &Path, corpus: &Path) {
 
 /// One whole-file upload chunk.
 fn upload_chunk(key: &TrainingKey, name: &str, data: &[u8]) -> FileChunk {
-    FileChunk {
-        key: Some(key.clone()),
-        name: name.to_string(),
-        offset: 0,
-        data: data.to_vec().into(),
-        last: true,
-        sha256: keel_proto::checkpoint::sha256_hex(data),
-        size: data.len() as u64,
-    }
+    keel_proto::transfer::whole_file_chunk(name, data, Some(key.clone()))
 }
 
 async fn upload(client: &mut Coord, chunks: Vec<FileChunk>) -> Result<Ack, tonic::Status> {

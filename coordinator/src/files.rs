@@ -1,12 +1,11 @@
-//! Streams a file as [`FileChunk`]s of [`FILE_CHUNK_BYTES`], the last one carrying the file's
-//! sha256 so the receiver can verify what it wrote.
+//! Streams files as [`FileChunk`]s with the one sender of [`keel_proto::transfer`] (chunks of
+//! `FILE_CHUNK_BYTES`, the last one carrying the file's sha256 so the receiver can verify
+//! what it wrote).
 
 use crate::CoordinatorError;
-use keel_proto::protocol::FILE_CHUNK_BYTES;
 use keel_proto::rpc::FileChunk;
-use sha2::{Digest, Sha256};
-use std::path::{Path, PathBuf};
-use tokio::io::AsyncReadExt;
+use keel_proto::transfer::TransferError;
+use std::path::PathBuf;
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -18,65 +17,27 @@ pub async fn send_files(
     files: Vec<(String, PathBuf)>,
     tx: mpsc::Sender<Result<FileChunk, Status>>,
 ) {
-    for (name, path) in files {
-        if let Err(e) = send_file(&name, &path, &tx).await {
-            let _ = tx.send(Err(e.into())).await;
-            return;
-        }
+    if let Err(e) = keel_proto::transfer::send_files(&files, None, &tx, Ok).await {
+        let _ = tx.send(Err(transfer_error(e).into())).await;
     }
 }
 
-async fn send_file(
-    name: &str,
-    path: &Path,
-    tx: &mpsc::Sender<Result<FileChunk, Status>>,
-) -> Result<(), CoordinatorError> {
-    let mut file = tokio::fs::File::open(path)
-        .await
-        .map_err(CoordinatorError::io(path))?;
-    let size = file
-        .metadata()
-        .await
-        .map_err(CoordinatorError::io(path))?
-        .len();
-    let mut hasher = Sha256::new();
-    let mut offset = 0u64;
-    loop {
-        let mut buf = vec![0u8; FILE_CHUNK_BYTES];
-        let mut filled = 0;
-        while filled < buf.len() {
-            let n = file
-                .read(&mut buf[filled..])
-                .await
-                .map_err(CoordinatorError::io(path))?;
-            if n == 0 {
-                break;
-            }
-            filled += n;
+/// A transfer's error as the coordinator reports it: `Io` naming the file, a checksum
+/// mismatch as `Checkpoint(ChecksumMismatch)`, a broken chunk protocol as `BadRequest`.
+pub(crate) fn transfer_error(e: TransferError) -> CoordinatorError {
+    match e {
+        TransferError::Io { path, source } => CoordinatorError::Io { path, source },
+        TransferError::Checksum {
+            path,
+            expected,
+            got,
+            ..
+        } => keel_proto::checkpoint::CheckpointError::ChecksumMismatch {
+            path,
+            expected,
+            got,
         }
-        buf.truncate(filled);
-        hasher.update(&buf);
-        let last = offset + filled as u64 >= size || filled == 0;
-        let sha256 = if last {
-            keel_proto::checkpoint::hex(&hasher.clone().finalize())
-        } else {
-            String::new()
-        };
-        let chunk = FileChunk {
-            key: None,
-            name: name.to_string(),
-            offset,
-            data: buf.into(),
-            last,
-            sha256,
-            size,
-        };
-        offset += filled as u64;
-        if tx.send(Ok(chunk)).await.is_err() {
-            return Ok(());
-        }
-        if last {
-            return Ok(());
-        }
+        .into(),
+        TransferError::Protocol(message) => CoordinatorError::BadRequest(message),
     }
 }

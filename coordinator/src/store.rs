@@ -9,6 +9,7 @@
 
 use crate::CoordinatorError;
 use crate::driver::Shared;
+use crate::files::transfer_error;
 pub use crate::layout::checkpoint_dir;
 use crate::machine::{Input, Reply};
 use crate::prepare_job::JOB_CONFIG_FILE;
@@ -16,11 +17,10 @@ use futures::{Stream, StreamExt};
 use keel_proto::checkpoint::{MODEL_FILE, OPTIMIZER_FILE, check_plain_name, commit_dir};
 use keel_proto::rpc::{FileChunk, TrainingKey};
 use keel_proto::tokenizer::KeelTokenizer;
+use keel_proto::transfer::Receiver;
 use keel_proto::weights::check_finite_bytes;
-use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use tokio::io::AsyncWriteExt;
 
 /// Receives one checkpoint upload and stores it. Returns its key.
 ///
@@ -40,7 +40,7 @@ where
     let mut key: Option<TrainingKey> = None;
     let mut tmp: Option<tempfile::TempDir> = None;
     let mut job_dir = PathBuf::new();
-    let mut current: Option<(String, tokio::fs::File, Sha256, u64)> = None;
+    let mut receiver: Option<Receiver> = None;
     while let Some(chunk) = stream.next().await {
         let chunk =
             chunk.map_err(|s| CoordinatorError::BadRequest(format!("upload stream: {s}")))?;
@@ -71,59 +71,19 @@ where
             continue;
         };
         check_plain_name(&chunk.name)?;
-        if current
-            .as_ref()
-            .is_none_or(|(name, ..)| name != &chunk.name)
-        {
-            if let Some((name, ..)) = &current {
-                return Err(CoordinatorError::BadRequest(format!(
-                    "file {name} ended without its last chunk"
-                )));
-            }
-            let path = dir.join(&chunk.name);
-            let file = tokio::fs::File::create(&path)
-                .await
-                .map_err(CoordinatorError::io(&path))?;
-            current = Some((chunk.name.clone(), file, Sha256::new(), 0));
-        }
-        let Some((name, file, hasher, written)) = current.as_mut() else {
-            continue;
-        };
-        if chunk.offset != *written {
-            return Err(CoordinatorError::BadRequest(format!(
-                "{name}: chunk at offset {} but {written} bytes written",
-                chunk.offset
-            )));
-        }
-        let path = dir.join(name.as_str());
-        file.write_all(&chunk.data)
+        receiver
+            .get_or_insert_with(|| Receiver::into_dir(dir))
+            .accept(chunk)
             .await
-            .map_err(CoordinatorError::io(&path))?;
-        hasher.update(&chunk.data);
-        *written += chunk.data.len() as u64;
+            .map_err(transfer_error)?;
         if let Some(k) = &key {
             // A long upload (the final checkpoint of a big model) is progress: no step
             // follows it, and the watchdog must not take it for a stall.
             let _ = shared.apply(Input::UploadProgress(k.clone()));
         }
-        if chunk.last {
-            file.sync_all().await.map_err(CoordinatorError::io(&path))?;
-            let got = keel_proto::checkpoint::hex(&hasher.clone().finalize());
-            if got != chunk.sha256 {
-                return Err(keel_proto::checkpoint::CheckpointError::ChecksumMismatch {
-                    path,
-                    expected: chunk.sha256.clone(),
-                    got,
-                }
-                .into());
-            }
-            current = None;
-        }
     }
-    if let Some((name, ..)) = current {
-        return Err(CoordinatorError::BadRequest(format!(
-            "upload ended in the middle of {name}"
-        )));
+    if let Some(receiver) = receiver {
+        receiver.finish().map_err(transfer_error)?;
     }
     let (Some(key), Some(tmp)) = (key, tmp) else {
         return Err(CoordinatorError::BadRequest(

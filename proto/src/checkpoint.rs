@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// `model.safetensors`: the weights (HF state-dict names).
@@ -287,19 +287,21 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Writes `bytes` to `path` atomically: a temporary file in the same folder, fsync, rename.
+/// Writes `bytes` to `path` atomically, mode 0600, with [`crate::atomic::write_atomic`]
+/// (temporary file, fsync, rename, fsync of the folder).
 ///
 /// Errors: [`CheckpointError::Io`].
 pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io_err(dir))?;
-    tmp.write_all(bytes).map_err(io_err(path))?;
-    tmp.as_file().sync_all().map_err(io_err(path))?;
-    tmp.persist(path).map_err(|e| CheckpointError::Io {
-        path: path.to_path_buf(),
-        source: e.error,
-    })?;
-    Ok(())
+    crate::atomic::write_atomic(path, bytes, crate::atomic::Access::Owner).map_err(Into::into)
+}
+
+impl From<crate::atomic::AtomicWriteError> for CheckpointError {
+    fn from(e: crate::atomic::AtomicWriteError) -> Self {
+        CheckpointError::Io {
+            path: e.path,
+            source: e.source,
+        }
+    }
 }
 
 /// Finishes a folder written under a temporary name: writes its `manifest.json`, fsyncs every
@@ -332,9 +334,7 @@ pub fn commit_dir(tmp_dir: &Path, final_dir: &Path) -> Result<Manifest, Checkpoi
 }
 
 fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
-    File::open(dir)
-        .and_then(|f| f.sync_all())
-        .map_err(io_err(dir))
+    Ok(crate::atomic::sync_dir(dir)?)
 }
 
 #[cfg(test)]

@@ -10,6 +10,10 @@
 //! - `tokenizer`, `shard`, `split`: WordPiece vocabulary, the binary shard format, and how
 //!   sequences are split among workers.
 //! - `jobspec`, `checkpoint`: the job file (TOML) and the checkpoint folder.
+//! - `metrics`: the typed lines of a job's `metrics.jsonl` ([`metrics::MetricsLine`]).
+//! - `status`: state names and the JSON of a job's status (serde on the generated types).
+//! - `transfer`: files as sha256-checked chunk streams, the one sender and receiver.
+//! - `atomic`: the one atomic file write (temporary file, fsync, rename, fsync of the folder).
 //! - `limits`, `memory`: bounds on the files a job names (regular files, sizes, line lengths)
 //!   and the memory a model needs to train, checked against what a worker has.
 //! - `protocol`: the control-plane protocol as numbered steps, and its timeouts.
@@ -36,6 +40,7 @@ pub mod ring_rpc {
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("keel_descriptor");
 
 pub mod admin;
+pub mod atomic;
 pub mod auth;
 pub mod checkpoint;
 pub mod config;
@@ -44,6 +49,7 @@ pub mod incoming;
 pub mod jobspec;
 pub mod limits;
 pub mod memory;
+pub mod metrics;
 pub mod params;
 pub mod precision;
 pub mod protocol;
@@ -53,6 +59,8 @@ pub mod report;
 pub mod security;
 pub mod shard;
 pub mod split;
+pub mod status;
 pub mod tls;
 pub mod tokenizer;
+pub mod transfer;
 pub mod weights;

@@ -325,15 +325,8 @@ impl ShardWriter {
         let mut tmp = self.out.into_inner().map_err(|e| io(e.into_error()))?;
         tmp.seek(SeekFrom::Start(0)).map_err(io)?;
         tmp.write_all(&header).map_err(io)?;
-        crate::tokenizer::set_readable(tmp.as_file()).map_err(io)?;
-        tmp.as_file().sync_all().map_err(io)?;
-        tmp.persist(&path).map_err(|e| io(e.error))?;
-        // Make the rename durable too.
-        if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty())
-            && let Ok(d) = File::open(dir)
-        {
-            let _ = d.sync_all();
-        }
+        crate::atomic::persist_atomic(tmp, &path, crate::atomic::Access::Everyone)
+            .map_err(|e| io(e.source))?;
         Ok(self.crc)
     }
 }

@@ -16,7 +16,6 @@
 
 use std::collections::HashSet;
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
@@ -563,37 +562,15 @@ fn lookup_special(tokenizer: &Tokenizer, path: &Path) -> Result<SpecialIds, Toke
     })
 }
 
-/// Writes `bytes` to `path` atomically: a temporary file in the same folder, fsynced, renamed.
+/// Writes `bytes` to `path` atomically as an ordinary readable file (mode 0644), with
+/// [`crate::atomic::write_atomic`].
 ///
 /// Errors: `Io` naming `path`.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TokenizerError> {
-    let io = |source| TokenizerError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io)?;
-    tmp.write_all(bytes).map_err(io)?;
-    // Temporary files are created 0600; the outputs are ordinary readable files.
-    set_readable(tmp.as_file()).map_err(io)?;
-    tmp.as_file().sync_all().map_err(io)?;
-    tmp.persist(path).map_err(|e| io(e.error))?;
-    Ok(())
-}
-
-/// Gives a finished output file mode 0644 (rw-r--r--) on Unix; a no-op elsewhere.
-///
-/// Errors: the OS error of `set_permissions`.
-pub fn set_readable(file: &std::fs::File) -> std::io::Result<()> {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        file.set_permissions(std::fs::Permissions::from_mode(0o644))?;
-    }
-    #[cfg(not(unix))]
-    let _ = file;
-    Ok(())
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TokenizerError> {
+    crate::atomic::write_atomic(path, bytes, crate::atomic::Access::Everyone).map_err(|e| {
+        TokenizerError::Io {
+            path: e.path,
+            source: e.source,
+        }
+    })
 }

@@ -12,7 +12,6 @@
 //!   file (weights or optimizer state) or a flat buffer, else the first tensor that has one.
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write;
 use std::path::Path;
 
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
@@ -99,14 +98,35 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WeightsError + '_ {
     }
 }
 
+/// `values` as little-endian bytes, the layout of an F32 tensor (bytemuck's cast on a
+/// little-endian machine).
+pub fn f32_to_le_bytes(values: &[f32]) -> Vec<u8> {
+    #[cfg(target_endian = "little")]
+    let bytes = bytemuck::cast_slice::<f32, u8>(values).to_vec();
+    #[cfg(not(target_endian = "little"))]
+    let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    bytes
+}
+
+/// The f32 values of little-endian bytes at any alignment (an F32 tensor's data); a trailing
+/// part of an element is ignored.
+pub fn f32_from_le_bytes(bytes: &[u8]) -> Vec<f32> {
+    let whole = &bytes[..bytes.len() / 4 * 4];
+    #[cfg(target_endian = "little")]
+    let values = bytemuck::pod_collect_to_vec::<u8, f32>(whole);
+    #[cfg(not(target_endian = "little"))]
+    let values = whole
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    values
+}
+
 /// Reads a tensor's elements as f64 (F32 widened exactly).
 fn tensor_f64(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Vec<f64>, WeightsError> {
     let data = view.data();
     match view.dtype() {
-        Dtype::F32 => Ok(data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
-            .collect()),
+        Dtype::F32 => Ok(f32_from_le_bytes(data).into_iter().map(f64::from).collect()),
         Dtype::F64 => Ok(data
             .chunks_exact(8)
             .map(|b| f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
@@ -411,12 +431,7 @@ pub fn save_safetensors(
     let bytes: Vec<Vec<u8>> = layout
         .entries()
         .iter()
-        .map(|e| {
-            params[e.range()]
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect()
-        })
+        .map(|e| f32_to_le_bytes(&params[e.range()]))
         .collect();
     let format_err = |e: safetensors::SafeTensorError| WeightsError::Format {
         path: path.display().to_string(),
@@ -432,20 +447,14 @@ pub fn save_safetensors(
     write_atomic(path, &serialized)
 }
 
-/// Writes `bytes` to `path` through a temp file in the same folder, fsync and rename.
+/// Writes `bytes` to `path` with [`crate::atomic::write_atomic`] (mode 0600).
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), WeightsError> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io_err(path))?;
-    tmp.write_all(bytes).map_err(io_err(path))?;
-    tmp.as_file().sync_all().map_err(io_err(path))?;
-    tmp.persist(path).map_err(|e| WeightsError::Io {
-        path: path.display().to_string(),
-        source: e.error,
-    })?;
-    Ok(())
+    crate::atomic::write_atomic(path, bytes, crate::atomic::Access::Owner).map_err(|e| {
+        WeightsError::Io {
+            path: e.path.display().to_string(),
+            source: e.source,
+        }
+    })
 }
 
 #[cfg(test)]

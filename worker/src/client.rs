@@ -1,16 +1,16 @@
 //! The worker's calls to the coordinator that move files: fetching its shard and the job's
 //! files into the cache (verified by sha256), and uploading a checkpoint folder.
 
+use backon::{ExponentialBuilder, Retryable};
 use keel_proto::auth::AuthChannel;
 use keel_proto::checkpoint::{check_plain_name, sha256_file};
-use keel_proto::protocol::{FILE_CHUNK_BYTES, MAX_MESSAGE_BYTES};
+use keel_proto::protocol::MAX_MESSAGE_BYTES;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{FetchFileRequest, FileChunk, JobFile, TrainingKey};
 use keel_proto::security::ClientSecurity;
-use sha2::{Digest, Sha256};
+use keel_proto::transfer::Receiver;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Errors moving files between the worker and the coordinator.
 #[derive(Debug, thiserror::Error)]
@@ -31,16 +31,11 @@ pub enum TransferError {
         /// The underlying error.
         source: std::io::Error,
     },
-    /// The bytes received do not hash to what the coordinator promised.
-    #[error("{name}: received sha256 {got}, expected {expected}")]
-    Checksum {
-        /// The file.
-        name: String,
-        /// Promised (hex).
-        expected: String,
-        /// Received (hex).
-        got: String,
-    },
+    /// The bytes received do not hash to what the coordinator promised
+    /// ([`keel_proto::transfer::TransferError::Checksum`]), or the stream broke the chunk
+    /// protocol.
+    #[error(transparent)]
+    Stream(keel_proto::transfer::TransferError),
     /// The stream broke the chunk protocol (name, offset, missing last chunk).
     #[error("{0}")]
     Protocol(String),
@@ -52,6 +47,16 @@ pub enum TransferError {
         /// Why.
         reason: String,
     },
+}
+
+impl From<keel_proto::transfer::TransferError> for TransferError {
+    fn from(e: keel_proto::transfer::TransferError) -> Self {
+        use keel_proto::transfer::TransferError as Wire;
+        match e {
+            Wire::Io { path, source } => TransferError::Io { path, source },
+            other => TransferError::Stream(other),
+        }
+    }
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TransferError + '_ {
@@ -122,8 +127,8 @@ pub fn coordinator_client(
 /// checksum; returns its path. The file is written under a temporary name, verified, fsynced
 /// and renamed.
 ///
-/// Errors: [`TransferError::Rpc`], [`TransferError::Checksum`], [`TransferError::Io`],
-/// [`TransferError::Protocol`].
+/// Errors: [`TransferError::Rpc`], [`TransferError::Stream`] (checksum, chunk order),
+/// [`TransferError::Io`], [`TransferError::Protocol`].
 pub async fn fetch_cached(
     client: &mut CoordinatorClient<AuthChannel>,
     key: &TrainingKey,
@@ -159,11 +164,9 @@ pub async fn fetch_cached(
         })?
         .into_inner();
     let tmp = tempfile::NamedTempFile::new_in(&dir).map_err(io(&dir))?;
-    let (std_file, tmp_path) = tmp.into_parts();
-    let mut out = tokio::fs::File::from_std(std_file);
-    let mut hasher = Sha256::new();
-    let mut written = 0u64;
-    let mut finished = false;
+    // Written through its path; removed on any error when `tmp_path` drops.
+    let tmp_path = tmp.into_temp_path();
+    let mut receiver = Receiver::into_file(tmp_path.to_path_buf());
     while let Some(chunk) = stream
         .message()
         .await
@@ -172,42 +175,36 @@ pub async fn fetch_cached(
             status,
         })?
     {
-        if chunk.offset != written || finished {
-            return Err(TransferError::Protocol(format!(
-                "{}: chunk at offset {} after {written} bytes",
-                file.name, chunk.offset
-            )));
-        }
-        out.write_all(&chunk.data).await.map_err(io(&tmp_path))?;
-        hasher.update(&chunk.data);
-        written += chunk.data.len() as u64;
-        finished = chunk.last;
+        receiver.accept(chunk).await?;
     }
-    if !finished {
-        return Err(TransferError::Protocol(format!(
-            "{}: stream ended after {written} of {} bytes",
+    let ended = |detail: String| {
+        TransferError::Protocol(format!(
+            "{}: {detail} (the file has {} bytes)",
             file.name, file.size
-        )));
+        ))
+    };
+    let received = receiver.finish().map_err(|e| ended(e.to_string()))?;
+    let Some(got) = received.into_iter().next() else {
+        return Err(ended("the stream ended before its first chunk".into()));
+    };
+    if got.sha256 != file.sha256 {
+        return Err(TransferError::Stream(
+            keel_proto::transfer::TransferError::Checksum {
+                name: file.name.clone(),
+                path: got.path,
+                expected: file.sha256.clone(),
+                got: got.sha256,
+            },
+        ));
     }
-    let got = hex(&hasher.finalize());
-    if got != file.sha256 {
-        return Err(TransferError::Checksum {
-            name: file.name.clone(),
-            expected: file.sha256.clone(),
-            got,
-        });
-    }
-    out.sync_all().await.map_err(io(&tmp_path))?;
-    drop(out);
     tmp_path.persist(&path).map_err(|e| TransferError::Io {
         path: path.clone(),
         source: e.error,
     })?;
+    let written = got.size;
     tracing::info!(file = %file.name, bytes = written, "fetched and verified");
     Ok(path)
 }
-
-use keel_proto::checkpoint::hex;
 
 /// Uploads every plain file of `dir` (sorted by name) as one checkpoint stream tagged `key`.
 ///
@@ -226,52 +223,14 @@ pub async fn upload_dir(
         }
     }
     names.sort();
+    let files: Vec<(String, PathBuf)> = names
+        .into_iter()
+        .map(|name| (name.clone(), dir.join(name)))
+        .collect();
     let (tx, rx) = tokio::sync::mpsc::channel::<FileChunk>(4);
-    let dir = dir.to_path_buf();
     let key2 = key.clone();
     let reader = tokio::spawn(async move {
-        for name in names {
-            let path = dir.join(&name);
-            let mut file = tokio::fs::File::open(&path).await.map_err(io(&path))?;
-            let size = file.metadata().await.map_err(io(&path))?.len();
-            let mut hasher = Sha256::new();
-            let mut offset = 0u64;
-            loop {
-                let mut buf = vec![0u8; FILE_CHUNK_BYTES];
-                let mut filled = 0;
-                while filled < buf.len() {
-                    let n = file.read(&mut buf[filled..]).await.map_err(io(&path))?;
-                    if n == 0 {
-                        break;
-                    }
-                    filled += n;
-                }
-                buf.truncate(filled);
-                hasher.update(&buf);
-                let last = offset + filled as u64 >= size;
-                let chunk = FileChunk {
-                    key: Some(key2.clone()),
-                    name: name.clone(),
-                    offset,
-                    data: buf.into(),
-                    last,
-                    sha256: if last {
-                        hex(&hasher.clone().finalize())
-                    } else {
-                        String::new()
-                    },
-                    size,
-                };
-                offset += filled as u64;
-                if tx.send(chunk).await.is_err() {
-                    return Ok(());
-                }
-                if last {
-                    break;
-                }
-            }
-        }
-        Ok::<(), TransferError>(())
+        keel_proto::transfer::send_files(&files, Some(&key2), &tx, |chunk| chunk).await
     });
     let result = client
         .upload_checkpoint(tokio_stream::wrappers::ReceiverStream::new(rx))
@@ -306,7 +265,7 @@ impl TransferError {
                     | Code::Unknown
             ),
             TransferError::Io { .. } | TransferError::Connect { .. } => true,
-            TransferError::Checksum { .. } | TransferError::Protocol(_) => false,
+            TransferError::Stream(_) | TransferError::Protocol(_) => false,
         }
     }
 }
@@ -327,24 +286,28 @@ pub async fn upload_dir_retrying(
     dir: &Path,
     first_pause: Duration,
 ) -> Result<(), TransferError> {
-    let mut pause = first_pause;
     let mut attempt = 1;
-    loop {
-        match upload_dir(client, key, dir).await {
-            Ok(()) => return Ok(()),
-            Err(e) if e.is_transient() && attempt < UPLOAD_ATTEMPTS => {
-                tracing::warn!(
-                    step = key.step,
-                    attempt,
-                    "checkpoint upload failed: {e}; retrying in {pause:?}"
-                );
-                tokio::time::sleep(pause).await;
-                pause *= 2;
-                attempt += 1;
-            }
-            Err(e) => return Err(e),
-        }
-    }
+    let backoff = ExponentialBuilder::new()
+        .with_min_delay(first_pause)
+        .with_factor(2.0)
+        .without_max_delay()
+        .with_max_times(UPLOAD_ATTEMPTS as usize - 1);
+    let upload = || {
+        let mut client = client.clone();
+        async move { upload_dir(&mut client, key, dir).await }
+    };
+    upload
+        .retry(backoff)
+        .when(TransferError::is_transient)
+        .notify(|e, pause| {
+            tracing::warn!(
+                step = key.step,
+                attempt,
+                "checkpoint upload failed: {e}; retrying in {pause:?}"
+            );
+            attempt += 1;
+        })
+        .await
 }
 
 #[cfg(test)]

@@ -48,7 +48,7 @@ pub fn save(
     let bytes: Vec<(String, Vec<u8>, usize)> = state
         .iter()
         .map(|(name, data)| {
-            let raw: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let raw = keel_proto::weights::f32_to_le_bytes(data);
             (name.to_string(), raw, data.len())
         })
         .collect();
@@ -126,11 +126,7 @@ pub fn load(
                 view.dtype()
             )));
         }
-        let data = view
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let data = keel_proto::weights::f32_from_le_bytes(view.data());
         buffers.push((name, data));
     }
     let views: Vec<(&str, &[f32])> = buffers

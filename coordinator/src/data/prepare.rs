@@ -658,6 +658,15 @@ pub fn prepare(options: &PrepareOptions) -> Result<PreparedManifest, PrepareErro
         path: options.out_dir.join(MANIFEST_FILE),
         reason: e.to_string(),
     })?;
-    keel_proto::tokenizer::write_atomic(&options.out_dir.join(MANIFEST_FILE), json.as_bytes())?;
+    let manifest_path = options.out_dir.join(MANIFEST_FILE);
+    keel_proto::atomic::write_atomic(
+        &manifest_path,
+        json.as_bytes(),
+        keel_proto::atomic::Access::Everyone,
+    )
+    .map_err(|e| PrepareError::Io {
+        path: e.path,
+        source: e.source,
+    })?;
     Ok(manifest)
 }

@@ -13,6 +13,7 @@
 //! - `shared_buf`: the buffer of one all-reduce, which frames are sent from without a copy.
 //! - `wire`: `Ring/Stream` messages encoded and decoded without copying their payloads.
 //! - `ring`: [`Ring`] and [`RingConfig`], the send side and the algorithm.
+//! - `absorb`: what a received frame does to the buffer (add or copy) and what it passes on.
 //! - `link`: one long-lived `Ring/Stream` call to the right neighbour, acked frame by frame,
 //!   sent below tonic's codec (see `wire`).
 //! - `error`: [`AllReduceError`] (callers), [`FrameRejected`] (wire).
@@ -59,6 +60,7 @@
 //! refuses the second copy with `ALREADY_EXISTS` rather than adding it twice, and a sender that
 //! retried takes that as delivered.
 
+mod absorb;
 pub mod bench;
 mod error;
 mod expect;

@@ -22,9 +22,11 @@ use futures::stream::FuturesUnordered;
 use keel_proto::ring_rpc::RingFrame;
 
 use super::link::LinkStream;
-use tokio::time::{Instant, sleep, sleep_until, timeout, timeout_at};
+use backon::{ExponentialBuilder, Retryable};
+use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 use tonic::Code;
 
+use super::absorb::{Outgoing, Payload, absorb_or_defer};
 use super::error::AllReduceError;
 use super::expect::{FrameSchedule, PlannedFrame, RingShape};
 use super::mailbox::{InboundFrame, MAX_FRAME_BYTES, Mailbox};
@@ -115,26 +117,6 @@ pub struct Ring {
     next_stream: AtomicUsize,
 }
 
-/// What is still to be sent for one frame.
-enum Payload {
-    /// The buffer's elements `range`, sent from the buffer itself (the rank's own chunk, a
-    /// reduce-scatter partial sum, or the finished chunk): the range must not be written until
-    /// the send finishes.
-    Buffer(Range<usize>),
-    /// Already encoded (an all-gather frame passed on as received).
-    Ready(Bytes),
-}
-
-/// A frame waiting to be sent to the right neighbour.
-struct Outgoing {
-    /// Ring step the right neighbour receives it at.
-    ring_step: u32,
-    /// First element, index into the buffer.
-    offset: usize,
-    /// The elements.
-    payload: Payload,
-}
-
 impl Ring {
     /// Joins the worker's mailbox to (job, generation) and opens `streams_per_link` connections to
     /// the right neighbour, retrying until `timeout` while it starts up.
@@ -165,22 +147,21 @@ impl Ring {
                 .max_frame_size(H2_MAX_FRAME_BYTES);
             let deadline = Instant::now() + cfg.timeout;
             for _ in 0..cfg.streams_per_link {
-                let mut backoff = Duration::from_millis(5);
-                let channel = loop {
-                    match timeout_at(deadline, endpoint.connect()).await {
-                        Ok(Ok(channel)) => break channel,
-                        Ok(Err(e)) if Instant::now() + backoff < deadline => {
-                            tracing::debug!(rank, addr, error = %e, "ring peer not up yet, retrying");
-                            sleep(backoff).await;
-                            backoff = (backoff * 2).min(Duration::from_millis(200));
-                        }
-                        Ok(Err(e)) => return Err(unreachable(format!("{e}: {e:?}"))),
-                        Err(_) => {
-                            return Err(unreachable(format!(
-                                "no connection within {:?}",
-                                cfg.timeout
-                            )));
-                        }
+                let endpoint = &endpoint;
+                let tries = (move || endpoint.connect())
+                    .retry(CONNECT_BACKOFF)
+                    .adjust(|_, pause| before(deadline, pause))
+                    .notify(|e, _| {
+                        tracing::debug!(rank, addr, error = %e, "ring peer not up yet, retrying");
+                    });
+                let channel = match timeout_at(deadline, tries).await {
+                    Ok(Ok(channel)) => channel,
+                    Ok(Err(e)) => return Err(unreachable(format!("{e}: {e:?}"))),
+                    Err(_) => {
+                        return Err(unreachable(format!(
+                            "no connection within {:?}",
+                            cfg.timeout
+                        )));
                     }
                 };
                 right.push(LinkStream::spawn(security.wrap(channel)));
@@ -343,14 +324,11 @@ impl Ring {
     /// when its left neighbour sends a frame that matches no planned frame
     /// ([`AllReduceError::BadFrame`], naming the neighbour and "fault injection").
     pub fn injected_bad_frame(&self, step: u64, bucket: u32) -> AllReduceError {
-        let (rank, addr) = left_neighbour(&self.cfg);
-        AllReduceError::BadFrame {
-            rank,
-            addr: addr.to_string(),
+        self.bad_frame_from_left(
             step,
             bucket,
-            reason: "fault injection: a frame that matches no planned frame".into(),
-        }
+            "fault injection: a frame that matches no planned frame".into(),
+        )
     }
 
     /// [`AllReduceError::Timeout`]: waited `timeout` on `peer` (rank, address) for `what`.
@@ -404,13 +382,19 @@ impl Ring {
         frame: &InboundFrame,
         reason: String,
     ) -> AllReduceError {
+        let reason = format!("{reason} (frame says sender rank {})", frame.sender_rank);
+        self.bad_frame_from_left(step, bucket, reason)
+    }
+
+    /// [`AllReduceError::BadFrame`] naming the left neighbour, which sent the frame.
+    fn bad_frame_from_left(&self, step: u64, bucket: u32, reason: String) -> AllReduceError {
         let (rank, addr) = left_neighbour(&self.cfg);
         AllReduceError::BadFrame {
             rank,
             addr: addr.to_string(),
             step,
             bucket,
-            reason: format!("{reason} (frame says sender rank {})", frame.sender_rank),
+            reason,
         }
     }
 
@@ -441,190 +425,92 @@ impl Ring {
         };
         let (rank, addr) = right_neighbour(&self.cfg);
         let deadline = Instant::now() + self.cfg.timeout;
-        let mut backoff = Duration::from_millis(1);
         let mut retried = false;
-        loop {
-            let status = match timeout_at(deadline, link.push(frame.clone())).await {
-                Ok(Ok(())) => return Ok(retried),
-                Ok(Err(status)) => status,
-                Err(_) => {
-                    return Err(self.timeout_error(
-                        (rank, addr),
-                        step,
-                        bucket,
-                        "the right neighbour to accept a frame",
-                    ));
-                }
-            };
-            match status.code() {
-                // Not joined yet (still in its previous job, `NotFound`, or fetching this
-                // job's files), or the connection is down: all may heal within the timeout.
-                Code::Unavailable
-                | Code::Unknown
-                | Code::Internal
-                | Code::Cancelled
-                | Code::NotFound => {
-                    if Instant::now() + backoff >= deadline {
-                        return Err(AllReduceError::PeerUnreachable {
-                            rank,
-                            addr: addr.to_string(),
-                            step,
-                            bucket,
-                            reason: format!("{:?}: {}", status.code(), status.message()),
-                        });
-                    }
-                    sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(100));
-                    retried = true;
-                }
-                // An earlier attempt, failed in transit as far as we saw, landed after all.
-                Code::AlreadyExists if retried => return Ok(true),
-                // The receiver's all-reduce of this pair has ended. Either it succeeded, so it
-                // had this frame, or it failed there (a bad frame, a timeout, a shutdown), and
-                // that worker reports it and the coordinator suspends the ring. Either way there
-                // is nothing to resend; failing here instead raced that report with a misleading
-                // "stale generation" error of this blameless rank (issue 19, finding 3).
-                Code::Aborted => return Ok(retried),
-                Code::FailedPrecondition => {
-                    return Err(AllReduceError::StaleGeneration {
-                        job_id: self.cfg.job_id.clone(),
-                        ours: self.cfg.generation,
-                        detail: format!(
-                            "ring peer rank {rank} at {addr} refused: {}",
-                            status.message()
-                        ),
-                        step,
-                        bucket,
-                    });
-                }
-                code => {
-                    return Err(AllReduceError::Transport {
-                        rank,
-                        addr: addr.to_string(),
-                        step,
-                        bucket,
-                        code,
-                        message: status.message().to_string(),
-                    });
-                }
+        let tries = (move || link.push(frame.clone()))
+            .retry(SEND_BACKOFF)
+            .when(|status| may_heal(status.code()))
+            .adjust(|_, pause| before(deadline, pause))
+            .notify(|_, _| retried = true);
+        let result = timeout_at(deadline, tries).await;
+        let status = match result {
+            Ok(Ok(())) => return Ok(retried),
+            Ok(Err(status)) => status,
+            Err(_) => {
+                return Err(self.timeout_error(
+                    (rank, addr),
+                    step,
+                    bucket,
+                    "the right neighbour to accept a frame",
+                ));
             }
-        }
-    }
-}
-
-/// Whether absorbing a frame received for the buffer's elements `range` (every ring step writes
-/// them) would write where a queued or unfinished send still reads.
-fn writes_readers(range: &Range<usize>, readers: &[Range<usize>]) -> bool {
-    readers
-        .iter()
-        .any(|r| r.start < range.end && range.start < r.end)
-}
-
-/// [`absorb`]s `frame` (received for the buffer's elements `range`) and queues what it passes
-/// on, noting a send from the buffer in `readers`; or, while a queued or unfinished send still
-/// reads `range`, puts it in `deferred` to be tried again after a send finishes.
-fn absorb_or_defer(
-    n: usize,
-    buf: &Arc<SharedBuf>,
-    frame: InboundFrame,
-    range: Range<usize>,
-    outbox: &mut VecDeque<Outgoing>,
-    readers: &mut Vec<Range<usize>>,
-    deferred: &mut VecDeque<(InboundFrame, Range<usize>)>,
-) {
-    if writes_readers(&range, readers) {
-        deferred.push_back((frame, range));
-        return;
-    }
-    // SAFETY: no queued or unfinished send reads `range` (checked above), and the ring task
-    // (the caller) is the buffer's only writer.
-    if let Some(out) = unsafe { absorb(n, buf, frame, range) } {
-        if let Payload::Buffer(r) = &out.payload {
-            readers.push(r.clone());
-        }
-        outbox.push_back(out);
-    }
-}
-
-/// Applies one incoming frame to the buffer's elements `range` and returns what to pass on to
-/// the right neighbour.
-///
-/// Reduce-scatter (ring steps `t <= n - 2`): add the incoming partial sum into the local slice
-/// and send that slice on, from the buffer. Before the last step the local slice is not needed
-/// again until the all-gather overwrites it, so it can hold the partial sum; at step `n - 2` the
-/// sum is final and goes out as all-gather step 0. All-gather: copy, and pass the received
-/// bytes on unchanged unless this was the last step.
-///
-/// # Safety
-/// Nothing else reads or writes `range` of `buf` during the call, and no queued or unfinished
-/// send reads `range` (every step writes it).
-unsafe fn absorb(
-    n: usize,
-    buf: &SharedBuf,
-    frame: InboundFrame,
-    range: Range<usize>,
-) -> Option<Outgoing> {
-    let t = frame.ring_step as usize;
-    let next = frame.ring_step + 1;
-    // SAFETY: by the caller's promise `range` is ours alone.
-    let local = unsafe { buf.write(range.clone()) };
-    if t + 2 <= n {
-        add_le(local, &frame.data);
-        Some(Outgoing {
-            ring_step: next,
-            offset: range.start,
-            payload: Payload::Buffer(range),
-        })
-    } else {
-        copy_le(local, &frame.data);
-        (t + 1 < 2 * (n - 1)).then(|| Outgoing {
-            ring_step: next,
-            offset: range.start,
-            payload: Payload::Ready(frame.data),
-        })
-    }
-}
-
-/// Elements decoded per block by [`for_each_block`] (a 2 KiB stack buffer).
-const BLOCK: usize = 512;
-
-/// Calls `f(start, block)` for consecutive blocks of `incoming` (little-endian f32 bytes)
-/// decoded into an aligned stack buffer, so the arithmetic runs on plain `f32` slices (the
-/// frame's bytes sit at any alignment inside the HTTP/2 DATA frame they arrived in).
-fn for_each_block(incoming: &[u8], mut f: impl FnMut(usize, &[f32])) {
-    let mut buf = [0.0f32; BLOCK];
-    for (i, bytes) in incoming.chunks(BLOCK * 4).enumerate() {
-        let block = &mut buf[..bytes.len() / 4];
-        for (x, b) in block.iter_mut().zip(bytes.chunks_exact(4)) {
-            *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
-        f(i * BLOCK, block);
-    }
-}
-
-/// `local[i] += incoming[i]` (`incoming`: `local.len() * 4` little-endian bytes).
-fn add_le(local: &mut [f32], incoming: &[u8]) {
-    for_each_block(incoming, |start, block| {
-        for (a, b) in local[start..start + block.len()].iter_mut().zip(block) {
-            *a += b;
-        }
-    });
-}
-
-/// `local[i] = incoming[i]` (a memcpy on little-endian machines).
-fn copy_le(local: &mut [f32], incoming: &[u8]) {
-    #[cfg(target_endian = "little")]
-    {
-        // SAFETY: any bytes are a valid f32; the view covers exactly `local`'s memory.
-        let raw = unsafe {
-            std::slice::from_raw_parts_mut(local.as_mut_ptr().cast::<u8>(), local.len() * 4)
         };
-        raw.copy_from_slice(incoming);
+        match status.code() {
+            // Still not healed, and the next try would come after the deadline.
+            code if may_heal(code) => Err(AllReduceError::PeerUnreachable {
+                rank,
+                addr: addr.to_string(),
+                step,
+                bucket,
+                reason: format!("{:?}: {}", status.code(), status.message()),
+            }),
+            // An earlier attempt, failed in transit as far as we saw, landed after all.
+            Code::AlreadyExists if retried => Ok(true),
+            // The receiver's all-reduce of this pair has ended. Either it succeeded, so it had
+            // this frame, or it failed there (a bad frame, a timeout, a shutdown), and that
+            // worker reports it and the coordinator suspends the ring. Either way there is
+            // nothing to resend; failing here instead raced that report with a misleading
+            // "stale generation" error of this blameless rank (issue 19, finding 3).
+            Code::Aborted => Ok(retried),
+            Code::FailedPrecondition => Err(AllReduceError::StaleGeneration {
+                job_id: self.cfg.job_id.clone(),
+                ours: self.cfg.generation,
+                detail: format!(
+                    "ring peer rank {rank} at {addr} refused: {}",
+                    status.message()
+                ),
+                step,
+                bucket,
+            }),
+            code => Err(AllReduceError::Transport {
+                rank,
+                addr: addr.to_string(),
+                step,
+                bucket,
+                code,
+                message: status.message().to_string(),
+            }),
+        }
     }
-    #[cfg(not(target_endian = "little"))]
-    for_each_block(incoming, |start, block| {
-        local[start..start + block.len()].copy_from_slice(block);
-    });
+}
+
+/// Pauses between tries to connect to the right neighbour while it starts up: 5 ms, doubling
+/// up to 200 ms, until the ring's `timeout`.
+const CONNECT_BACKOFF: ExponentialBuilder = ExponentialBuilder::new()
+    .with_min_delay(Duration::from_millis(5))
+    .with_factor(2.0)
+    .with_max_delay(Duration::from_millis(200))
+    .without_max_times();
+
+/// Pauses between tries to push a frame the right neighbour could not take yet: 1 ms,
+/// doubling up to 100 ms, until the ring's `timeout`.
+const SEND_BACKOFF: ExponentialBuilder = ExponentialBuilder::new()
+    .with_min_delay(Duration::from_millis(1))
+    .with_factor(2.0)
+    .with_max_delay(Duration::from_millis(100))
+    .without_max_times();
+
+/// `pause` if waiting it still ends before `deadline`; else `None` (no more tries).
+fn before(deadline: Instant, pause: Option<Duration>) -> Option<Duration> {
+    pause.filter(|p| Instant::now() + *p < deadline)
+}
+
+/// Whether a refused push may heal within the timeout: the receiver has not joined yet (still
+/// in its previous job, `NotFound`, or fetching this job's files), or the connection is down.
+fn may_heal(code: Code) -> bool {
+    matches!(
+        code,
+        Code::Unavailable | Code::Unknown | Code::Internal | Code::Cancelled | Code::NotFound
+    )
 }
 
 /// This worker's place in the ring, as the receive plans need it.
@@ -644,33 +530,4 @@ fn right_neighbour(cfg: &RingConfig) -> (u32, &str) {
 fn left_neighbour(cfg: &RingConfig) -> (u32, &str) {
     let rank = (cfg.rank + cfg.world_size - 1) % cfg.world_size;
     (rank, cfg.peers[rank as usize].as_str())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn frames_wait_for_overlapping_sends_only() {
-        let readers = [0..100, 300..400];
-        assert!(writes_readers(&(50..60), &readers));
-        assert!(writes_readers(&(99..150), &readers));
-        assert!(writes_readers(&(250..301), &readers));
-        // Touching ends do not overlap.
-        assert!(!writes_readers(&(100..300), &readers));
-        assert!(!writes_readers(&(400..500), &readers));
-        assert!(!writes_readers(&(0..10), &[]));
-    }
-
-    #[test]
-    fn add_and_copy_decode_little_endian_bytes() {
-        let incoming: Vec<u8> = (0..1500)
-            .flat_map(|i| (i as f32 * 0.5).to_le_bytes())
-            .collect();
-        let mut local: Vec<f32> = (0..1500).map(|i| i as f32).collect();
-        add_le(&mut local, &incoming);
-        assert!(local.iter().enumerate().all(|(i, &x)| x == i as f32 * 1.5));
-        copy_le(&mut local, &incoming);
-        assert!(local.iter().enumerate().all(|(i, &x)| x == i as f32 * 0.5));
-    }
 }

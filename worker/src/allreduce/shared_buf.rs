@@ -152,14 +152,10 @@ struct Part {
 #[cfg(target_endian = "little")]
 impl AsRef<[u8]> for Part {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: in bounds; f32 has no padding and u8 no alignment, so these are the elements'
-        // little-endian bytes; no writer while a frame holds the part (module doc).
-        unsafe {
-            std::slice::from_raw_parts(
-                self.buf.ptr.as_ptr().add(self.range.start).cast::<u8>(),
-                self.range.len() * 4,
-            )
-        }
+        // SAFETY: in bounds (checked in `SharedBuf::bytes`); no writer while a frame holds
+        // the part (module doc). On a little-endian machine the elements' bytes are their
+        // little-endian encoding.
+        bytemuck::cast_slice(unsafe { self.buf.read(self.range.clone()) })
     }
 }
 
