@@ -14,6 +14,7 @@ use crate::CoordinatorError;
 use crate::input_roots::InputRoots;
 use crate::machine::{Effect, Input, Launch, Machine, RankFiles, Reply};
 use crate::prepare_job;
+use keel_proto::metrics::MetricsLine;
 use keel_proto::rpc::{JobStatus, WorkerCommand, worker_command};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -436,16 +437,10 @@ fn carry_out(shared: &Arc<Shared>, effect: Effect) -> bool {
     true
 }
 
-/// Appends one JSON line to `dir/metrics.jsonl`.
-fn append_metrics(dir: &std::path::Path, line: &serde_json::Value) {
-    use std::io::Write;
+/// Appends `line` to `dir/metrics.jsonl` (a failure is logged, naming the file).
+fn append_metrics(dir: &std::path::Path, line: &MetricsLine) {
     let path = dir.join("metrics.jsonl");
-    let result = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .and_then(|mut f| writeln!(f, "{line}"));
-    if let Err(e) = result {
+    if let Err(e) = keel_proto::metrics::append(&path, line) {
         tracing::warn!(path = %path.display(), "cannot append metrics: {e}");
     }
 }

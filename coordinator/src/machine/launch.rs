@@ -7,6 +7,7 @@
 use super::phase::{LaunchInfo, Outcome, Phase, Progress, Running};
 use super::{Effect, Machine, RankFiles};
 use crate::prepare_job::PreparedJob;
+use keel_proto::metrics::{EventLine, MetricsLine, ResumeEvent};
 use keel_proto::precision::WorkerBf16;
 use keel_proto::protocol::FILE_CHUNK_BYTES;
 use keel_proto::rpc::{StartJob, StateSource, TrainingKey, worker_command};
@@ -209,13 +210,12 @@ impl Machine {
             // resume from a checkpoint, steps after it appear again; the later lines count).
             self.append_metrics(
                 &id,
-                serde_json::json!({
-                    "event": "resume",
-                    "generation": launch.generation,
-                    "step": launch.start_step,
-                    "source": launch.source.as_str_name(),
-                    "world_size": launch.workers.len(),
-                }),
+                MetricsLine::Event(EventLine::Resume(ResumeEvent {
+                    generation: launch.generation,
+                    step: launch.start_step,
+                    source: launch.source.as_str_name().to_string(),
+                    world_size: launch.workers.len() as u64,
+                })),
             );
         }
         tracing::info!(

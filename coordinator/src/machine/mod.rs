@@ -41,6 +41,7 @@ use crate::CoordinatorError;
 use crate::persist::JobRecord;
 use crate::prepare_job::PreparedJob;
 use keel_proto::jobspec::JobSpec;
+use keel_proto::metrics::MetricsLine;
 use keel_proto::rpc::{
     DoneReport, EvalReport, FailureReport, HeldReport, JobFile, JobStatus, StepReport, TrainingKey,
     worker_command,
@@ -227,8 +228,8 @@ pub enum Effect {
     AppendMetrics {
         /// The job's folder.
         dir: PathBuf,
-        /// The line (JSON object).
-        line: serde_json::Value,
+        /// The line.
+        line: Box<MetricsLine>,
     },
     /// Prepare a job's data (blocking work); the result comes back as [`Input::Prepared`].
     Prepare {
@@ -447,11 +448,11 @@ impl Machine {
     }
 
     /// Appends `line` to `job_id`'s `metrics.jsonl`.
-    fn append_metrics(&mut self, job_id: &str, line: serde_json::Value) {
+    fn append_metrics(&mut self, job_id: &str, line: MetricsLine) {
         if let Some(job) = self.jobs.get(job_id) {
             self.effects.push(Effect::AppendMetrics {
                 dir: job.dir.clone(),
-                line,
+                line: Box::new(line),
             });
         }
     }

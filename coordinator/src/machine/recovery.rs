@@ -25,6 +25,7 @@ use super::phase::{Outcome, Phase, Regroup, Stage};
 use super::{Effect, Launch, Machine};
 use crate::layout;
 use keel_proto::checkpoint::{MODEL_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE};
+use keel_proto::metrics::{EventLine, MetricsLine, RegroupEvent};
 use keel_proto::rpc::{StateSource, Suspend, TrainingKey, worker_command};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -110,15 +111,17 @@ impl Machine {
             },
         });
         self.publish(job_id, now);
-        self.append_metrics(
-            job_id,
-            serde_json::json!({
-                "event": if counts { "recovery" } else { "grow" },
-                "generation": generation,
-                "step": step,
-                "reason": reason,
-            }),
-        );
+        let event = RegroupEvent {
+            generation,
+            step,
+            reason,
+        };
+        let event = if counts {
+            EventLine::Recovery(event)
+        } else {
+            EventLine::Grow(event)
+        };
+        self.append_metrics(job_id, MetricsLine::Event(event));
     }
 
     /// Sends `Suspend` to `members` (minus `lost`) and reserves them for the job; returns

@@ -5,6 +5,7 @@ use super::phase::{Outcome, Phase, Stage};
 use super::{Effect, Machine, Reply};
 use crate::CoordinatorError;
 use crate::layout;
+use keel_proto::metrics::{EvalLine, MetricsLine, StepLine};
 use keel_proto::rpc::{DoneReport, EvalReport, FailureReport, HeldReport, StepReport, TrainingKey};
 use std::time::Instant;
 
@@ -88,19 +89,19 @@ impl Machine {
             return Ok(Reply::None);
         }
         let id = job.id.clone();
-        let line = serde_json::json!({
-            "step": step,
-            "loss": r.loss,
-            "mlm_loss": r.mlm_loss,
-            "nsp_loss": r.nsp_loss,
-            "mlm_accuracy": r.mlm_accuracy,
-            "lr": r.learning_rate,
-            "grad_norm": r.grad_norm,
-            "tokens_per_s": r.tokens_per_second,
-            "step_seconds": r.step_seconds,
-            "allreduce_seconds": r.allreduce_seconds,
-            "tokens": r.tokens,
-            "skipped": r.skipped,
+        let line = MetricsLine::Step(StepLine {
+            step,
+            loss: r.loss,
+            mlm_loss: r.mlm_loss,
+            nsp_loss: r.nsp_loss,
+            mlm_accuracy: r.mlm_accuracy,
+            lr: r.learning_rate,
+            grad_norm: r.grad_norm,
+            tokens_per_s: r.tokens_per_second,
+            step_seconds: r.step_seconds,
+            allreduce_seconds: r.allreduce_seconds,
+            tokens: r.tokens,
+            skipped: r.skipped,
         });
         self.append_metrics(&id, line);
         tracing::info!(
@@ -139,12 +140,12 @@ impl Machine {
         let step = r.key.as_ref().map_or(0, |k| k.step);
         self.append_metrics(
             &id,
-            serde_json::json!({
-                "step": step,
-                "eval_loss": r.mlm_loss,
-                "eval_accuracy": r.mlm_accuracy,
-                "eval_perplexity": r.perplexity,
-                "eval_masked_tokens": r.masked_tokens,
+            MetricsLine::Eval(EvalLine {
+                step,
+                eval_loss: r.mlm_loss,
+                eval_accuracy: r.mlm_accuracy,
+                eval_perplexity: r.perplexity,
+                eval_masked_tokens: r.masked_tokens,
             }),
         );
         tracing::info!(

@@ -16,6 +16,7 @@
 
 use super::Machine;
 use super::phase::Phase;
+use keel_proto::metrics::{EventLine, MetricsLine, StallEvent, StallWorker};
 use keel_proto::rpc::{CancelJob, TrainingKey, worker_command};
 use std::time::{Duration, Instant};
 
@@ -126,20 +127,20 @@ impl Machine {
                 .map(|m| m.id.clone())
                 .collect();
             tracing::warn!(job = %id, generation, step, stalled = %lost.join(", "), "{text}");
-            self.append_metrics(
-                &id,
-                serde_json::json!({
-                    "event": "stall",
-                    "generation": generation,
-                    "step": step,
-                    "silent_seconds": silent.as_secs_f64(),
-                    "workers": members.iter().map(|m| serde_json::json!({
-                        "worker": m.name,
-                        "step": m.step,
-                    })).collect::<Vec<_>>(),
-                    "dropped": lost,
-                }),
-            );
+            let event = StallEvent {
+                generation,
+                step,
+                silent_seconds: silent.as_secs_f64(),
+                workers: members
+                    .iter()
+                    .map(|m| StallWorker {
+                        worker: m.name.clone(),
+                        step: m.step,
+                    })
+                    .collect(),
+                dropped: lost.clone(),
+            };
+            self.append_metrics(&id, MetricsLine::Event(EventLine::Stall(event)));
             let key = TrainingKey {
                 job_id: id.clone(),
                 generation,

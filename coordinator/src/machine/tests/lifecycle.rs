@@ -147,11 +147,9 @@ fn a_stalled_job_drops_the_worker_that_never_started_and_regroups() {
         })
         .collect();
     assert_eq!(cancelled, [&w[1]]);
-    assert!(
-        effects
-            .iter()
-            .any(|e| matches!(e, Effect::AppendMetrics { line, .. } if line["event"] == "stall"))
-    );
+    assert!(effects.iter().any(
+        |e| matches!(e, Effect::AppendMetrics { line, .. } if line.to_value()["event"] == "stall")
+    ));
     let Phase::Recovering(r) = h.m.job(&job).unwrap().phase() else {
         panic!()
     };

@@ -237,7 +237,9 @@ impl Harness {
         self.take(|_| true)
             .into_iter()
             .filter_map(|e| match e {
-                Effect::AppendMetrics { line, .. } => line["event"].as_str().map(String::from),
+                Effect::AppendMetrics { line, .. } => {
+                    line.to_value()["event"].as_str().map(String::from)
+                }
                 _ => None,
             })
             .collect()
