@@ -6,11 +6,12 @@
 //! - `tokenize`: parallel, order-keeping tokenisation into a spill file.
 //! - `spill`: on-disk temporary records (bounded memory).
 //! - `instance`, `instances_mlm`, `instances_nsp`: building training sequences.
-//! - `prepare`: the pipeline and its options/errors; `manifest`: `manifest.json`.
+//! - `prepare`: the pipeline and its options; `error`: its errors; `manifest`: `manifest.json`.
 //! - `prepared`: [`PreparedData`], a prepared folder opened for training.
 //! - `worker_shard`: [`build_worker_shard`], one rank's sequences as a shard.
 
 pub mod corpus;
+pub mod error;
 pub mod instance;
 pub mod instances_mlm;
 pub mod instances_nsp;

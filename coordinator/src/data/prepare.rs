@@ -19,14 +19,15 @@
 //! comes from ChaCha8 streams derived from the seed, so the same corpus, settings and seed give
 //! byte-identical shards whatever `--threads` is.
 
+pub use super::error::PrepareError;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use keel_proto::shard::{Sequence, ShardError, ShardWriter};
-use keel_proto::tokenizer::{KeelTokenizer, TokenizerError, TrainOptions};
+use keel_proto::shard::{Sequence, ShardWriter};
+use keel_proto::tokenizer::{KeelTokenizer, TrainOptions};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
@@ -38,8 +39,8 @@ use super::instances_nsp::{NspSettings, create_nsp_instances};
 use super::manifest::{
     CorpusStats, MANIFEST_VERSION, Objective, PrepareTimings, PreparedManifest, ShardEntry,
 };
-use super::spill::{Spill, SpillError, SpillWriter, words_to_doc};
-use super::tokenize::{TokenizeError, tokenize_corpus};
+use super::spill::{Spill, SpillWriter, words_to_doc};
+use super::tokenize::tokenize_corpus;
 
 /// Where the vocabulary comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -154,80 +155,6 @@ impl PrepareOptions {
         o.seed = seed;
         o.threads = threads.max(1);
         o
-    }
-}
-
-/// Errors of the prepare pipeline and of opening a prepared folder.
-#[derive(Debug, thiserror::Error)]
-pub enum PrepareError {
-    /// Bad corpus input (file, line, offset named).
-    #[error(transparent)]
-    Corpus(#[from] CorpusError),
-    /// Vocabulary training/loading/saving failed.
-    #[error(transparent)]
-    Tokenizer(#[from] TokenizerError),
-    /// Writing or reading a shard failed.
-    #[error(transparent)]
-    Shard(#[from] ShardError),
-    /// A spill file failed.
-    #[error(transparent)]
-    Spill(#[from] SpillError),
-    /// A file of the prepared folder could not be read or written.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
-    },
-    /// An option is out of range.
-    #[error("invalid option {field}: {reason}")]
-    InvalidOption {
-        /// The option.
-        field: &'static str,
-        /// What was expected.
-        reason: String,
-    },
-    /// The corpus holds no text, or none of it tokenises to anything.
-    #[error("empty corpus: {reason}")]
-    EmptyCorpus {
-        /// Which case.
-        reason: String,
-    },
-    /// Too few sequences for the requested shards/heldout split.
-    #[error("corpus too small: {reason}")]
-    TooSmall {
-        /// What did not fit.
-        reason: String,
-    },
-    /// `manifest.json` is missing or malformed.
-    #[error("{path}: bad manifest: {reason}")]
-    BadManifest {
-        /// The manifest file.
-        path: PathBuf,
-        /// What is wrong.
-        reason: String,
-    },
-    /// A shard does not belong with this manifest (vocabulary or checksum differ).
-    #[error("{path}: {reason}")]
-    ShardMismatch {
-        /// The shard file.
-        path: PathBuf,
-        /// What differs.
-        reason: String,
-    },
-    /// A pipeline thread panicked.
-    #[error("a prepare thread panicked")]
-    ThreadPanicked,
-}
-
-impl From<TokenizeError> for PrepareError {
-    fn from(e: TokenizeError) -> Self {
-        match e {
-            TokenizeError::Corpus(c) => PrepareError::Corpus(c),
-            TokenizeError::Spill(s) => PrepareError::Spill(s),
-            TokenizeError::ThreadPanicked => PrepareError::ThreadPanicked,
-        }
     }
 }
 

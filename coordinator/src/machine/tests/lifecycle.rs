@@ -7,32 +7,12 @@ fn cancel_ends_the_job_in_every_phase_and_tells_its_workers() {
     type Setup = fn() -> (Harness, String, Vec<String>);
     let queued: Setup = || {
         let mut h = Harness::new();
-        let Ok(Reply::Reserved { id, dir }) = h.feed(Input::Reserve { spec: spec("") }) else {
-            panic!()
-        };
-        let wall = SystemTime::now();
-        h.feed(Input::Submitted {
-            id: id.clone(),
-            spec: spec(""),
-            dir,
-            wall,
-        })
-        .unwrap();
+        let id = h.submit(spec(""));
         (h, id, vec![])
     };
     let preparing: Setup = || {
         let mut h = Harness::new();
-        let Ok(Reply::Reserved { id, dir }) = h.feed(Input::Reserve { spec: spec("") }) else {
-            panic!()
-        };
-        let wall = SystemTime::now();
-        h.feed(Input::Submitted {
-            id: id.clone(),
-            spec: spec(""),
-            dir,
-            wall,
-        })
-        .unwrap();
+        let id = h.submit(spec(""));
         h.tick();
         (h, id, vec![])
     };

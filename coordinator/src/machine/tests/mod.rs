@@ -124,8 +124,8 @@ impl Harness {
         worker_id
     }
 
-    /// Submits a job and prepares it: it waits for workers (or has started, if they are there).
-    pub(super) fn job(&mut self, spec: JobSpec) -> String {
+    /// Submits a job (queued); its id.
+    pub(super) fn submit(&mut self, spec: JobSpec) -> String {
         let Ok(Reply::Reserved { id, dir }) = self.feed(Input::Reserve { spec: spec.clone() })
         else {
             panic!("not reserved")
@@ -138,6 +138,12 @@ impl Harness {
             wall,
         })
         .unwrap();
+        id
+    }
+
+    /// Submits a job and prepares it: it waits for workers (or has started, if they are there).
+    pub(super) fn job(&mut self, spec: JobSpec) -> String {
+        let id = self.submit(spec);
         self.tick();
         assert!(self.take(|e| matches!(e, Effect::Prepare { .. })).len() == 1);
         let result = Ok(prepared());
