@@ -38,15 +38,13 @@ impl JobControl {
     /// Stops the job for `reason`. The first reason wins, except that a cancel overrides a
     /// suspend (the state is then dropped).
     pub fn stop(&self, reason: StopReason) {
-        if let Ok(mut r) = self.reason.lock() {
-            match *r {
-                None => *r = Some(reason),
-                Some(StopReason::Suspend { .. }) if reason == StopReason::Cancel => {
-                    *r = Some(reason)
-                }
-                Some(_) => {}
-            }
+        let mut r = self.lock_reason();
+        match *r {
+            None => *r = Some(reason),
+            Some(StopReason::Suspend { .. }) if reason == StopReason::Cancel => *r = Some(reason),
+            Some(_) => {}
         }
+        drop(r);
         self.stopped.store(true, Ordering::SeqCst);
         self.notify.notify_waiters();
     }
@@ -58,7 +56,16 @@ impl JobControl {
 
     /// Why it was stopped, if it was.
     pub fn reason(&self) -> Option<StopReason> {
-        self.reason.lock().ok().and_then(|r| *r)
+        *self.lock_reason()
+    }
+
+    /// The reason's lock. A panic while it was held poisons it; the `Option` inside is
+    /// written whole, so it is still right: logged, and used.
+    fn lock_reason(&self) -> std::sync::MutexGuard<'_, Option<StopReason>> {
+        self.reason.lock().unwrap_or_else(|poisoned| {
+            tracing::error!("a job's stop-reason lock was poisoned by a panic; carrying on");
+            poisoned.into_inner()
+        })
     }
 
     /// Resolves once the job is stopped (at once if it already is).
@@ -72,5 +79,38 @@ impl JobControl {
             }
             notified.await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cancel_overrides_a_suspend_and_nothing_else_overrides() {
+        let c = JobControl::new();
+        assert_eq!(c.reason(), None);
+        c.stop(StopReason::Suspend { generation: 2 });
+        c.stop(StopReason::Shutdown);
+        assert_eq!(c.reason(), Some(StopReason::Suspend { generation: 2 }));
+        c.stop(StopReason::Cancel);
+        c.stop(StopReason::Suspend { generation: 3 });
+        assert_eq!(c.reason(), Some(StopReason::Cancel));
+        assert!(c.is_stopped());
+    }
+
+    #[test]
+    fn a_poisoned_reason_lock_still_stops_and_tells_why() {
+        let c = std::sync::Arc::new(JobControl::new());
+        let c2 = c.clone();
+        let _ = std::thread::spawn(move || {
+            let _held = c2.reason.lock();
+            panic!("poison the lock");
+        })
+        .join();
+        assert!(c.reason.is_poisoned());
+        c.stop(StopReason::Suspend { generation: 4 });
+        assert!(c.is_stopped());
+        assert_eq!(c.reason(), Some(StopReason::Suspend { generation: 4 }));
     }
 }
