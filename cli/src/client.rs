@@ -4,15 +4,15 @@
 use crate::output::outln;
 use crate::{fill_mask, local, pull, watch};
 use anyhow::Context;
-use keel_proto::auth::{AuthChannel, TokenArgs};
+use keel_net::auth::{AuthChannel, TokenArgs};
+use keel_net::security::ClientSecurity;
+use keel_net::tls::ClientTlsArgs;
 use keel_proto::jobspec::JobSpec;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{
     CancelJobRequest, GetJobRequest, JobState, JobStatus, ListJobsRequest, SubmitJobRequest,
 };
-use keel_proto::security::ClientSecurity;
 use keel_proto::status::{state_name, status_json};
-use keel_proto::tls::ClientTlsArgs;
 use std::path::{Path, PathBuf};
 
 /// Where the coordinator is and how to prove membership of its cluster.

@@ -163,8 +163,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         _ => {}
     }
-    let token = keel_proto::auth::ClusterToken::create_file(&token_path)?;
-    let security = keel_proto::security::ClientSecurity::new(&token, None);
+    let token = keel_net::auth::ClusterToken::create_file(&token_path)?;
+    let security = keel_net::security::ClientSecurity::new(&token, None);
     let job_path = root.join("job.toml");
     std::fs::write(&job_path, spec.to_toml_string()?)?;
 

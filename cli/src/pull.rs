@@ -31,7 +31,7 @@ pub struct Args {
 /// Errors: no such job or checkpoint, a checksum mismatch, or `out` exists and is not an
 /// earlier pull (no manifest.json in it).
 pub async fn pull(
-    client: &mut CoordinatorClient<keel_proto::auth::AuthChannel>,
+    client: &mut CoordinatorClient<keel_net::auth::AuthChannel>,
     job: &str,
     step: Option<u64>,
     out: &Path,

@@ -32,7 +32,7 @@ pub const PLAIN_EVERY: Duration = Duration::from_secs(10);
 ///
 /// Errors: the job is unknown, or the coordinator stays unreachable for 60 s.
 pub async fn watch(
-    client: &mut CoordinatorClient<keel_proto::auth::AuthChannel>,
+    client: &mut CoordinatorClient<keel_net::auth::AuthChannel>,
     job: &str,
     show: bool,
 ) -> anyhow::Result<JobStatus> {
@@ -78,7 +78,7 @@ pub async fn watch(
 ///
 /// Errors: the coordinator's refusal (an unknown job), or the last failure once the time is up.
 async fn open(
-    client: &mut CoordinatorClient<keel_proto::auth::AuthChannel>,
+    client: &mut CoordinatorClient<keel_net::auth::AuthChannel>,
     job: &str,
     broken_since: Option<Instant>,
 ) -> anyhow::Result<tonic::Streaming<JobStatus>> {

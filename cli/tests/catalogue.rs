@@ -29,14 +29,14 @@ use tonic::Code;
 use tonic::transport::Channel;
 
 /// The coordinator client every section uses (built only by [`coordinator`]).
-type Coord = CoordinatorClient<keel_proto::auth::AuthChannel>;
+type Coord = CoordinatorClient<keel_net::auth::AuthChannel>;
 /// A worker's ring client (built only by [`ring`]).
-type Ring = RingClient<keel_proto::auth::AuthChannel>;
+type Ring = RingClient<keel_net::auth::AuthChannel>;
 
 /// The test cluster's token on every call.
-fn with_token(channel: Channel) -> keel_proto::auth::AuthChannel {
-    let token = keel_proto::auth::ClusterToken::load(token_file()).unwrap();
-    keel_proto::security::ClientSecurity::new(&token, None).wrap(channel)
+fn with_token(channel: Channel) -> keel_net::auth::AuthChannel {
+    let token = keel_net::auth::ClusterToken::load(token_file()).unwrap();
+    keel_net::security::ClientSecurity::new(&token, None).wrap(channel)
 }
 
 /// The one place clients are made (with the cluster token).

@@ -26,7 +26,7 @@ fn keel_with_token(args: &[&str], cwd: &Path, token: Option<&Path>) -> Output {
 /// A token file that is not the cluster's.
 fn wrong_token(dir: &Path) -> std::path::PathBuf {
     let path = dir.join("wrong.token");
-    keel_proto::auth::ClusterToken::create_file(&path).unwrap();
+    keel_net::auth::ClusterToken::create_file(&path).unwrap();
     path
 }
 
@@ -136,9 +136,9 @@ fn a_worker_with_a_wrong_token_is_not_registered_and_ring_pushes_need_the_token(
         assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
 
         // With the token the push reaches the ring service, which judges the frame itself.
-        let token = keel_proto::auth::ClusterToken::load(token_file()).unwrap();
+        let token = keel_net::auth::ClusterToken::load(token_file()).unwrap();
         let mut ring =
-            RingClient::new(keel_proto::security::ClientSecurity::new(&token, None).wrap(channel));
+            RingClient::new(keel_net::security::ClientSecurity::new(&token, None).wrap(channel));
         let status = ring.push(RingFrame::default()).await.unwrap_err();
         assert_ne!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
     });

@@ -37,9 +37,9 @@ fn submit_raw(addr: &str, toml: String) -> Result<String, tonic::Status> {
             .connect()
             .await
             .unwrap();
-        let token = keel_proto::auth::ClusterToken::load(token_file()).unwrap();
+        let token = keel_net::auth::ClusterToken::load(token_file()).unwrap();
         let mut client = CoordinatorClient::new(
-            keel_proto::security::ClientSecurity::new(&token, None).wrap(channel),
+            keel_net::security::ClientSecurity::new(&token, None).wrap(channel),
         );
         let reply = client
             .submit_job(SubmitJobRequest {
@@ -60,9 +60,9 @@ fn job_state(addr: &str, id: &str) -> (JobState, String) {
             .connect()
             .await
             .unwrap();
-        let token = keel_proto::auth::ClusterToken::load(token_file()).unwrap();
+        let token = keel_net::auth::ClusterToken::load(token_file()).unwrap();
         let mut client = CoordinatorClient::new(
-            keel_proto::security::ClientSecurity::new(&token, None).wrap(channel),
+            keel_net::security::ClientSecurity::new(&token, None).wrap(channel),
         );
         let s = client
             .get_job(GetJobRequest { job_id: id.into() })

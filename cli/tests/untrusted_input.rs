@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use keel_proto::auth::AuthChannel;
+use keel_net::auth::AuthChannel;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::*;
 use std::time::{Duration, Instant};
@@ -21,8 +21,8 @@ async fn client(addr: &str) -> CoordinatorClient<AuthChannel> {
         .connect()
         .await
         .unwrap();
-    let token = keel_proto::auth::ClusterToken::load(token_file()).unwrap();
-    CoordinatorClient::new(keel_proto::security::ClientSecurity::new(&token, None).wrap(channel))
+    let token = keel_net::auth::ClusterToken::load(token_file()).unwrap();
+    CoordinatorClient::new(keel_net::security::ClientSecurity::new(&token, None).wrap(channel))
         .max_decoding_message_size(64 << 20)
 }
 

@@ -74,7 +74,7 @@ pub enum CoordinatorError {
     Transport(#[from] tonic::transport::Error),
     /// The health or reflection service could not be built.
     #[error(transparent)]
-    Admin(#[from] keel_proto::admin::AdminError),
+    Admin(#[from] keel_net::admin::AdminError),
 }
 
 impl CoordinatorError {

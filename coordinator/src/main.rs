@@ -30,11 +30,11 @@ struct Args {
     )]
     input_root: Vec<PathBuf>,
     #[command(flatten)]
-    token: keel_proto::auth::TokenArgs,
+    token: keel_net::auth::TokenArgs,
     #[command(flatten)]
-    tls: keel_proto::tls::ServerTlsArgs,
+    tls: keel_net::tls::ServerTlsArgs,
     #[command(flatten)]
-    connections: keel_proto::incoming::ConnectionArgs,
+    connections: keel_net::incoming::ConnectionArgs,
 }
 
 fn main() -> std::process::ExitCode {
@@ -51,7 +51,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         .with_ansi(ansi)
         .init();
     let input_roots = keel_coordinator::input_roots::InputRoots::new(&args.input_root)?;
-    let security = keel_proto::security::ServerSecurity::new(args.token.load()?, args.tls.load()?)
+    let security = keel_net::security::ServerSecurity::new(args.token.load()?, args.tls.load()?)
         .with_connection_limits(args.connections.limits()?);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
@@ -64,7 +64,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             security,
             input_roots,
         };
-        keel_coordinator::run(config, listener, keel_proto::admin::shutdown_signal()).await?;
+        keel_coordinator::run(config, listener, keel_net::admin::shutdown_signal()).await?;
         Ok(())
     })
 }

@@ -5,9 +5,9 @@ use crate::driver;
 use crate::driver::Shared;
 use crate::input_roots::InputRoots;
 use crate::service::CoordinatorService;
+use keel_net::security::ServerSecurity;
 use keel_proto::protocol::MAX_MESSAGE_BYTES;
 use keel_proto::rpc::coordinator_server::CoordinatorServer;
-use keel_proto::security::ServerSecurity;
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -59,7 +59,7 @@ pub async fn run(
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let (health_reporter, health, reflection) =
-        keel_proto::admin::admin_services::<CoordinatorServer<CoordinatorService>>().await?;
+        keel_net::admin::admin_services::<CoordinatorServer<CoordinatorService>>().await?;
     let (server_stop_tx, server_stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = config
         .security
@@ -84,7 +84,7 @@ pub async fn run(
         }
         _ = shutdown => {}
     }
-    keel_proto::admin::mark_not_serving(&health_reporter).await;
+    keel_net::admin::mark_not_serving(&health_reporter).await;
     let _ = server_stop_tx.send(());
     let _ = stop_tx.send(());
     // Close every attach stream so graceful shutdown does not wait on them.

@@ -1,10 +1,10 @@
 //! The coordinator's gRPC service in-process on 127.0.0.1: job submission and validation,
 //! cancellation ending a watch, worker registration and heartbeats.
 
-use keel_proto::auth::{AuthChannel, ClusterToken};
+use keel_net::auth::{AuthChannel, ClusterToken};
+use keel_net::security::{ClientSecurity, ServerSecurity};
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::*;
-use keel_proto::security::{ClientSecurity, ServerSecurity};
 use std::time::Duration;
 use tonic::transport::Channel;
 

@@ -17,13 +17,11 @@
 //! - `limits`, `memory`: bounds on the files a job names (regular files, sizes, line lengths)
 //!   and the memory a model needs to train, checked against what a worker has.
 //! - `protocol`: the control-plane protocol as numbered steps, and its timeouts.
-//! - `auth`, `tls`, `security`: the cluster token every call carries, optional TLS, and both
-//!   bundled for servers and clients.
-//! - `incoming`, `connection`: the accept loop every server uses (connection cap, handshake
-//!   and idle timeouts, back-off on accept errors) and the connections it hands out.
 //! - `quote`: at most a bounded prefix of untrusted input in error messages.
-//! - `ratelimit`: at most one log line per interval for events strangers can cause.
 //! - `report`: how the binaries print an error and exit (one line, no backtrace).
+//!
+//! How processes serve and call (the token, TLS, the accept loop) is not a contract: it lives
+//! in the `keel-net` crate.
 
 /// gRPC messages and services generated from `proto/keel.proto` (control plane).
 pub mod rpc {
@@ -39,13 +37,9 @@ pub mod ring_rpc {
 /// reflection (so `grpcurl` can list and call Keel's services without the .proto files).
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("keel_descriptor");
 
-pub mod admin;
 pub mod atomic;
-pub mod auth;
 pub mod checkpoint;
 pub mod config;
-pub mod connection;
-pub mod incoming;
 pub mod jobspec;
 pub mod limits;
 pub mod memory;
@@ -54,13 +48,10 @@ pub mod params;
 pub mod precision;
 pub mod protocol;
 pub mod quote;
-pub mod ratelimit;
 pub mod report;
-pub mod security;
 pub mod shard;
 pub mod split;
 pub mod status;
-pub mod tls;
 pub mod tokenizer;
 pub mod transfer;
 pub mod weights;

@@ -2,12 +2,12 @@
 //! files into the cache (verified by sha256), and uploading a checkpoint folder.
 
 use backon::{ExponentialBuilder, Retryable};
-use keel_proto::auth::AuthChannel;
+use keel_net::auth::AuthChannel;
+use keel_net::security::ClientSecurity;
 use keel_proto::checkpoint::{check_plain_name, sha256_file};
 use keel_proto::protocol::MAX_MESSAGE_BYTES;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{FetchFileRequest, FileChunk, JobFile, TrainingKey};
-use keel_proto::security::ClientSecurity;
 use keel_proto::transfer::Receiver;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -8,7 +8,7 @@ use crate::control::JobControl;
 use crate::replica::Replica;
 use crate::ringlink::RingLink;
 use crate::train::{Event, InitialState, TrainError, TrainSetup};
-use keel_proto::auth::AuthChannel;
+use keel_net::auth::AuthChannel;
 use keel_proto::config::BertConfig;
 use keel_proto::jobspec::JobSpec;
 use keel_proto::precision::Precision;

@@ -27,7 +27,7 @@ pub fn token_file() -> &'static Path {
         let registered = unsafe { libc::atexit(remove_token_dir) };
         assert_eq!(registered, 0, "atexit failed");
         let path = dir.join("keel.token");
-        keel_proto::auth::ClusterToken::create_file(&path).unwrap();
+        keel_net::auth::ClusterToken::create_file(&path).unwrap();
         path
     })
 }

@@ -294,7 +294,7 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
     tokio::spawn(
         tune_server(tonic::transport::Server::builder())
             .add_service(service)
-            .serve_with_incoming(keel_proto::incoming::nodelay_incoming(listener)),
+            .serve_with_incoming(keel_net::incoming::nodelay_incoming(listener)),
     );
     println!("LISTEN {addr}");
     std::io::stdout().flush()?;

@@ -12,7 +12,7 @@ use std::convert::Infallible;
 use bytes::Bytes;
 use futures::StreamExt;
 use http_body_util::StreamBody;
-use keel_proto::auth::AuthChannel;
+use keel_net::auth::AuthChannel;
 use keel_proto::ring_rpc::{PushAck, RingFrame};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;

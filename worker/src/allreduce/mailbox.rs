@@ -22,8 +22,8 @@ use std::pin::pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
+use keel_net::security::ClientSecurity;
 use keel_proto::ring_rpc::RingFrame;
-use keel_proto::security::ClientSecurity;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 
 use super::error::{AllReduceError, FrameRejected};

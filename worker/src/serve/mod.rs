@@ -14,7 +14,7 @@ mod state;
 
 use crate::allreduce::{Mailbox, RingDataPlane, ring_service, tune_server};
 use crate::client::coordinator_client;
-use keel_proto::security::{ClientSecurity, ServerSecurity};
+use keel_net::security::{ClientSecurity, ServerSecurity};
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -43,13 +43,13 @@ pub struct Args {
     #[arg(long, env = "KEEL_LOG", default_value = "info")]
     pub log: String,
     #[command(flatten)]
-    pub token: keel_proto::auth::TokenArgs,
+    pub token: keel_net::auth::TokenArgs,
     #[command(flatten)]
-    pub server_tls: keel_proto::tls::ServerTlsArgs,
+    pub server_tls: keel_net::tls::ServerTlsArgs,
     #[command(flatten)]
-    pub client_tls: keel_proto::tls::ClientTlsArgs,
+    pub client_tls: keel_net::tls::ClientTlsArgs,
     #[command(flatten)]
-    pub connections: keel_proto::incoming::ConnectionArgs,
+    pub connections: keel_net::incoming::ConnectionArgs,
     /// Fault injection for tests: this worker's loss is NaN at this 0-based step of every job.
     #[arg(long, hide = true)]
     pub fault_nan_at_step: Option<u64>,
@@ -120,7 +120,7 @@ pub enum ServeError {
     Client(#[from] crate::client::TransferError),
     /// The health or reflection service could not be built.
     #[error(transparent)]
-    Admin(#[from] keel_proto::admin::AdminError),
+    Admin(#[from] keel_net::admin::AdminError),
     /// The cache folder cannot be created.
     #[error("{path}: {source}")]
     Io {
@@ -144,7 +144,7 @@ pub fn main(args: Args) -> anyhow::Result<()> {
         );
     };
     let (server_security, client_security) =
-        keel_proto::security::worker_security(&args.token, &args.server_tls, &args.client_tls)?;
+        keel_net::security::worker_security(&args.token, &args.server_tls, &args.client_tls)?;
     let server_security = server_security.with_connection_limits(args.connections.limits()?);
     let threads = args
         .threads
@@ -169,7 +169,7 @@ pub fn main(args: Args) -> anyhow::Result<()> {
                 .memory_limit
                 .or_else(keel_proto::memory::machine_memory_limit),
         };
-        run(config, listener, keel_proto::admin::shutdown_signal()).await?;
+        run(config, listener, keel_net::admin::shutdown_signal()).await?;
         Ok(())
     })
 }
@@ -192,7 +192,7 @@ pub async fn run(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut server_stop = stop_rx.clone();
     let (health_reporter, health, reflection) =
-        keel_proto::admin::admin_services::<RingDataPlane>().await?;
+        keel_net::admin::admin_services::<RingDataPlane>().await?;
     let security = &config.server_security;
     let server = tune_server(security.server()?)
         // Health stays open (probes cannot send a token; it reveals and does nothing).
@@ -206,7 +206,7 @@ pub async fn run(
     let client = coordinator_client(&config.coordinator, &config.client_security)?;
     let sessions = tokio::spawn(session::sessions(config, client, mailbox, stop_rx));
     shutdown.await;
-    keel_proto::admin::mark_not_serving(&health_reporter).await;
+    keel_net::admin::mark_not_serving(&health_reporter).await;
     let _ = stop_tx.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(3), sessions).await;
     match tokio::time::timeout(Duration::from_secs(2), server).await {

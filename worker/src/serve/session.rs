@@ -9,7 +9,7 @@ use crate::allreduce::Mailbox;
 use crate::control::{JobControl, StopReason};
 use crate::job::JobContext;
 use backon::{BackoffBuilder, ConstantBuilder, ExponentialBackoff, ExponentialBuilder, Retryable};
-use keel_proto::auth::AuthChannel;
+use keel_net::auth::AuthChannel;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
 use keel_proto::rpc::{
     AttachRequest, HeartbeatRequest, HeldReport, RegisterRequest, StartJob, TrainingKey,

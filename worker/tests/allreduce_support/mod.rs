@@ -30,7 +30,7 @@ pub fn start_peer() -> Peer {
     rt.spawn(async move {
         tune_server(tonic::transport::Server::builder())
             .add_service(service)
-            .serve_with_incoming(keel_proto::incoming::nodelay_incoming(listener))
+            .serve_with_incoming(keel_net::incoming::nodelay_incoming(listener))
             .await
     });
     Peer { rt, addr, mailbox }

@@ -152,7 +152,7 @@ impl ClusterToken {
         use std::io::Write;
         // ThreadRng: a CSPRNG seeded from the operating system.
         let bytes: [u8; 32] = rand::random();
-        let secret = crate::checkpoint::hex(&bytes);
+        let secret = keel_proto::checkpoint::hex(&bytes);
         let io = |source| AuthError::Io {
             path: path.to_path_buf(),
             source,

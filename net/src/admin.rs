@@ -34,7 +34,7 @@ pub async fn admin_services<S: NamedService>() -> Result<
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
     let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(keel_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     Ok((reporter, health, reflection))

@@ -1,0 +1,18 @@
+//! Keel's network middleware, shared by the coordinator, the workers and the client: not a
+//! contract (that is `keel_proto`), but how every Keel process serves and calls.
+//!
+//! # Layout
+//! - `auth`, `tls`, `security`: the cluster token every call carries, optional TLS, and both
+//!   bundled for servers and clients.
+//! - `incoming`, `connection`: the accept loop every server uses (connection cap, handshake
+//!   and idle timeouts, back-off on accept errors) and the connections it hands out.
+//! - `ratelimit`: at most one log line per interval for events strangers can cause.
+//! - `admin`: the gRPC health and reflection services every server adds.
+
+pub mod admin;
+pub mod auth;
+pub mod connection;
+pub mod incoming;
+pub mod ratelimit;
+pub mod security;
+pub mod tls;
