@@ -89,15 +89,7 @@ fn a_job_completes_only_with_its_final_checkpoint() {
         // keep_checkpoints = 1: step 4 is removed once step 8 is stored; the final one stays.
         let removed = h.take(|e| matches!(e, Effect::RemoveCheckpoints { .. }));
         assert_eq!(removed.len(), 1);
-        for rank in 0..2 {
-            let key = Some(h.key(&job, 20));
-            h.feed(Input::Done(DoneReport {
-                key,
-                rank,
-                ..Default::default()
-            }))
-            .unwrap();
-        }
+        h.done(&job, 2, 20);
         assert_eq!(h.state(&job), expected);
         let kept: Vec<u64> = if final_stored { vec![8, 20] } else { vec![8] };
         assert_eq!(h.m.job(&job).unwrap().checkpoints(), kept);
@@ -217,15 +209,7 @@ fn late_step_reports_to_a_finished_job_are_refused_for_what_they_are() {
         h.feed(Input::CheckpointStored(key)).unwrap();
     }
     h.step(&job, 20);
-    for rank in 0..2 {
-        let key = Some(h.key(&job, 20));
-        h.feed(Input::Done(DoneReport {
-            key,
-            rank,
-            ..Default::default()
-        }))
-        .unwrap();
-    }
+    h.done(&job, 2, 20);
     assert_eq!(h.state(&job), JobState::Completed);
     let report = |step, rank| {
         Input::Step(StepReport {

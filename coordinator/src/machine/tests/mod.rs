@@ -215,6 +215,19 @@ impl Harness {
         .unwrap();
     }
 
+    /// Ranks `0..ranks` report done at `step`.
+    pub(super) fn done(&mut self, job: &str, ranks: u32, step: u64) {
+        for rank in 0..ranks {
+            let key = Some(self.key(job, step));
+            self.feed(Input::Done(DoneReport {
+                key,
+                rank,
+                ..Default::default()
+            }))
+            .unwrap();
+        }
+    }
+
     /// Rank 0 reports `step`.
     pub(super) fn step(&mut self, job: &str, step: u64) {
         let key = Some(self.key(job, step));
