@@ -9,7 +9,7 @@ use crate::output::{errln, outln};
 use crate::{pull, watch};
 use anyhow::Context;
 use keel_proto::jobspec::JobSpec;
-use keel_proto::metrics::MetricsLine;
+use keel_proto::metrics::{EvalLine, MetricsLine};
 use keel_proto::rpc::PingRequest;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -263,6 +263,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             steps.1,
             out.display()
         );
+        if let Some(eval) = last_eval(&out.join("metrics.jsonl")) {
+            outln!(
+                "{job}: held-out MLM at step {}: loss {:.4}, accuracy {:.1}% ({} masked tokens)",
+                eval.step,
+                eval.eval_loss,
+                eval.eval_accuracy * 100.0,
+                eval.eval_masked_tokens
+            );
+        }
         Ok(())
     };
     let result = tokio::select! {
@@ -279,6 +288,18 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         _ => {}
     }
     result
+}
+
+/// The last held-out evaluation (`eval` line) of a metrics.jsonl, if the job evaluated; lines
+/// this version cannot read are skipped (a summary, not a check).
+pub fn last_eval(metrics: &Path) -> Option<EvalLine> {
+    let text = std::fs::read_to_string(metrics).ok()?;
+    text.lines()
+        .filter_map(|l| match MetricsLine::parse(l) {
+            Ok(MetricsLine::Eval(e)) => Some(e),
+            _ => None,
+        })
+        .max_by_key(|e| e.step)
 }
 
 /// Mean `tokens_per_s` over the step lines of a metrics.jsonl, leaving out the first 20% of
@@ -301,4 +322,28 @@ pub fn mean_throughput(metrics: &Path) -> (f64, (u64, u64)) {
     let kept = &rows[skip..];
     let mean = kept.iter().map(|r| r.1).sum::<f64>() / kept.len() as f64;
     (mean, (kept[0].0, kept[kept.len() - 1].0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::last_eval;
+
+    #[test]
+    fn last_eval_takes_the_latest_step_and_skips_other_lines() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("metrics.jsonl");
+        let lines = [
+            r#"{"eval_accuracy":0.2,"eval_loss":5.5,"eval_masked_tokens":100,"eval_perplexity":244.7,"step":200}"#,
+            r#"{"loss":5.0,"lr":0.001,"step":300,"tokens_per_s":1000.0}"#,
+            "not json",
+            r#"{"eval_accuracy":0.3,"eval_loss":4.5,"eval_masked_tokens":120,"eval_perplexity":90.0,"step":400}"#,
+            r#"{"eval_accuracy":0.1,"eval_loss":6.5,"eval_masked_tokens":90,"eval_perplexity":665.1,"step":100}"#,
+        ];
+        std::fs::write(&path, lines.join("\n")).expect("write");
+        let eval = last_eval(&path).expect("an eval line");
+        assert_eq!(eval.step, 400);
+        assert_eq!(eval.eval_loss, 4.5);
+        assert_eq!(eval.eval_masked_tokens, 120);
+        assert!(last_eval(&dir.path().join("missing.jsonl")).is_none());
+    }
 }
