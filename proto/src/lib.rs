@@ -52,6 +52,7 @@ pub mod report;
 pub mod shard;
 pub mod split;
 pub mod status;
+pub mod tensorboard;
 pub mod tokenizer;
 pub mod transfer;
 pub mod weights;
