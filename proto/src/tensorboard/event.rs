@@ -52,9 +52,11 @@ pub struct SummaryValue {
     /// The curve's name (`train/loss`).
     #[prost(string, tag = "1")]
     pub tag: String,
-    /// The value (TensorBoard stores scalars as 32-bit floats).
-    #[prost(float, tag = "2")]
-    pub simple_value: f32,
+    /// The value (TensorBoard stores scalars as 32-bit floats). A member of the `value`
+    /// oneof in summary.proto, so it is written even when 0 (a plain proto3 float would be
+    /// left out, and TensorBoard would see no scalar at all); `optional` encodes the same.
+    #[prost(float, optional, tag = "2")]
+    pub simple_value: Option<f32>,
 }
 
 /// `tensorflow.SessionLog`: a run (re)started; with `status: START` at step `s`, TensorBoard
@@ -104,7 +106,7 @@ impl Event {
                     .into_iter()
                     .map(|(tag, v)| SummaryValue {
                         tag: tag.to_string(),
-                        simple_value: v as f32,
+                        simple_value: Some(v as f32),
                     })
                     .collect(),
             })),

@@ -109,9 +109,9 @@ impl EventFile {
         std::fs::File::open(dir)
             .and_then(|d| d.sync_all())
             .map_err(|source| TensorboardError::Io {
-            path: dir.to_path_buf(),
-            source,
-        })?;
+                path: dir.to_path_buf(),
+                source,
+            })?;
         Ok(EventFile { path })
     }
 

@@ -6,8 +6,18 @@ use std::time::{Duration, UNIX_EPOCH};
 /// at wall time 1.5, then `train/loss` = 3.25 at step 7, wall time 2.0.
 const TENSORBOARD_BYTES: &str = "1800000000000000a37f4b2209000000000000f83f1a0d627261696e2e4576656e743a322a28646c200000000000000029eda95009000000000000004010072a130a110a0a747261696e2f6c6f737315000050404cd9b19e";
 
+/// The event of one scalar `t` = 0.0 as TensorBoard 2.21's protobuf serializes it.
+const ZERO_SCALAR_EVENT: &str = "2a0a0a080a01741500000000";
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[test]
+fn a_zero_scalar_is_encoded_as_tensorboard_encodes_it() {
+    // Python: Event(summary=Summary(value=[Summary.Value(tag="t", simple_value=0.0)])).
+    let bytes = Event::scalars(0.0, 0, [("t", 0.0)]).encode_to_vec();
+    assert_eq!(hex(&bytes), ZERO_SCALAR_EVENT);
 }
 
 #[test]
@@ -83,7 +93,10 @@ fn a_file_holds_its_version_then_every_line_and_restarts_never_reuse_it() {
     assert_eq!(events[1].step, 1);
     assert_eq!(train.value.len(), 9);
     assert_eq!(train.value[0].tag, "train/loss");
-    assert_eq!(train.value[0].simple_value, 7.0);
+    assert_eq!(train.value[0].simple_value, Some(7.0));
+    // A zero is written (train/nsp_loss without NSP), not left out as a proto3 default.
+    assert_eq!(train.value[2].tag, "train/nsp_loss");
+    assert_eq!(train.value[2].simple_value, Some(0.0));
     let Some(event::What::Summary(eval)) = &events[2].what else {
         panic!("not a summary: {:?}", events[2]);
     };
@@ -115,5 +128,11 @@ fn hosts_become_plain_names() {
     assert_eq!(plain_host(""), "localhost");
     assert_eq!(plain_host(".."), "localhost");
     assert_eq!(plain_host("gpu-01.example.org\n"), "gpu-01.example.org");
-    assert!(crate::checkpoint::check_plain_name(&format!("{EVENT_FILE_PREFIX}1.{}", plain_host("../x"))).is_ok());
+    assert!(
+        crate::checkpoint::check_plain_name(&format!(
+            "{EVENT_FILE_PREFIX}1.{}",
+            plain_host("../x")
+        ))
+        .is_ok()
+    );
 }
