@@ -82,5 +82,5 @@ if ! "$BIN_DIR/keel" local --quiet --workers 2 --work-dir "$work/cluster" "$work
   tail -n 20 "$work/local.log" | sed 's/^/  /' >&2
   exit 1
 fi
-ls "$work/out" | sed 's/^/  pulled: /'
+for f in "$work/out"/*; do echo "  pulled: ${f##*/}"; done
 "$VENV/bin/python" scripts/check_tensorboard.py "$work/out" --min-steps 30 --min-evals 3
