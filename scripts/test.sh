@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: formatting, clippy (warnings are errors), all unit and integration tests
-# (real coordinator and worker processes on 127.0.0.1), the deploy/ file checks, and, as root,
+# (real coordinator and worker processes on 127.0.0.1), the deploy/ file checks, the TensorBoard
+# round trip (scripts/check-tensorboard.sh), and, as root,
 # the multi-host test across network namespaces. Installs what it needs first (scripts/setup.sh)
 # and writes the test corpora from Debian packages into corpora/ (scripts/corpora.sh).
 set -euo pipefail
@@ -20,6 +21,9 @@ step "cargo test"
 cargo test --release --workspace
 step "deploy/ file checks"
 scripts/validate-deploy.sh target/release
+step "TensorBoard round trip (the tensorboard package reads every scalar of a short job)"
+cargo build --release --bins
+scripts/check-tensorboard.sh target/release
 if [ "$(id -u)" = 0 ] && ip netns list >/dev/null 2>&1; then
   step "multi-host test (network namespaces)"
   scripts/multihost-test.sh --netem --link-cut target/release

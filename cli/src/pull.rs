@@ -1,5 +1,6 @@
 //! `keel pull`: downloads a stored checkpoint in chunks, verifies every file's sha256 and the
-//! manifest, writes the folder atomically, then adds `metrics.jsonl` and `loss.png`.
+//! manifest, writes the folder atomically, then adds `metrics.jsonl`, `loss.png` and the
+//! job's TensorBoard event files (`events.out.tfevents.*`).
 
 use crate::client::Conn;
 use crate::output::errln;
@@ -74,7 +75,24 @@ pub async fn pull(
         .await
         .with_context(|| format!("pulling the metrics of {job}"))?
         .into_inner();
-    receive_files(metrics, tmp.path(), Some(METRICS_FILE)).await?;
+    receive_files(metrics, tmp.path(), Some(Only::Name(METRICS_FILE))).await?;
+    match client
+        .pull_tensorboard(GetJobRequest {
+            job_id: job.to_string(),
+        })
+        .await
+    {
+        Ok(events) => {
+            receive_files(events.into_inner(), tmp.path(), Some(Only::EventFiles)).await?;
+        }
+        // A coordinator from before TensorBoard files: the pull is whole without them.
+        Err(e) if e.code() == tonic::Code::Unimplemented => {
+            errln!("warning: no TensorBoard event files: the coordinator does not serve them");
+        }
+        Err(e) => {
+            return Err(e).with_context(|| format!("pulling the TensorBoard files of {job}"));
+        }
+    }
     let metrics_path = tmp.path().join(METRICS_FILE);
     if let Err(e) = crate::plot::write_loss_png(&metrics_path, &tmp.path().join("loss.png")) {
         errln!("warning: no loss.png: {e:#}");
@@ -89,6 +107,38 @@ pub async fn pull(
     Ok(out.to_path_buf())
 }
 
+/// The files a stream other than a checkpoint's may carry.
+#[derive(Debug, Clone, Copy)]
+enum Only<'a> {
+    /// This one name (the metrics stream).
+    Name(&'a str),
+    /// TensorBoard event files (`events.out.tfevents.*`).
+    EventFiles,
+}
+
+impl Only<'_> {
+    /// Whether a file named `name` may be written.
+    fn accepts(self, name: &str) -> bool {
+        match self {
+            Only::Name(only) => name == only,
+            Only::EventFiles => keel_proto::tensorboard::is_event_file_name(name),
+        }
+    }
+}
+
+impl std::fmt::Display for Only<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Only::Name(name) => f.write_str(name),
+            Only::EventFiles => write!(
+                f,
+                "TensorBoard event files ({}*)",
+                keel_proto::tensorboard::EVENT_FILE_PREFIX
+            ),
+        }
+    }
+}
+
 /// Writes a stream of file chunks into `dir`, checking offsets and each file's sha256, each
 /// file fsynced. Returns the names written. When the stream starts with `manifest.json` (as
 /// coordinators since the manifest-first order send it), every later file must be listed in
@@ -97,13 +147,14 @@ pub async fn pull(
 /// [`keel_proto::limits::MAX_RECORD_BYTES`]. A stream with the manifest last is checked after
 /// the transfer, by [`Manifest::verify`], as before. Names come from the server: only plain names
 /// (no directory part, no `..`) are accepted, each once, so nothing is written outside `dir`;
-/// with `only`, that one name alone (so the metrics stream cannot replace a verified file).
+/// with `only`, those names alone (so the metrics and event streams cannot replace a verified
+/// file).
 ///
 /// Errors: a bad, unexpected or repeated name, a chunk out of order, a checksum mismatch, a stream error.
 async fn receive_files<S>(
     mut stream: S,
     dir: &Path,
-    only: Option<&str>,
+    only: Option<Only<'_>>,
 ) -> anyhow::Result<Vec<String>>
 where
     S: futures::Stream<Item = Result<FileChunk, tonic::Status>> + Unpin,
@@ -118,7 +169,7 @@ where
         check_plain_name(&chunk.name)
             .with_context(|| format!("the coordinator sent a file named {:?}", chunk.name))?;
         if let Some(only) = only
-            && chunk.name != only
+            && !only.accepts(&chunk.name)
         {
             anyhow::bail!(
                 "the coordinator sent {:?} where only {only} was expected",
@@ -244,12 +295,38 @@ mod tests {
         std::fs::write(dir.path().join("model.safetensors"), b"verified").unwrap();
         let chunks = vec![whole_file("model.safetensors", b"evil")];
         let stream = futures::stream::iter(chunks);
-        let err = receive_files(stream, dir.path(), Some(METRICS_FILE))
+        let err = receive_files(stream, dir.path(), Some(Only::Name(METRICS_FILE)))
             .await
             .unwrap_err();
         assert!(err.to_string().contains("only metrics.jsonl"), "{err}");
         let kept = std::fs::read(dir.path().join("model.safetensors")).unwrap();
         assert_eq!(kept, b"verified");
+    }
+
+    #[tokio::test]
+    async fn the_event_stream_carries_event_files_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let chunks = vec![
+            whole_file("events.out.tfevents.1700000000.host", b"a"),
+            whole_file("events.out.tfevents.1700000000.host.1", b"b"),
+        ];
+        let names = receive_files(
+            futures::stream::iter(chunks),
+            dir.path(),
+            Some(Only::EventFiles),
+        )
+        .await
+        .unwrap();
+        assert_eq!(names.len(), 2);
+        let chunks = vec![whole_file("metrics.jsonl", b"evil")];
+        let err = receive_files(
+            futures::stream::iter(chunks),
+            dir.path(),
+            Some(Only::EventFiles),
+        )
+        .await
+        .unwrap_err();
+        assert!(err.to_string().contains("TensorBoard event files"), "{err}");
     }
 
     #[tokio::test]

@@ -643,6 +643,12 @@ async fn coordinator_rpcs(client: &mut Coord) {
             &[id],
         );
         assert_refused(
+            &format!("PullTensorboard {id:?}"),
+            client.pull_tensorboard(req()).await,
+            Code::NotFound,
+            &[id],
+        );
+        assert_refused(
             &format!("PullCheckpoint {id:?}"),
             client
                 .pull_checkpoint(PullCheckpointRequest {

@@ -4,13 +4,14 @@
 //! [`Shared::apply`] steps the machine under its lock and, still under the lock, puts the
 //! commands it sends on the workers' streams (memory only). Every other effect goes, in order,
 //! to the one driver task ([`run`]), which carries it out outside the lock: saving a record,
-//! appending metrics, showing a status to watchers, and spawning what takes long (preparing
-//! data, building a generation's files, verifying checkpoints), whose results come back as
-//! inputs. A status is shown only after the records handed out before it are written, and the
+//! appending metrics (to `metrics.jsonl` and the TensorBoard event file), showing a status to
+//! watchers, and spawning what takes long (preparing data, building a generation's files,
+//! verifying checkpoints), whose results come back as inputs. A status is shown only after the records handed out before it are written, and the
 //! RPCs that read wait for the queue ([`Shared::flushed`]): what a client sees is on disk. A
 //! timer ([`tick`]) gives the machine the time.
 
 use crate::CoordinatorError;
+use crate::event_log::EventLogs;
 use crate::input_roots::InputRoots;
 use crate::machine::{Effect, Input, Launch, Machine, RankFiles, Reply};
 use crate::prepare_job;
@@ -67,6 +68,8 @@ pub struct Shared {
     pub input_roots: InputRoots,
     /// Wakes the timer when something changed.
     pub wake: Notify,
+    /// Each job's TensorBoard event file, written with its metrics lines.
+    event_logs: EventLogs,
 }
 
 impl Shared {
@@ -107,6 +110,7 @@ impl Shared {
             data_dir,
             input_roots,
             wake: Notify::new(),
+            event_logs: EventLogs::new(),
         });
         shared.carry_out(&mut shared.lock());
         (shared, rx)
@@ -381,7 +385,7 @@ fn carry_out(shared: &Arc<Shared>, effect: Effect) -> bool {
                 return false;
             }
         },
-        Effect::AppendMetrics { dir, line } => append_metrics(&dir, &line),
+        Effect::AppendMetrics { dir, line } => append_metrics(shared, &dir, &line),
         Effect::RemoveCheckpoints { dirs } => {
             for dir in dirs {
                 if let Err(e) = std::fs::remove_dir_all(&dir) {
@@ -437,12 +441,14 @@ fn carry_out(shared: &Arc<Shared>, effect: Effect) -> bool {
     true
 }
 
-/// Appends `line` to `dir/metrics.jsonl` (a failure is logged, naming the file).
-fn append_metrics(dir: &std::path::Path, line: &MetricsLine) {
+/// Appends `line` to `dir/metrics.jsonl` and its scalars to the job's TensorBoard event file
+/// (a failure is logged, naming the file).
+fn append_metrics(shared: &Shared, dir: &std::path::Path, line: &MetricsLine) {
     let path = dir.join("metrics.jsonl");
     if let Err(e) = keel_proto::metrics::append(&path, line) {
         tracing::warn!(path = %path.display(), "cannot append metrics: {e}");
     }
+    shared.event_logs.append(dir, line);
 }
 
 /// Builds every rank's shard and lists its files (state files of a checkpoint replace the

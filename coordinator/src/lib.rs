@@ -18,13 +18,15 @@
 //! - `layout`: where a job's files live in its folder.
 //! - `input_roots`: `--input-root`: the folders a job's paths must lie in.
 //! - `submit_check`: a submitted job's paths (corpus, vocab, config, init_checkpoint) exist.
+//! - `event_log`: each job's TensorBoard event file, written beside its `metrics.jsonl`.
 //! - `log_writer`: the log writer that keeps one record on one line (client strings escaped).
 //! - `files`: streams a file as checksummed chunks.
 //! - `error`: [`CoordinatorError`].
 //! - `data`: corpus preparation and worker shards.
 //!
 //! Imports go one way: `server` -> `service` -> `driver` -> `machine` -> (`admission`,
-//! `claims`, `persist`, `prepare_job`, `layout`) -> `data`, `input_roots`, `error`; `store`
+//! `claims`, `persist`, `prepare_job`, `layout`) -> `data`, `input_roots`, `error`; the driver
+//! also writes through `event_log`; `store`
 //! sits beside `service` and feeds the driver. A test (`tests/module_graph.rs`) keeps it so.
 
 pub mod admission;
@@ -32,6 +34,7 @@ pub mod claims;
 pub mod data;
 pub mod driver;
 pub mod error;
+pub mod event_log;
 pub mod files;
 pub mod input_roots;
 pub mod layout;

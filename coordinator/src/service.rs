@@ -232,6 +232,24 @@ impl Coordinator for CoordinatorService {
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
+    type PullTensorboardStream = RpcStream<FileChunk>;
+
+    async fn pull_tensorboard(
+        &self,
+        request: Request<GetJobRequest>,
+    ) -> Result<Response<Self::PullTensorboardStream>, Status> {
+        let id = request.into_inner().job_id;
+        self.shared.flushed().await;
+        let dir = self
+            .shared
+            .read(|m| m.job(&id).map(|j| j.dir().to_path_buf()))?;
+        let files = keel_proto::tensorboard::event_files(&dir)
+            .map_err(|e| Status::internal(e.to_string()))?;
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(send_files(files, tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
     async fn register(
         &self,
         request: Request<RegisterRequest>,

@@ -11,6 +11,8 @@
 //!   sequences are split among workers.
 //! - `jobspec`, `checkpoint`: the job file (TOML) and the checkpoint folder.
 //! - `metrics`: the typed lines of a job's `metrics.jsonl` ([`metrics::MetricsLine`]).
+//! - `tensorboard`: the same values as TensorBoard event files (record framing, the event
+//!   messages, [`tensorboard::EventFile`]).
 //! - `status`: state names and the JSON of a job's status (serde on the generated types).
 //! - `transfer`: files as sha256-checked chunk streams, the one sender and receiver.
 //! - `atomic`: the one atomic file write (temporary file, fsync, rename, fsync of the folder).
@@ -52,6 +54,7 @@ pub mod report;
 pub mod shard;
 pub mod split;
 pub mod status;
+pub mod tensorboard;
 pub mod tokenizer;
 pub mod transfer;
 pub mod weights;

@@ -75,7 +75,8 @@
 //! 12. **Watch.** `WatchJob` streams `JobStatus` snapshots as the job advances until it ends.
 //! 13. **Pull.** `PullCheckpoint{job, step}` streams a stored checkpoint's files in chunks,
 //!     each file ending with its sha256; the client verifies them and writes the folder
-//!     atomically. `PullMetrics` streams `metrics.jsonl` the same way.
+//!     atomically. `PullMetrics` streams `metrics.jsonl` the same way, `PullTensorboard`
+//!     the job's TensorBoard event files.
 //! 14. **Recover.** On a lost worker, a recoverable `ReportFailure`, a coordinator restart or
 //!     a new worker for a job below `max_workers`, the coordinator bumps the job's generation
 //!     (`RECOVERING`) and sends every member `Suspend{key (new generation)}`. A member aborts
