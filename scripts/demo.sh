@@ -5,11 +5,16 @@
 #
 # Usage: scripts/demo.sh [CORPUS_PATH...]
 #   Default corpus: the King James Bible from Debian's `bible-kjv` package.
-# Environment: KEEL_DEMO_STEPS (default 300), KEEL_DEMO_OUT (default demo-out), KEEL_DEMO_WORKERS (2).
+# Environment: KEEL_DEMO_STEPS (default 1200), KEEL_DEMO_OUT (default demo-out), KEEL_DEMO_WORKERS (2).
+#
+# The recipe is chosen to show learning a person can see in two to three minutes on two cores:
+# BERT-tiny on 32-token sequences (128 of them a step). At 128 tokens a tiny BERT spends its
+# first thousands of steps guessing frequent words (`,` `the` `and`) whatever the context; with
+# 32 it starts to use the neighbouring words within ~600 steps (README, "Time to quality").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
-steps=${KEEL_DEMO_STEPS:-300}
+steps=${KEEL_DEMO_STEPS:-1200}
 out=${KEEL_DEMO_OUT:-demo-out}
 workers=${KEEL_DEMO_WORKERS:-2}
 
@@ -39,22 +44,22 @@ job="$out/job.toml"
 vocab_size = 8000
 lowercase = true
 objective = "mlm"
-max_seq_length = 128
+max_seq_length = 32
 masked_lm_prob = 0.15
-max_predictions_per_seq = 20
+max_predictions_per_seq = 5
 heldout_fraction = 0.01
 [model]
 preset = "tiny"
 [train]
-micro_batch_size = 16
+micro_batch_size = $((128 / workers))
 max_steps = $steps
 optimizer = "adamw"
 learning_rate = 1e-3
 warmup_steps = $((steps / 10))
 schedule = "linear"
 seed = 42
-checkpoint_every = 100
-eval_every = 100
+checkpoint_every = $(( (steps + 2) / 3 ))
+eval_every = $(( (steps + 2) / 3 ))
 [cluster]
 min_workers = $workers
 max_workers = $workers
@@ -68,4 +73,13 @@ say "Checkpoint (Hugging Face layout) in $out/checkpoint:"
 ls -l "$out/checkpoint"
 
 say "What the model learned: keel fill-mask"
-"$bin/keel" fill-mask --checkpoint "$out/checkpoint" --top-k 5 "and god said , let there be [MASK] : and there was light ."
+if [ ${#corpus[@]} -eq 1 ] && [ "${corpus[0]}" = corpora/en-kjv/kjv.txt ]; then
+  prompts=("in the beginning god created the [MASK] and the earth ."
+           "and the lord [MASK] unto moses , saying ,"
+           "and god said , let there be [MASK] : and there was light .")
+else
+  prompts=("the [MASK] of the world .")
+fi
+for p in "${prompts[@]}"; do
+  "$bin/keel" fill-mask --checkpoint "$out/checkpoint" --top-k 5 "$p"
+done

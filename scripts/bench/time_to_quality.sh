@@ -2,7 +2,7 @@
 # Time to quality: Keel against the PyTorch route on this machine, on the same data, judged by
 # one evaluator; then what the two checkpoints are worth when fine-tuned. A benchmark, not a test.
 #
-#  1. Keel: `keel local --workers 2 --threads 1` on examples/ttq-mini.toml (BERT-mini, seq 128,
+#  1. Keel: `keel local --workers 2 --threads 1` on examples/ttq-mini.toml (BERT-mini, seq 32,
 #     precision auto = the job's fastest), stopped at the wall-clock budget. Checkpoints every
 #     `checkpoint_every` steps; each is timed by when its last file was written.
 #  2. The peer: PyTorch DDP over gloo, 2 processes x 1 thread (scripts/peer/mlm_ddp_train.py):
@@ -102,7 +102,7 @@ set -e
 case $rc in 0|124|130) ;; *) echo "time_to_quality: keel local failed ($rc); see $out/keel.log" >&2; tail -n 20 "$out/keel.log" >&2; exit 1 ;; esac
 jobdir="$out/keel-run/coordinator/jobs/job-1"
 # Each checkpoint is complete when its last file is written; its time is that file's mtime.
-for d in $(ls -d "$jobdir"/checkpoints/step-* 2>/dev/null | sort -t- -k2 -n); do
+for d in $(ls -d "$jobdir"/checkpoints/step-* 2>/dev/null | sort -V); do
   [ -f "$d/model.safetensors" ] || continue
   last=$(find "$d" -type f -printf '%T@\n' | sort -n | tail -n1)
   python3 -c "import json,sys; print(json.dumps({'step': int(sys.argv[1]), 'elapsed_s': round(float(sys.argv[2]) - float(sys.argv[3]), 3), 'path': sys.argv[4]}))" \
@@ -118,8 +118,8 @@ echo "$(grep -vc '"heldout.keel"' "$out/sequences.jsonl") training and $(grep -c
 
 say "The peer's precision: its faster of fp32 and bf16 autocast here (1 thread, the job's preset, masked head)"
 preset=$(value preset)
-fp32=$("$py" scripts/peer/pytorch_bert_bench.py --config "$preset" --variant masked --steps 6 --batch 16 | "$py" -c "import json,sys; print(json.loads(sys.stdin.readline())['tokens_per_s'])")
-bf16=$("$py" scripts/peer/pytorch_bert_bench.py --config "$preset" --variant masked --steps 6 --batch 16 --bf16 | "$py" -c "import json,sys; print(json.loads(sys.stdin.readline())['tokens_per_s'])")
+fp32=$("$py" scripts/peer/pytorch_bert_bench.py --config "$preset" --variant masked --steps 6 --batch "$(value micro_batch_size)" --seq "$(value max_seq_length)" | "$py" -c "import json,sys; print(json.loads(sys.stdin.readline())['tokens_per_s'])")
+bf16=$("$py" scripts/peer/pytorch_bert_bench.py --config "$preset" --variant masked --steps 6 --batch "$(value micro_batch_size)" --seq "$(value max_seq_length)" --bf16 | "$py" -c "import json,sys; print(json.loads(sys.stdin.readline())['tokens_per_s'])")
 peer_precision=$("$py" -c "print('bf16' if $bf16 > $fp32 else 'fp32')")
 echo "fp32 $fp32 tok/s, bf16 $bf16 tok/s: the peer runs $peer_precision" | tee -a "$out/machine.txt"
 
@@ -150,7 +150,7 @@ if [ "$finetune" = 1 ]; then
   peer_ckpt=$(tail -n1 "$out/peer/checkpoints.jsonl" | "$py" -c "import json,sys; print(json.load(sys.stdin)['path'])")
   for init in "keel=$keel_ckpt" "pytorch-ddp=$peer_ckpt" "random=random"; do
     "$py" scripts/bench/finetune.py --data "$out/topics" --init "${init#*=}" --label "${init%%=*}" \
-      --tokenizer "$jobdir/data" --config-from "$keel_ckpt" --seeds 0 1 2 --out "$out/finetune.json" \
+      --tokenizer "$jobdir/data" --config-from "$keel_ckpt" --seeds 0 1 2 --epochs 3 --max-len 64 --out "$out/finetune.json" \
       | tee -a "$out/finetune.log"
   done
 fi
