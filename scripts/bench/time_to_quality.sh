@@ -102,7 +102,7 @@ set -e
 case $rc in 0|124|130) ;; *) echo "time_to_quality: keel local failed ($rc); see $out/keel.log" >&2; tail -n 20 "$out/keel.log" >&2; exit 1 ;; esac
 jobdir="$out/keel-run/coordinator/jobs/job-1"
 # Each checkpoint is complete when its last file is written; its time is that file's mtime.
-for d in $(ls -d "$jobdir"/checkpoints/step-* 2>/dev/null | sort -V); do
+for d in $(find "$jobdir/checkpoints" -mindepth 1 -maxdepth 1 -type d -regextype posix-extended -regex ".*/step-[0-9]+" 2>/dev/null | sort -V); do
   [ -f "$d/model.safetensors" ] || continue
   last=$(find "$d" -type f -printf '%T@\n' | sort -n | tail -n1)
   python3 -c "import json,sys; print(json.dumps({'step': int(sys.argv[1]), 'elapsed_s': round(float(sys.argv[2]) - float(sys.argv[3]), 3), 'path': sys.argv[4]}))" \
