@@ -62,11 +62,13 @@ fn run(args: Args) -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
         tracing::info!(addr = %listener.local_addr()?, data_dir = %args.data_dir.display(), tls = security.is_tls(), "coordinator listening");
         let metrics_listener = args.metrics.bind().await?;
+        let metrics_tls = args.tls.load_http()?;
         let config = keel_coordinator::Config {
             data_dir: args.data_dir,
             security,
             input_roots,
             metrics_listener,
+            metrics_tls,
         };
         keel_coordinator::run(config, listener, keel_net::admin::shutdown_signal()).await?;
         Ok(())

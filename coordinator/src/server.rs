@@ -25,6 +25,9 @@ pub struct Config {
     /// The bound `--metrics-listen` port (metrics, dashboard, API: [`crate::http`]); `None`:
     /// off.
     pub metrics_listener: Option<TcpListener>,
+    /// TLS for that port (the gRPC certificate, `keel_net::tls::ServerTlsArgs::load_http`);
+    /// `None`: plain HTTP.
+    pub metrics_tls: Option<std::sync::Arc<keel_net::rustls::ServerConfig>>,
 }
 
 /// Serves the coordinator on `listener` until `shutdown` resolves, then stops within ~2 s
@@ -64,6 +67,7 @@ pub async fn run(
             listener,
             config.security.token().clone(),
             config.security.limits(),
+            config.metrics_tls.clone(),
             crate::http::routes(shared.clone()),
             async move {
                 let _ = http_stop_rx.await;

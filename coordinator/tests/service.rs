@@ -27,6 +27,7 @@ async fn start() -> (
         security: ServerSecurity::new(token.clone(), None),
         input_roots: Default::default(),
         metrics_listener: None,
+        metrics_tls: None,
     };
     tokio::spawn(keel_coordinator::run(config, listener, async move {
         let _ = rx.await;

@@ -10,14 +10,15 @@
 //!   where only this machine's users can reach it. A missing or wrong token gets `401` with a
 //!   JSON `{"error": ...}` body, logged at most once per [`REFUSAL_LOG_INTERVAL`].
 //!
-//! Plain HTTP: there is no TLS on this port. Bind it to loopback or a private network, as
-//! Prometheus exporters usually are.
+//! TLS: with `--tls-cert` and `--tls-key` the port speaks HTTPS with the same certificate as
+//! gRPC ([`crate::tls::ServerTlsArgs::load_http`]); otherwise plain HTTP.
 //!
 //! Connections are accepted by Keel's bounded accept loop ([`crate::incoming`]), so a flood of
 //! connections cannot exhaust the process's file descriptors here either.
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -109,6 +110,7 @@ pub async fn serve(
     listener: TcpListener,
     token: ClusterToken,
     limits: ConnectionLimits,
+    tls: Option<Arc<rustls::ServerConfig>>,
     routes: Routes,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), std::io::Error> {
@@ -122,14 +124,82 @@ pub async fn serve(
             .layer(axum::middleware::from_fn_with_state(token, require_token))
     };
     let app = routes.open.merge(protected);
-    tracing::info!(%addr, token_required = !loopback, "metrics listening");
-    let listener = BoundedListener {
-        incoming: Incoming::new(listener, limits),
-        addr,
-    };
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    tracing::info!(%addr, token_required = !loopback, tls = tls.is_some(), "metrics listening");
+    let incoming = Incoming::new(listener, limits);
+    match tls {
+        None => {
+            let listener = BoundedListener { incoming, addr };
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+        Some(config) => {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let handshakes = tokio::spawn(handshake_loop(
+                incoming,
+                tokio_rustls::TlsAcceptor::from(config),
+                limits.handshake_timeout,
+                tx,
+            ));
+            let listener = TlsListener { accepted: rx, addr };
+            let served = axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await;
+            handshakes.abort();
+            served
+        }
+    }
+}
+
+/// A TLS connection on the HTTP port.
+type TlsConnection = tokio_rustls::server::TlsStream<LimitedConnection>;
+
+/// Accepts connections and runs each TLS handshake in its own task (bounded by `timeout`), so
+/// that a slow or silent client delays no one else; hands the finished ones to `accepted`.
+async fn handshake_loop(
+    mut incoming: Incoming,
+    acceptor: tokio_rustls::TlsAcceptor,
+    timeout: Duration,
+    accepted: tokio::sync::mpsc::UnboundedSender<(TlsConnection, SocketAddr)>,
+) {
+    while let Some(Ok(conn)) = incoming.next().await {
+        let remote = conn.remote_addr();
+        let (acceptor, accepted) = (acceptor.clone(), accepted.clone());
+        tokio::spawn(async move {
+            match tokio::time::timeout(timeout, acceptor.accept(conn)).await {
+                Ok(Ok(tls)) => {
+                    let addr = remote.unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
+                    let _ = accepted.send((tls, addr));
+                }
+                Ok(Err(e)) => tracing::debug!(?remote, "HTTP port: TLS handshake failed: {e}"),
+                Err(_) => tracing::debug!(?remote, "HTTP port: TLS handshake timed out"),
+            }
+        });
+    }
+}
+
+/// The TLS connections [`handshake_loop`] finished, as an axum listener.
+struct TlsListener {
+    accepted: tokio::sync::mpsc::UnboundedReceiver<(TlsConnection, SocketAddr)>,
+    addr: SocketAddr,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = TlsConnection;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.accepted.recv().await {
+            Some(accepted) => accepted,
+            // The handshake loop never ends on its own (`Incoming` never does): wait for the
+            // shutdown that ends the server.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.addr)
+    }
 }
 
 /// A JSON error body with `status`: `{"error": message}`.

@@ -18,3 +18,6 @@ pub mod incoming;
 pub mod ratelimit;
 pub mod security;
 pub mod tls;
+
+/// The `rustls` this crate builds TLS configs with (for the types in its signatures).
+pub use rustls;

@@ -33,6 +33,16 @@ pub enum TlsError {
         /// What the block should be (`CERTIFICATE`, `... PRIVATE KEY`).
         expected: &'static str,
     },
+    /// The file is PEM but its certificate or key cannot be used (HTTP port, `rustls`).
+    #[error("{flag} {path}: {reason}")]
+    Invalid {
+        /// The flag that named it.
+        flag: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// Only one of a pair of flags was given.
     #[error("{given} needs {missing} as well")]
     Incomplete {
@@ -106,6 +116,42 @@ impl ServerTlsArgs {
                 ))
             }
         }
+    }
+}
+
+impl ServerTlsArgs {
+    /// The same certificate chain and key as a `rustls` server config for the HTTP port
+    /// (`crate::http_port`: HTTP/1.1 over TLS), or `None` without the flags.
+    ///
+    /// Errors: those of [`ServerTlsArgs::load`], and [`TlsError::Invalid`] when the PEM
+    /// blocks do not parse or the key does not fit the certificate.
+    pub fn load_http(&self) -> Result<Option<std::sync::Arc<rustls::ServerConfig>>, TlsError> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let (Some(cert_path), Some(key_path)) = (&self.tls_cert, &self.tls_key) else {
+            return self.load().map(|_| None);
+        };
+        let cert = read_pem("--tls-cert", cert_path, "CERTIFICATE")?;
+        let key = read_pem("--tls-key", key_path, "PRIVATE KEY")?;
+        let invalid = |flag, path: &Path, reason: String| TlsError::Invalid {
+            flag,
+            path: path.to_path_buf(),
+            reason,
+        };
+        let chain = CertificateDer::pem_slice_iter(&cert)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| invalid("--tls-cert", cert_path, e.to_string()))?;
+        let key = PrivateKeyDer::from_pem_slice(&key)
+            .map_err(|e| invalid("--tls-key", key_path, e.to_string()))?;
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| invalid("--tls-cert", cert_path, e.to_string()))?
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .map_err(|e| invalid("--tls-key", key_path, e.to_string()))?;
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Some(std::sync::Arc::new(config)))
     }
 }
 

@@ -111,6 +111,8 @@ pub struct Config {
     pub memory_limit: Option<u64>,
     /// Where to serve `/metrics` ([`crate::telemetry`]; `--metrics-listen`); `None`: off.
     pub metrics_listen: Option<String>,
+    /// TLS for that port (the ring's certificate); `None`: plain HTTP.
+    pub metrics_tls: Option<std::sync::Arc<keel_net::rustls::ServerConfig>>,
 }
 
 /// Errors that stop a worker process.
@@ -181,6 +183,7 @@ pub fn main(args: Args) -> anyhow::Result<()> {
                 .memory_limit
                 .or_else(keel_proto::memory::machine_memory_limit),
             metrics_listen: args.metrics.addr().map(str::to_string),
+            metrics_tls: args.server_tls.load_http()?,
         };
         run(config, listener, keel_net::admin::shutdown_signal()).await?;
         Ok(())
@@ -275,11 +278,14 @@ async fn metrics_port(
     };
     let token = config.server_security.token().clone();
     let limits = config.server_security.limits();
+    let tls = config.metrics_tls.clone();
     Ok(tokio::spawn(async move {
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
         };
-        if let Err(e) = keel_net::http_port::serve(listener, token, limits, routes, stopped).await {
+        if let Err(e) =
+            keel_net::http_port::serve(listener, token, limits, tls, routes, stopped).await
+        {
             tracing::error!("metrics port: {e}");
         }
     }))

@@ -1,0 +1,156 @@
+//! The HTTP port (`keel_net::http_port`) on real sockets: open routes answer anyone, the API
+//! needs the cluster token off loopback, and with `--tls-cert`/`--tls-key` the port speaks
+//! HTTPS with that certificate (a plain-HTTP request gets no HTTP answer).
+
+use axum::Router;
+use axum::routing::get;
+use keel_net::auth::ClusterToken;
+use keel_net::http_port::{Routes, serve};
+use keel_net::incoming::ConnectionLimits;
+use keel_net::tls::ServerTlsArgs;
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn routes() -> Routes {
+    Routes {
+        open: Router::new().route("/healthz", get(|| async { "ok" })),
+        protected: Router::new().route("/api/secret", get(|| async { "the data" })),
+    }
+}
+
+/// Starts the port on `bind` (port 0) on a runtime of its own; returns the port.
+fn start(bind: &str, token: ClusterToken, tls: Option<Arc<rustls::ServerConfig>>) -> u16 {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind(bind))
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        runtime.block_on(serve(
+            listener,
+            token,
+            ConnectionLimits::default(),
+            tls,
+            routes(),
+            std::future::pending(),
+        ))
+    });
+    port
+}
+
+/// The status code and body of one request written on `stream`.
+fn exchange(mut stream: impl Read + Write, path: &str, token: Option<&str>) -> (u16, String) {
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n{auth}\r\n"
+    )
+    .unwrap();
+    let mut reply = Vec::new();
+    // A TLS peer may end without close_notify; what arrived is what counts.
+    let _ = stream.read_to_end(&mut reply);
+    let reply = String::from_utf8_lossy(&reply).to_string();
+    let (head, body) = reply.split_once("\r\n\r\n").unwrap_or((&reply, ""));
+    let code = head
+        .strip_prefix("HTTP/1.1 ")
+        .and_then(|r| r.get(..3))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (code, body.to_string())
+}
+
+fn tcp(port: u16) -> std::net::TcpStream {
+    let s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+fn token(dir: &std::path::Path) -> (ClusterToken, String) {
+    let path = dir.join("keel.token");
+    let token = ClusterToken::create_file(&path).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap().trim().to_string();
+    (token, text)
+}
+
+#[test]
+fn off_loopback_the_api_needs_the_token_and_health_does_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let (token, secret) = token(dir.path());
+    let port = start("0.0.0.0:0", token, None);
+    assert_eq!(exchange(tcp(port), "/healthz", None), (200, "ok".into()));
+    let (code, body) = exchange(tcp(port), "/api/secret", None);
+    assert_eq!(code, 401);
+    assert!(body.contains("no cluster token"), "{body}");
+    assert_eq!(exchange(tcp(port), "/api/secret", Some("wrong")).0, 401);
+    assert_eq!(
+        exchange(tcp(port), "/api/secret", Some(&secret)),
+        (200, "the data".into())
+    );
+}
+
+#[test]
+fn on_loopback_the_api_is_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let (token, _) = token(dir.path());
+    let port = start("127.0.0.1:0", token, None);
+    assert_eq!(
+        exchange(tcp(port), "/api/secret", None),
+        (200, "the data".into())
+    );
+}
+
+#[test]
+fn with_a_certificate_the_port_speaks_https_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let (token, secret) = token(dir.path());
+    let key =
+        rcgen::generate_simple_self_signed(vec!["127.0.0.1".into(), "localhost".into()]).unwrap();
+    let (cert_path, key_path) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert_path, key.cert.pem()).unwrap();
+    std::fs::write(&key_path, key.signing_key.serialize_pem()).unwrap();
+    let args = ServerTlsArgs {
+        tls_cert: Some(cert_path),
+        tls_key: Some(key_path.clone()),
+    };
+    let tls = args.load_http().unwrap();
+    assert!(tls.is_some());
+    let port = start("0.0.0.0:0", token, tls);
+
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(key.cert.der().clone()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let client = Arc::new(
+        rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    );
+    let https = |path: &str, token: Option<&str>| {
+        let name = "localhost".try_into().unwrap();
+        let conn = rustls::ClientConnection::new(client.clone(), name).unwrap();
+        let stream = rustls::StreamOwned::new(conn, tcp(port));
+        exchange(stream, path, token)
+    };
+    assert_eq!(https("/healthz", None), (200, "ok".into()));
+    assert_eq!(https("/api/secret", None).0, 401);
+    assert_eq!(
+        https("/api/secret", Some(&secret)),
+        (200, "the data".into())
+    );
+    // Plain HTTP to the TLS port gets no HTTP answer.
+    assert_eq!(exchange(tcp(port), "/healthz", None).0, 0);
+
+    // A key file that is not a key is named.
+    std::fs::write(
+        &key_path,
+        "-----BEGIN PRIVATE KEY-----\nnot base64\n-----END PRIVATE KEY-----\n",
+    )
+    .unwrap();
+    let err = args.load_http().unwrap_err().to_string();
+    assert!(
+        err.contains("--tls-key") && err.contains("key.pem"),
+        "{err}"
+    );
+}
