@@ -477,8 +477,6 @@
   function drawCharts() {
     const m = lastChartData;
     if (!m) return;
-    const job = chosenJob();
-    const maxSteps = job && isNum(job.max_steps) && job.max_steps > 0 ? job.max_steps : undefined;
     const train = thin(m.steps.filter((p) => isNum(p.loss)).map((p) => [p.step, p.loss]), MAX_CHART_POINTS);
     const held = m.evals.filter((p) => isNum(p.eval_loss)).map((p) => [p.step, p.eval_loss]);
     const markers = m.events
@@ -490,7 +488,7 @@
         { name: "training loss", color: "#2563eb", points: train, format: fmtLoss },
         { name: "held-out loss", color: "#e4572e", points: held, dots: held.length <= 60, width: 2, format: fmtLoss },
       ],
-      legend: true, xLabel: "step", yLabel: "loss (nats)", xMin: 0, xMax: maxSteps, markers,
+      legend: true, xLabel: "step", yLabel: "loss (nats)", xMin: 0, markers,
       empty: "waiting for the first step…",
     });
     loss.dataset.points = String(train.length);
@@ -499,14 +497,14 @@
     const lr = thin(m.steps.filter((p) => isNum(p.lr)).map((p) => [p.step, p.lr]), MAX_CHART_POINTS);
     lineChart($("lr-chart"), {
       series: [{ name: "learning rate", color: "#7c3aed", points: lr, format: fmtLr }],
-      xLabel: "step", xMin: 0, xMax: maxSteps, yZero: true,
+      xLabel: "step", xMin: 0, yZero: true,
     });
     $("lr-chart").dataset.points = String(lr.length);
 
     const tps = thin(m.steps.filter((p) => isNum(p.tokens_per_s)).map((p) => [p.step, p.tokens_per_s]), MAX_CHART_POINTS);
     lineChart($("tps-chart"), {
       series: [{ name: "tokens/s", color: "#0f9d76", points: tps, format: fmtInt }],
-      xLabel: "step", yLabel: "tokens/s", xMin: 0, xMax: maxSteps, yZero: true, markers,
+      xLabel: "step", yLabel: "tokens/s", xMin: 0, yZero: true, markers,
     });
     $("tps-chart").dataset.points = String(tps.length);
   }
@@ -605,7 +603,10 @@
       const g = svg("g", { "data-worker": mem.id, "data-rank": String(i) });
       g.append(svg("circle", { cx: x, cy: y, r, fill: "#fff", stroke: STATE_COLORS[ws] || "#94a3b8", "stroke-width": 3 }));
       g.append(svg("text", { x, y: y + 4, "text-anchor": "middle", "font-weight": 600 }, mem.id));
-      g.append(svg("text", { x, y: y + r + 13, "text-anchor": "middle", class: "node-sub" }, "rank " + i));
+      const a = Math.atan2(y - cy, x - cx);
+      const lx = x + Math.cos(a) * (r + 16), ly = y + Math.sin(a) * (r + 12) + 4;
+      const anchor = Math.abs(Math.cos(a)) < 0.3 ? "middle" : Math.cos(a) > 0 ? "start" : "end";
+      g.append(svg("text", { x: lx, y: ly, "text-anchor": n === 1 ? "middle" : anchor, class: "node-sub" }, "rank " + i));
       g.append(svg("title", {}, `${mem.id} ${mem.address} · ${ws}`));
       nodes.push(g);
     });
@@ -627,8 +628,9 @@
         const src = String(e.source || "").replace(/^STATE_SOURCE_/, "").toLowerCase().replace(/_/g, " ");
         return `generation ${e.generation} starts after step ${fmtInt(e.step)} with ${e.world_size} worker${e.world_size === 1 ? "" : "s"}` + (src ? ` (state from ${src})` : "");
       }
-      case "recovery": return `lost a worker, leaving generation ${e.generation}: ${e.reason || ""}`;
-      case "grow": return `workers joined, leaving generation ${e.generation}: ${e.reason || ""}`;
+      // `generation` of recovery and grow lines is the generation being formed.
+      case "recovery": return `forming generation ${e.generation} after a loss: ${e.reason || ""}`;
+      case "grow": return `forming generation ${e.generation}, larger: ${e.reason || ""}`;
       case "stall": {
         const dropped = (e.dropped || []).join(", ");
         return `no progress for ${fmtDuration(e.silent_seconds)} in generation ${e.generation}` + (dropped ? `; dropped ${dropped}` : "");
