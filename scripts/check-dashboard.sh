@@ -28,7 +28,8 @@ BIN_DIR="$(cd "$BIN_DIR" 2>/dev/null && pwd)" || { echo "check-dashboard: no fol
 for b in keel keel-coordinator keel-worker; do
   [ -x "$BIN_DIR/$b" ] || { echo "check-dashboard: no $BIN_DIR/$b (cargo build --release --bins)" >&2; exit 1; }
 done
-if ! "$BIN_DIR/keel-coordinator" --help 2>/dev/null | grep -q -- '--metrics-listen'; then
+coordinator_help="$("$BIN_DIR/keel-coordinator" --help 2>&1 || true)"
+if ! grep -q -- '--metrics-listen' <<<"$coordinator_help"; then
   echo "check-dashboard: $BIN_DIR/keel-coordinator has no --metrics-listen (an older build?)" >&2
   exit 1
 fi
@@ -70,7 +71,7 @@ if [ ! -f "$PW_DIR/node_modules/playwright-core/package.json" ]; then
   echo "check-dashboard: installing playwright-core@$PLAYWRIGHT_VERSION into $PW_DIR"
   log="$(mktemp)"
   if ! { mkdir -p "$PW_DIR" && cd "$PW_DIR" && { [ -f package.json ] || echo '{"private": true}' > package.json; } \
-         && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 timeout 300 npm install --no-audit --no-fund --save-exact "playwright-core@$PLAYWRIGHT_VERSION"; } >"$log" 2>&1; then
+         && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 timeout 300 npm install --no-audit --no-fund --fetch-retries=1 --save-exact "playwright-core@$PLAYWRIGHT_VERSION"; } >"$log" 2>&1; then
     cd "$REPO"
     rm -rf "$PW_DIR"
     if ! npm_reachable; then

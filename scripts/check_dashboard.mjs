@@ -237,14 +237,17 @@ const page = context.pages()[0] || (await context.newPage());
 const pageErrors = [];
 const foreign = [];
 const unauthenticated = [];
+let tokenGiven = false; // from the right token on, every API call must carry it
+let authorized = 0;
 page.on("pageerror", (e) => pageErrors.push(e.message));
 page.on("console", (m) => { if (m.type() === "error" && !/status of 401/.test(m.text())) pageErrors.push("console: " + m.text()); });
 page.on("request", (req) => {
   const u = new URL(req.url());
   if (u.protocol === "data:") return;
   if (u.origin !== BASE) foreign.push(req.url());
-  if (u.pathname.startsWith("/api/") && req.headers().authorization) {
-    if (req.headers().authorization !== `Bearer ${token}`) unauthenticated.push(`${req.url()} (wrong Authorization)`);
+  if (u.pathname.startsWith("/api/") && tokenGiven) {
+    if (req.headers().authorization === `Bearer ${token}`) authorized++;
+    else unauthenticated.push(`${req.url()} (Authorization ${JSON.stringify(req.headers().authorization || null)})`);
   }
 });
 
@@ -264,8 +267,15 @@ const ui = {
 await page.goto(BASE + "/", { timeout: 30000 });
 await page.waitForSelector("#token-form:not([hidden])", { timeout: 20000 })
   .catch(() => fail("the token form did not appear although the API answers 401 without the token"));
-log("the page asks for the cluster token (the API answered 401): filling it in");
+log("the page asks for the cluster token (the API answered 401)");
+// A wrong token first: the form must come back saying so.
+await page.fill("#token-input", "not-the-token");
+await page.click("#token-submit");
+await waitFor("the token form to come back after a wrong token", 15000, async () =>
+  page.$eval("#token-form", (e) => !e.hidden && /refused/.test(document.getElementById("token-message").textContent)));
+log("a wrong token brings the form back ('refused'); filling in the right one");
 await page.fill("#token-input", token);
+tokenGiven = true;
 await page.click("#token-submit");
 await page.waitForSelector(`#jobs tbody tr[data-job="${jobId}"]`, { timeout: 20000 })
   .catch(async () => fail(`${jobId} did not appear in the jobs table. ${await ui.describe()}`));
@@ -338,13 +348,15 @@ log(`screenshot: ${after}`);
 }
 
 if (foreign.length) fail(`the page made requests outside ${BASE}: ${[...new Set(foreign)].join(", ")}`);
-if (unauthenticated.length) fail(`API calls with a wrong Authorization header: ${unauthenticated.slice(0, 3).join(", ")}`);
+if (unauthenticated.length) fail(`API calls without "Authorization: Bearer <token>": ${unauthenticated.slice(0, 3).join(", ")}`);
+if (!authorized) fail("the page made no API call with the token");
 if (pageErrors.length) fail(`errors in the page: ${pageErrors.slice(0, 5).join(" | ")}`);
 for (const w of workers) if (w !== victim && w.exited !== null) fail(`${w.name} exited (${w.exited})\n${tail(w)}`);
 if (coordinator.exited !== null) fail(`the coordinator exited (${coordinator.exited})\n${tail(coordinator)}`);
 
 await context.close();
 cleanup();
+log(`${authorized} API calls from the page, each with the token; no request left ${BASE}`);
 log(`OK: token form, 401 without the token, loss chart, ring of 3, SIGKILL -> recovery in the timeline and a ring of 2, open /metrics`);
 console.log(`check-dashboard: screenshots:\n  ${before}\n  ${after}`);
 process.exit(0);
