@@ -539,9 +539,11 @@
     const table = $("ring");
     table.querySelector("tbody").replaceChildren(...rows);
     table.dataset.workers = String(rows.length);
-    $("ring-size").textContent = rows.length ? `${rows.length} worker${rows.length === 1 ? "" : "s"}, generation ${job.generation ?? "–"}` : "no ring yet";
+    const st = normState(job.state);
+    const noRing = ACTIVE.has(st) ? "no ring yet" : `no ring: the job is ${stateLabel(st)}`;
+    $("ring-size").textContent = rows.length ? `${rows.length} worker${rows.length === 1 ? "" : "s"}, generation ${job.generation ?? "–"}` : noRing;
 
-    drawRingDiagram(members, byId, job);
+    drawRingDiagram(members, byId, job, noRing);
 
     // Workers of the cluster outside this ring (lost ones, idle spares).
     const others = state.workers.filter((w) => !inRing.has(w.id));
@@ -560,7 +562,7 @@
   const STATE_COLORS = { training: "#16a34a", idle: "#94a3b8", lost: "#dc2626", unknown: "#94a3b8" };
   // The ring as a circle: rank r sends its gradients to rank r+1; lost workers that last
   // belonged to this job sit outside it.
-  function drawRingDiagram(members, byId, job) {
+  function drawRingDiagram(members, byId, job, noRing) {
     const el_ = $("ring-diagram");
     const width = Math.max(240, Math.round(el_.getBoundingClientRect().width || 400));
     const height = Math.max(120, Math.round(el_.getBoundingClientRect().height || 200));
@@ -574,7 +576,7 @@
     const n = members.length;
     const cx = width / 2, cy = height / 2 - 6, R = Math.min(height / 2 - 42, width / 4), r = 22;
     if (!n) {
-      nodes.push(svg("text", { x: cx, y: cy, "text-anchor": "middle", class: "no-data" }, "no ring yet"));
+      nodes.push(svg("text", { x: cx, y: cy, "text-anchor": "middle", class: "no-data" }, noRing));
       el_.replaceChildren(...nodes);
       return;
     }
