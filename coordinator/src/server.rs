@@ -14,7 +14,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 /// Settings of a coordinator process.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Config {
     /// Folder for jobs (`jobs/job-N/`: prepared data, shards, metrics, checkpoints).
     pub data_dir: PathBuf,
@@ -22,6 +22,9 @@ pub struct Config {
     pub security: ServerSecurity,
     /// The folders a job's paths must lie in (`--input-root`); empty: any readable file.
     pub input_roots: InputRoots,
+    /// The bound `--metrics-listen` port (metrics, dashboard, API: [`crate::http`]); `None`:
+    /// off.
+    pub metrics_listener: Option<TcpListener>,
 }
 
 /// Serves the coordinator on `listener` until `shutdown` resolves, then stops within ~2 s
@@ -55,6 +58,18 @@ pub async fn run(
     let driver = tokio::spawn(driver::run(shared.clone(), effects, async move {
         let _ = driver_stop_rx.await;
     }));
+    let (http_stop_tx, http_stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let http = config.metrics_listener.map(|listener| {
+        tokio::spawn(keel_net::http_port::serve(
+            listener,
+            config.security.token().clone(),
+            config.security.limits(),
+            crate::http::routes(shared.clone()),
+            async move {
+                let _ = http_stop_rx.await;
+            },
+        ))
+    });
     let service = CoordinatorServer::new(CoordinatorService::new(shared.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -77,6 +92,7 @@ pub async fn run(
     tokio::pin!(server);
     tokio::select! {
         result = &mut server => {
+            let _ = http_stop_tx.send(());
             let _ = stop_tx.send(());
             let _ = ticker.await;
             save_all(&shared, driver_stop_tx, driver).await;
@@ -86,6 +102,11 @@ pub async fn run(
     }
     keel_net::admin::mark_not_serving(&health_reporter).await;
     let _ = server_stop_tx.send(());
+    let _ = http_stop_tx.send(());
+    if let Some(http) = http {
+        // Open dashboard polls end with the process; give in-flight ones a moment.
+        let _ = tokio::time::timeout(Duration::from_secs(1), http).await;
+    }
     let _ = stop_tx.send(());
     // Close every attach stream so graceful shutdown does not wait on them.
     shared.close_streams();

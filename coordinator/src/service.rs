@@ -4,7 +4,7 @@
 use crate::CoordinatorError;
 use crate::driver::Shared;
 use crate::files::send_files;
-use crate::machine::{Input, Registration, Reply};
+use crate::machine::{Input, Registration, Reply, StepTimes};
 use crate::store;
 use keel_proto::jobspec::JobSpec;
 use keel_proto::protocol::{HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT};
@@ -289,6 +289,10 @@ impl Coordinator for CoordinatorService {
             self.shared.apply(Input::Heartbeat {
                 worker_id: req.worker_id,
                 key: req.key,
+                times: StepTimes::from_heartbeat(
+                    req.last_step_seconds,
+                    req.last_ring_wait_seconds,
+                ),
             })?,
             Reply::Known(true)
         );

@@ -26,6 +26,7 @@ async fn start() -> (
         data_dir: dir.path().to_path_buf(),
         security: ServerSecurity::new(token.clone(), None),
         input_roots: Default::default(),
+        metrics_listener: None,
     };
     tokio::spawn(keel_coordinator::run(config, listener, async move {
         let _ = rx.await;

@@ -8,10 +8,12 @@
 //!   and idle timeouts, back-off on accept errors) and the connections it hands out.
 //! - `ratelimit`: at most one log line per interval for events strangers can cause.
 //! - `admin`: the gRPC health and reflection services every server adds.
+//! - `http_port`: the HTTP port (`--metrics-listen`): open metrics, token-guarded API.
 
 pub mod admin;
 pub mod auth;
 pub mod connection;
+pub mod http_port;
 pub mod incoming;
 pub mod ratelimit;
 pub mod security;

@@ -164,6 +164,16 @@ impl ServerSecurity {
         self.tls.is_some()
     }
 
+    /// The token calls must carry (for the HTTP port's API, [`crate::http_port`]).
+    pub fn token(&self) -> &ClusterToken {
+        &self.token
+    }
+
+    /// The bounds on accepted connections.
+    pub fn limits(&self) -> ConnectionLimits {
+        self.limits
+    }
+
     /// `service`, refusing calls without the token (`UNAUTHENTICATED`, logged).
     pub fn require<S>(&self, service: S) -> RequireToken<S> {
         self.token.require(service)

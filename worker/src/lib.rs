@@ -41,4 +41,5 @@ pub mod optim_state;
 pub mod replica;
 pub mod ringlink;
 pub mod serve;
+pub mod telemetry;
 pub mod train;

@@ -114,6 +114,7 @@ impl RingLink {
                     }
                 };
                 let took = t0.elapsed();
+                crate::telemetry::add_allreduce_time(took);
                 busy.fetch_add(
                     took.as_micros() as u64,
                     std::sync::atomic::Ordering::Relaxed,

@@ -35,7 +35,7 @@ mod workers;
 pub use job::Job;
 pub use launch::Launch;
 pub use phase::{Outcome, Phase};
-pub use workers::WorkerEntry;
+pub use workers::{StepTimes, WorkerEntry};
 
 use crate::CoordinatorError;
 use crate::persist::JobRecord;
@@ -127,6 +127,8 @@ pub enum Input {
         worker_id: String,
         /// The job, generation and step it is at, if any.
         key: Option<TrainingKey>,
+        /// Its last step's times, once it has trained.
+        times: Option<StepTimes>,
     },
     /// A preparation the machine asked for ended.
     Prepared {
@@ -322,7 +324,11 @@ impl Machine {
                 self.unreachable(&worker_id);
                 Ok(Reply::None)
             }
-            Input::Heartbeat { worker_id, key } => Ok(self.heartbeat(now, &worker_id, key)),
+            Input::Heartbeat {
+                worker_id,
+                key,
+                times,
+            } => Ok(self.heartbeat(now, &worker_id, key, times)),
             Input::Prepared { job_id, result } => {
                 self.prepared(now, &job_id, result);
                 Ok(Reply::None)
@@ -387,6 +393,13 @@ impl Machine {
     /// The worker `worker_id`, if registered.
     pub fn worker(&self, worker_id: &str) -> Option<&WorkerEntry> {
         self.workers.get(worker_id)
+    }
+
+    /// Every registered worker, in registration order.
+    pub fn workers(&self) -> impl Iterator<Item = &WorkerEntry> {
+        let mut all: Vec<&WorkerEntry> = self.workers.values().collect();
+        all.sort_by_key(|w| w.number);
+        all.into_iter()
     }
 
     /// Every registered worker's advertised memory limit (`None`: it advertised none).

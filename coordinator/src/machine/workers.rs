@@ -42,6 +42,29 @@ pub struct WorkerEntry {
     pub(super) holds: Option<TrainingKey>,
     /// Bytes of memory it can use (`None` from workers older than the field).
     pub(super) memory_limit: Option<u64>,
+    /// Its last training step's times, as last heartbeated (`None` before its first step).
+    pub(super) step_times: Option<StepTimes>,
+}
+
+/// A worker's last training step, as its heartbeat tells it (the dashboard's ring table).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepTimes {
+    /// The step's wall time, seconds.
+    pub step_seconds: f64,
+    /// The part of it spent waiting for the summed gradient after the backward pass, seconds.
+    pub ring_wait_seconds: f64,
+}
+
+impl StepTimes {
+    /// From a heartbeat's fields: `None` when the worker has not trained (0) or sent
+    /// something that is not a time (negative, not finite).
+    pub fn from_heartbeat(step_seconds: f64, ring_wait_seconds: f64) -> Option<StepTimes> {
+        let ok = |s: f64| s.is_finite() && s >= 0.0;
+        (step_seconds > 0.0 && ok(step_seconds) && ok(ring_wait_seconds)).then_some(StepTimes {
+            step_seconds,
+            ring_wait_seconds,
+        })
+    }
 }
 
 impl WorkerEntry {
@@ -58,6 +81,31 @@ impl WorkerEntry {
     /// Whether it can take a command now (attached, not known to be gone).
     pub fn reachable(&self) -> bool {
         self.attach.is_some() && !self.disconnected
+    }
+
+    /// `w-N`.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The job it works on and its rank there.
+    pub fn job(&self) -> Option<(&str, u32)> {
+        self.job.as_ref().map(|(j, r)| (j.as_str(), *r))
+    }
+
+    /// Steps completed in its job and the generation, as last heartbeated.
+    pub fn progress(&self) -> (u64, u64) {
+        (self.step, self.generation)
+    }
+
+    /// When it was last heard from (machine time).
+    pub fn last_seen(&self) -> Instant {
+        self.last_seen
+    }
+
+    /// Its last training step's times (`None` before its first step).
+    pub fn step_times(&self) -> Option<StepTimes> {
+        self.step_times
     }
 }
 
@@ -104,6 +152,7 @@ impl Machine {
             disconnected: false,
             holds: r.holds.filter(|k| !k.job_id.is_empty()),
             memory_limit: r.memory_limit,
+            step_times: None,
         };
         // Fields without a value (no host name sent, nothing held) are left out of the line.
         let host = (!r.hostname.is_empty()).then(|| tracing::field::debug(&r.hostname));
@@ -167,11 +216,15 @@ impl Machine {
         now: Instant,
         worker_id: &str,
         key: Option<TrainingKey>,
+        times: Option<StepTimes>,
     ) -> Reply {
         let Some(w) = self.workers.get_mut(worker_id) else {
             return Reply::Known(false);
         };
         w.last_seen = now;
+        if times.is_some() {
+            w.step_times = times;
+        }
         if let Some(key) = key
             && w.job.as_ref().is_some_and(|(j, _)| *j == key.job_id)
         {

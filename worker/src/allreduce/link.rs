@@ -124,6 +124,7 @@ async fn open_call(
 /// Errors: `UNAVAILABLE` when the call's body is gone (the call ended).
 fn send_frame(pieces: &mpsc::UnboundedSender<Bytes>, frame: &RingFrame) -> Result<(), Status> {
     for piece in encode_frame(frame)? {
+        crate::telemetry::add_ring_bytes(piece.len());
         pieces
             .send(piece)
             .map_err(|_| Status::unavailable("ring stream closed"))?;

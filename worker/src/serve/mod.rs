@@ -50,6 +50,8 @@ pub struct Args {
     pub client_tls: keel_net::tls::ClientTlsArgs,
     #[command(flatten)]
     pub connections: keel_net::incoming::ConnectionArgs,
+    #[command(flatten)]
+    pub metrics: keel_net::http_port::MetricsArgs,
     /// Fault injection for tests: this worker's loss is NaN at this 0-based step of every job.
     #[arg(long, hide = true)]
     pub fault_nan_at_step: Option<u64>,
@@ -107,6 +109,8 @@ pub struct Config {
     /// Bytes of memory a job may use here (see [`Args::memory_limit`]); `None`: unknown, not
     /// checked.
     pub memory_limit: Option<u64>,
+    /// Where to serve `/metrics` ([`crate::telemetry`]; `--metrics-listen`); `None`: off.
+    pub metrics_listen: Option<String>,
 }
 
 /// Errors that stop a worker process.
@@ -121,6 +125,14 @@ pub enum ServeError {
     /// The health or reflection service could not be built.
     #[error(transparent)]
     Admin(#[from] keel_net::admin::AdminError),
+    /// The `--metrics-listen` address cannot be bound.
+    #[error("--metrics-listen {addr}: {source}")]
+    MetricsPort {
+        /// The address as given.
+        addr: String,
+        /// The underlying error.
+        source: std::io::Error,
+    },
     /// The cache folder cannot be created.
     #[error("{path}: {source}")]
     Io {
@@ -168,6 +180,7 @@ pub fn main(args: Args) -> anyhow::Result<()> {
             memory_limit: args
                 .memory_limit
                 .or_else(keel_proto::memory::machine_memory_limit),
+            metrics_listen: args.metrics.addr().map(str::to_string),
         };
         run(config, listener, keel_net::admin::shutdown_signal()).await?;
         Ok(())
@@ -190,6 +203,10 @@ pub async fn run(
     crate::model::set_blas_threads(config.threads);
     let mailbox = Mailbox::with_peer_security(config.client_security.clone());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let metrics = match &config.metrics_listen {
+        Some(addr) => Some(metrics_port(addr, &config, stop_rx.clone()).await?),
+        None => None,
+    };
     let mut server_stop = stop_rx.clone();
     let (health_reporter, health, reflection) =
         keel_net::admin::admin_services::<RingDataPlane>().await?;
@@ -204,13 +221,66 @@ pub async fn run(
         });
     let server = tokio::spawn(server);
     let client = coordinator_client(&config.coordinator, &config.client_security)?;
-    let sessions = tokio::spawn(session::sessions(config, client, mailbox, stop_rx));
+    let sessions = tokio::spawn(session::sessions(config, client, mailbox, stop_rx.clone()));
     shutdown.await;
     keel_net::admin::mark_not_serving(&health_reporter).await;
     let _ = stop_tx.send(true);
+    if let Some(metrics) = metrics {
+        let _ = tokio::time::timeout(Duration::from_secs(1), metrics).await;
+    }
     let _ = tokio::time::timeout(Duration::from_secs(3), sessions).await;
     match tokio::time::timeout(Duration::from_secs(2), server).await {
         Ok(Ok(result)) => result.map_err(ServeError::from),
         _ => Ok(()),
     }
+}
+
+/// Binds `addr` and serves `/metrics` ([`crate::telemetry::encode`]) and `/healthz` there
+/// until the worker stops; returns the server's task.
+///
+/// Errors: [`ServeError::MetricsPort`] when `addr` cannot be bound.
+async fn metrics_port(
+    addr: &str,
+    config: &Config,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<()>, ServeError> {
+    use axum::routing::get;
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::MetricsPort {
+            addr: addr.to_string(),
+            source,
+        })?;
+    let cache_dir = config.cache_dir.clone();
+    let open = axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let cache_dir = cache_dir.clone();
+                async move {
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            keel_net::http_port::PROMETHEUS_CONTENT_TYPE,
+                        )],
+                        crate::telemetry::encode(&cache_dir),
+                    )
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok" }));
+    let routes = keel_net::http_port::Routes {
+        open,
+        protected: axum::Router::new(),
+    };
+    let token = config.server_security.token().clone();
+    let limits = config.server_security.limits();
+    Ok(tokio::spawn(async move {
+        let stopped = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        if let Err(e) = keel_net::http_port::serve(listener, token, limits, routes, stopped).await {
+            tracing::error!("metrics port: {e}");
+        }
+    }))
 }

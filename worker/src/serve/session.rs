@@ -306,10 +306,13 @@ async fn heartbeat_loop(
     interval: Duration,
 ) -> Result<(), tonic::Status> {
     let beat = || {
+        let last = crate::telemetry::last_step();
         let mut client = client.clone();
         let request = HeartbeatRequest {
             worker_id: worker_id.clone(),
             key: state.lock().running_key(),
+            last_step_seconds: last.map_or(0.0, |t| t.total),
+            last_ring_wait_seconds: last.map_or(0.0, |t| t.ring_wait),
         };
         async move { client.heartbeat(request).await }
     };

@@ -186,7 +186,9 @@ impl<'a> Trainer<'a> {
         self.reduce_gradients(step, lookup.as_mut())?;
         let loss = all_reduce_loss(&self.links.ring, step, sums).map_err(ring_err(step))?;
         let allreduce_wait = compute_done.elapsed();
+        let update_started = Instant::now();
         let update = self.update(replica, step, &loss)?;
+        let optimizer = update_started.elapsed();
         replica.step = step + 1;
         self.links.progress.store(replica.step, Ordering::SeqCst);
         let clock = Clock {
@@ -195,6 +197,17 @@ impl<'a> Trainer<'a> {
             compute_started,
             compute_done,
         };
+        crate::telemetry::record_step(
+            &self.setup.job_id,
+            self.setup.rank,
+            replica.step,
+            crate::telemetry::StepTimes {
+                total: started.elapsed().as_secs_f64(),
+                compute: (compute_done - compute_started).as_secs_f64(),
+                ring_wait: allreduce_wait.as_secs_f64(),
+                optimizer: optimizer.as_secs_f64(),
+            },
+        );
         let mean_loss = self.report(replica, &counts, &loss, &update, &clock, allreduce_wait);
         self.evaluate_and_checkpoint(replica, mean_loss)
     }

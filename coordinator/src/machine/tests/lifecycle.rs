@@ -105,6 +105,7 @@ fn a_stalled_job_drops_the_worker_that_never_started_and_regroups() {
         h.feed(Input::Heartbeat {
             worker_id: w[1].clone(),
             key: None,
+            times: None,
         })
         .unwrap();
         h.tick();

@@ -247,6 +247,7 @@ impl Harness {
             self.feed(Input::Heartbeat {
                 worker_id: w.to_string(),
                 key,
+                times: None,
             })
             .unwrap();
         }
