@@ -301,8 +301,8 @@ for (const w of ring3) {
 if (ring3.map((w) => w.rank).join() !== "0,1,2") fail(`ring ranks are ${ring3.map((w) => w.rank).join()}, not 0,1,2`);
 log(`ring: ${ring3.map((w) => `${w.rank}:${w.id} ${w.address} ${w.state}`).join(", ")}`);
 // Let a held-out point or two and the charts fill a little for the picture.
-await waitFor("a held-out loss point", 60000, async () =>
-  Number(await page.$eval("#loss-chart", (e) => e.dataset.evalPoints || 0)) >= 1, ui.describe);
+await waitFor("2 held-out loss points", 60000, async () =>
+  Number(await page.$eval("#loss-chart", (e) => e.dataset.evalPoints || 0)) >= 2, ui.describe);
 const before = path.join(SHOTS, "dashboard-before-kill.png");
 await page.screenshot({ path: before, fullPage: true });
 log(`screenshot: ${before}`);
@@ -332,7 +332,22 @@ await waitFor("the job to train on after the recovery (20 more loss points, stat
   return st === "running" && (await ui.points()) >= killedAtPoints + 20;
 }, ui.describe);
 const lostShown = await page.$(`#ring-others [data-other-worker="${victimRow.id}"][data-state="lost"]`);
-log(`job running again with ${await ui.points()} points; ${victimRow.id} ${lostShown ? "listed as lost outside the ring" : "not listed as lost (the API does not say so)"}`);
+const apiWorkers = JSON.parse((await http(`${BASE}/api/workers`, { Authorization: `Bearer ${token}` })).text).workers;
+log(`job running again with ${await ui.points()} points; ${victimRow.id} ${lostShown ? "listed as lost outside the ring" : "not listed as lost"}; ` +
+  `/api/workers: ${apiWorkers.map((w) => `${w.id} ${w.state}`).join(", ")}`);
+
+// The last checkpoint and its command: run the command the page shows, for real.
+const cpStep = await waitFor("a checkpoint in the checkpoint panel", 120000, async () =>
+  Number(await page.$eval("#checkpoint", (e) => e.dataset.step || 0)), ui.describe);
+const command = await page.$eval("#pull-command", (e) => e.textContent.trim());
+const words = command.split(/\s+/);
+if (words[0] !== "keel" || words[1] !== "pull" || words[2] !== jobId) fail(`the pull command is ${JSON.stringify(command)}`);
+const pulled = path.join(WORK, "pulled");
+await keel([...words.slice(1).map((w) => (w === words[words.indexOf("--out") + 1] ? pulled : w)), "--coordinator", coordAddr], 120000);
+for (const f of ["config.json", "model.safetensors"]) {
+  if (!fs.existsSync(path.join(pulled, f))) fail(`\`${command}\` brought no ${f} (it wrote: ${fs.readdirSync(pulled).join(", ")})`);
+}
+log(`checkpoint panel: step ${cpStep}; its command \`${command}\` works (with --coordinator): ${fs.readdirSync(pulled).sort().join(", ")}`);
 const after = path.join(SHOTS, "dashboard-after-kill.png");
 await page.screenshot({ path: after, fullPage: true });
 log(`screenshot: ${after}`);

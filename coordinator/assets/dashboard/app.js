@@ -169,7 +169,8 @@
 
   async function fetchMetrics(jobId) {
     const m = metricsOf(jobId);
-    // At most 5000 lines per answer: follow `next` a few times per poll.
+    // `next` is opaque (the server's offset to go on from). One answer holds at most 5000
+    // lines (and a few MiB): follow `next` a few times per poll while answers are large.
     for (let page = 0; page < 20; page++) {
       const body = await api("/api/jobs/" + encodeURIComponent(jobId) + "/metrics?from=" + m.next);
       const lines = (body && body.lines) || [];
@@ -178,13 +179,13 @@
         if (typeof raw === "string") { try { line = JSON.parse(raw); } catch (e) { continue; } }
         addLine(m, line);
       }
-      const next = body && isNum(body.next) ? body.next : m.next + lines.length;
+      const next = body && isNum(body.next) ? body.next : m.next;
       if (next < m.next) { // the file was replaced (a restarted coordinator): start over
         state.metrics.delete(jobId);
         return fetchMetrics(jobId);
       }
       m.next = next;
-      if (lines.length < 5000) break;
+      if (lines.length < 1000) break;
     }
     return m;
   }
