@@ -333,8 +333,9 @@ await waitFor("the job to train on after the recovery (20 more loss points, stat
 }, ui.describe);
 const lostShown = await page.$(`#ring-others [data-other-worker="${victimRow.id}"][data-state="lost"]`);
 const apiWorkers = JSON.parse((await http(`${BASE}/api/workers`, { Authorization: `Bearer ${token}` })).text).workers;
-log(`job running again with ${await ui.points()} points; ${victimRow.id} ${lostShown ? "listed as lost outside the ring" : "not listed as lost"}; ` +
-  `/api/workers: ${apiWorkers.map((w) => `${w.id} ${w.state}`).join(", ")}`);
+if (!lostShown) fail(`${victimRow.id} is not shown as lost beside the ring. ${await ui.describe()}`);
+log(`job running again with ${await ui.points()} points; ${victimRow.id} shown as lost beside the ring ` +
+  `(/api/workers now: ${apiWorkers.map((w) => `${w.id} ${w.state}`).join(", ")})`);
 
 // The last checkpoint and its command: run the command the page shows, for real.
 const cpStep = await waitFor("a checkpoint in the checkpoint panel", 120000, async () =>

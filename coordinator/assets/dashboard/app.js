@@ -245,7 +245,7 @@
     section.dataset.job = job.job_id;
     renderHead(job, m);
     renderCharts(m);
-    renderRing(job);
+    renderRing(job, m);
     renderTimeline(job, m);
     renderCheckpoint(job);
   }
@@ -512,14 +512,31 @@
   let resizeTimer = null;
   window.addEventListener("resize", () => {
     clearTimeout(resizeTimer);
-    resizeTimer = setTimeout(() => { drawCharts(); drawTrack(); if (lastRing) renderRing(lastRing); }, 150);
+    resizeTimer = setTimeout(() => { drawCharts(); drawTrack(); if (lastRing) renderRing(lastRing.job, lastRing.m); }, 150);
   });
 
   // ---------- ring ----------
 
+  // Workers the job lost, from its recovery lines ("worker w-2 (127.0.0.1:7072), rank 1, ...")
+  // and stall lines (`dropped`): /api/workers forgets a worker whose connection closed.
+  function lostWorkers(m, inRing, alive) {
+    const lost = new Map();
+    for (const e of m ? m.events : []) {
+      const ids = [];
+      if (e.event === "recovery") {
+        const r = /worker (\S+) \(([^)]*)\)/.exec(String(e.reason || ""));
+        if (r) ids.push(r[1]);
+      } else if (e.event === "stall") ids.push(...(e.dropped || []));
+      for (const id of ids) lost.set(id, e.step);
+    }
+    for (const id of [...lost.keys()]) if (inRing.has(id) || alive.has(id)) lost.delete(id);
+    return lost; // id -> step
+  }
+
   let lastRing = null;
-  function renderRing(job) {
-    lastRing = job;
+  function renderRing(job, m) {
+    if (m === undefined && lastRing) m = lastRing.m;
+    lastRing = { job, m };
     const byId = new Map(state.workers.map((w) => [w.id, w]));
     const members = (job.workers || []).map(parseMember);
     const inRing = new Set(members.map((m) => m.id));
@@ -544,18 +561,26 @@
     const noRing = ACTIVE.has(st) ? "no ring yet" : `no ring: the job is ${stateLabel(st)}`;
     $("ring-size").textContent = rows.length ? `${rows.length} worker${rows.length === 1 ? "" : "s"}, generation ${job.generation ?? "–"}` : noRing;
 
-    drawRingDiagram(members, byId, job, noRing);
+    const alive = new Set(state.workers.filter((w) => normState(w.state) !== "lost").map((w) => w.id));
+    const lost = lostWorkers(m, inRing, alive);
+    for (const w of state.workers) if (normState(w.state) === "lost" && !inRing.has(w.id) && !lost.has(w.id) && w.job === job.job_id) lost.set(w.id, null);
+    drawRingDiagram(members, byId, job, noRing, lost);
 
-    // Workers of the cluster outside this ring (lost ones, idle spares).
-    const others = state.workers.filter((w) => !inRing.has(w.id));
+    // Workers outside this ring: the ones this job lost, and the cluster's others.
+    const others = [];
+    for (const [id, step] of lost) others.push({ id, state: "lost", text: `${id} lost` + (step !== null && step !== undefined ? ` at step ${fmtInt(step)}` : "") });
+    for (const w of state.workers) {
+      if (inRing.has(w.id) || lost.has(w.id)) continue;
+      const ws = normState(w.state);
+      others.push({ id: w.id, state: ws, text: `${w.id} ${ws}` + (w.job && w.job !== job.job_id ? ` (${w.job})` : "") });
+    }
     const p = $("ring-others");
     p.replaceChildren();
     if (others.length) {
       p.append("Not in this ring: ");
-      others.forEach((w, i) => {
+      others.forEach((o, i) => {
         if (i) p.append(", ");
-        const ws = normState(w.state);
-        p.append(el("span", { "data-other-worker": w.id, "data-state": ws }, el("span", { class: "state-dot", "data-state": ws }), `${w.id} ${ws}` + (w.job && w.job !== job.job_id ? ` (${w.job})` : "")));
+        p.append(el("span", { "data-other-worker": o.id, "data-state": o.state }, el("span", { class: "state-dot", "data-state": o.state }), o.text));
       });
     }
   }
@@ -563,7 +588,7 @@
   const STATE_COLORS = { training: "#16a34a", idle: "#94a3b8", lost: "#dc2626", unknown: "#94a3b8" };
   // The ring as a circle: rank r sends its gradients to rank r+1; lost workers that last
   // belonged to this job sit outside it.
-  function drawRingDiagram(members, byId, job, noRing) {
+  function drawRingDiagram(members, byId, job, noRing, lostIds) {
     const el_ = $("ring-diagram");
     const width = Math.max(240, Math.round(el_.getBoundingClientRect().width || 400));
     const height = Math.max(120, Math.round(el_.getBoundingClientRect().height || 200));
@@ -613,12 +638,14 @@
       g.append(svg("title", {}, `${mem.id} ${mem.address} · ${ws}`));
       nodes.push(g);
     });
-    const lost = state.workers.filter((w) => normState(w.state) === "lost" && !members.some((m) => m.id === w.id));
-    lost.slice(0, 4).forEach((w, i) => {
-      const x = width - 40, y = 30 + i * 40;
-      nodes.push(svg("circle", { cx: x, cy: y, r: 14, fill: "#fff", stroke: "#dc2626", "stroke-width": 2, "stroke-dasharray": "3 2" }));
-      nodes.push(svg("text", { x, y: y + 4, "text-anchor": "middle", class: "node-sub" }, w.id));
-      nodes.push(svg("text", { x: x - 20, y: y + 4, "text-anchor": "end", class: "node-sub lost" }, "lost"));
+    [...lostIds.keys()].slice(-4).forEach((id, i) => {
+      const x = width - 40, y = 30 + i * 44;
+      const g = svg("g", { "data-lost-worker": id });
+      g.append(svg("circle", { cx: x, cy: y, r: 17, fill: "#fff", stroke: "#dc2626", "stroke-width": 2, "stroke-dasharray": "3 2" }));
+      g.append(svg("text", { x, y: y + 4, "text-anchor": "middle", class: "node-sub" }, id));
+      const step = lostIds.get(id);
+      g.append(svg("text", { x: x - 24, y: y + 4, "text-anchor": "end", class: "node-sub lost" }, "lost" + (step !== null && step !== undefined ? ` at step ${fmtInt(step)}` : "")));
+      nodes.push(g);
     });
     el_.replaceChildren(...nodes);
   }
