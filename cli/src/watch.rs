@@ -1,5 +1,6 @@
-//! `keel watch`: a job's progress (state, step, loss, tokens/s, ETA) fed by the coordinator's
-//! `WatchJob` stream, on stderr; the caller prints the outcome ([`outcome_line`]) on stdout.
+//! `keel watch`: a job's progress (state, step, loss, tokens/s, ETA, and the held-out loss and
+//! accuracy once the job has evaluated) fed by the coordinator's `WatchJob` stream, on stderr;
+//! the caller prints the outcome ([`outcome_line`]) on stdout.
 //!
 //! On a terminal it is an indicatif bar: a spinner and the state until the job runs and its
 //! step count is known (never a full bar at "0/0"), then the bar. When stderr is not a
@@ -105,24 +106,43 @@ async fn open(
     }
 }
 
-/// `job-1: completed at step 200/200, loss 5.1234`: how a watched job ended.
+/// `job-1: completed at step 200/200, loss 5.1234, held-out 4.5678 (acc 31.9%)`: how a
+/// watched job ended (the held-out part only when the job evaluated, see [`heldout_text`]).
 pub fn outcome_line(status: &JobStatus) -> String {
-    format!(
-        "{}: {} at step {}/{}{}",
+    let mut line = format!(
+        "{}: {} at step {}/{}",
         status.job_id,
         state_name(status.state),
         status.step,
         status.max_steps,
-        if status.loss.is_finite() {
-            format!(", loss {:.4}", status.loss)
-        } else {
-            String::new()
-        }
-    )
+    );
+    if status.loss.is_finite() {
+        line.push_str(&format!(", loss {:.4}", status.loss));
+    }
+    if let Some(heldout) = heldout_text(status) {
+        line.push_str(", ");
+        line.push_str(&heldout);
+    }
+    line
 }
 
-/// `loss 5.1234 | 12.3k tok/s | 250 ms/step | ETA 3m 20s` for a running job; the state's
-/// name otherwise (no ETA while preparing or waiting).
+/// `held-out 4.5678 (acc 31.9%)`: the latest held-out evaluation's MLM loss (nats) and
+/// accuracy (as a percentage; left out when not finite); `None` while the job has no
+/// evaluation (`eval_loss` not finite).
+pub fn heldout_text(status: &JobStatus) -> Option<String> {
+    if !status.eval_loss.is_finite() {
+        return None;
+    }
+    let mut text = format!("held-out {:.4}", status.eval_loss);
+    if status.eval_accuracy.is_finite() {
+        text.push_str(&format!(" (acc {:.1}%)", status.eval_accuracy * 100.0));
+    }
+    Some(text)
+}
+
+/// `loss 5.1234 | 12.3k tok/s | 250 ms/step | ETA 3m 20s` for a running job, with
+/// `held-out 4.5678 (acc 31.9%) | ` before the ETA once it has evaluated ([`heldout_text`]);
+/// the state's name otherwise (no ETA while preparing or waiting).
 pub fn progress_text(status: &JobStatus, eta_seconds: Option<f64>) -> String {
     let running = JobState::try_from(status.state) == Ok(JobState::Running);
     if !running {
@@ -136,11 +156,12 @@ pub fn progress_text(status: &JobStatus, eta_seconds: Option<f64>) -> String {
             status.tokens_per_second / 1e3,
             status.step_seconds * 1e3
         ));
-        if status.eval_loss.is_finite() {
-            m.push_str(&format!("eval {:.4} | ", status.eval_loss));
-        }
     } else {
         m.push_str("running | ");
+    }
+    if let Some(heldout) = heldout_text(status) {
+        m.push_str(&heldout);
+        m.push_str(" | ");
     }
     m.push_str(&eta_text(eta_seconds));
     m
@@ -295,5 +316,37 @@ mod tests {
         );
         let failed = status(JobState::Failed, 0, 200, f64::NAN);
         assert_eq!(outcome_line(&failed), "job-1: failed at step 0/200");
+        let evaluated = JobStatus {
+            eval_loss: 4.56789,
+            eval_accuracy: 0.3191,
+            ..done
+        };
+        assert_eq!(
+            outcome_line(&evaluated),
+            "job-1: completed at step 200/200, loss 5.2500, held-out 4.5679 (acc 31.9%)"
+        );
+    }
+
+    #[test]
+    fn held_out_evaluation_shows_only_once_there_is_one() {
+        let mut s = status(JobState::Running, 100, 200, 6.5);
+        assert_eq!(heldout_text(&s), None);
+        assert!(!progress_text(&s, None).contains("held-out"));
+        s.eval_loss = 5.25;
+        s.eval_accuracy = 0.125;
+        assert_eq!(
+            heldout_text(&s).as_deref(),
+            Some("held-out 5.2500 (acc 12.5%)")
+        );
+        assert_eq!(
+            progress_text(&s, Some(125.0)),
+            "loss 6.5000 | 12.3k tok/s | 250 ms/step | held-out 5.2500 (acc 12.5%) | ETA 2m 05s"
+        );
+        // A loss without an accuracy (an older coordinator): the loss alone.
+        s.eval_accuracy = f64::NAN;
+        assert_eq!(heldout_text(&s).as_deref(), Some("held-out 5.2500"));
+        // Not running: the state's name only.
+        s.state = JobState::WaitingForWorkers as i32;
+        assert_eq!(progress_text(&s, None), "waiting-for-workers");
     }
 }

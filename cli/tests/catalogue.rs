@@ -697,6 +697,7 @@ async fn coordinator_rpcs(client: &mut Coord) {
         .heartbeat(HeartbeatRequest {
             worker_id: "w-999".into(),
             key: None,
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -78,6 +78,7 @@ impl FakeWorker {
                     .heartbeat(HeartbeatRequest {
                         worker_id: beat_id.clone(),
                         key: None,
+                        ..Default::default()
                     })
                     .await;
                 tokio::time::sleep(Duration::from_millis(300)).await;

@@ -164,6 +164,7 @@ fn a_held_step_claim_past_the_jobs_last_step_is_ignored() {
                         .heartbeat(HeartbeatRequest {
                             worker_id: id.clone(),
                             key: None,
+                            ..Default::default()
                         })
                         .await;
                     tokio::time::sleep(Duration::from_millis(300)).await;

@@ -170,6 +170,7 @@ async fn workers_register_with_an_explicit_address_and_heartbeat() {
         .heartbeat(HeartbeatRequest {
             worker_id: reply.worker_id.clone(),
             key: None,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -180,6 +181,7 @@ async fn workers_register_with_an_explicit_address_and_heartbeat() {
         .heartbeat(HeartbeatRequest {
             worker_id: "w-999".into(),
             key: None,
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -707,11 +707,11 @@ def check_dashboard(root: Path, names: set[str], rep: Report) -> set[str]:
     ds = variables.get("DS_PROMETHEUS", {})
     rep.check(ds.get("type") == "datasource" and ds.get("query") == "prometheus",
               f"{DASHBOARD}: variable DS_PROMETHEUS picks a Prometheus data source")  # fmt: skip
-    job = variables.get("job", {})
+    job = variables.get("job_id", {})
     q = job.get("query")
     q = q.get("query") if isinstance(q, dict) else q
-    rep.check(job.get("type") == "query" and q == "label_values(keel_job_step, job)",
-              f"{DASHBOARD}: variable job is label_values(keel_job_step, job)", f"got {q!r}")  # fmt: skip
+    rep.check(job.get("type") == "query" and q == "label_values(keel_job_step, job_id)",
+              f"{DASHBOARD}: variable job_id is label_values(keel_job_step, job_id)", f"got {q!r}")  # fmt: skip
     panels = dashboard_panels(dash)
     ids = [p.get("id") for p in panels]
     rep.check(len(ids) == len(set(ids)) and None not in ids, f"{DASHBOARD}: {len(ids)} panels with distinct ids")
@@ -756,8 +756,8 @@ def check_prometheus_yml(root: Path, names: set[str], rep: Report) -> None:
     k8s_jobs = []
     for j in jobs:
         name = j.get("job_name")
-        # Keel's job="job-N" label must survive the scrape (see the file's header).
-        rep.check(j.get("honor_labels") is True, f"{PROMETHEUS_YML}: job {name} has honor_labels: true (Keel's `job` label)")
+        # Keel labels its series job_id, so Prometheus' own `job` label needs no override.
+        rep.check(j.get("honor_labels") is not True, f"{PROMETHEUS_YML}: job {name} leaves honor_labels off (a target may not override Prometheus' labels)")
         rep.check(j.get("metrics_path", "/metrics") == "/metrics", f"{PROMETHEUS_YML}: job {name} scrapes /metrics")
         for sc in j.get("static_configs") or []:
             for target in sc.get("targets") or []:

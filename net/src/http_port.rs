@@ -49,7 +49,11 @@ pub struct MetricsArgs {
     /// Address for the HTTP port serving Prometheus metrics at `/metrics` (and, on the
     /// coordinator, the dashboard at `/`). Off when not given. `/metrics` and `/healthz` need
     /// no token; the dashboard's API needs the cluster token unless the address is loopback.
-    #[arg(long = "metrics-listen", env = "KEEL_METRICS_LISTEN", value_name = "ADDR")]
+    #[arg(
+        long = "metrics-listen",
+        env = "KEEL_METRICS_LISTEN",
+        value_name = "ADDR"
+    )]
     pub metrics_listen: Option<String>,
 }
 
@@ -135,7 +139,11 @@ pub fn json_error(status: StatusCode, message: impl Into<String>) -> Response {
 }
 
 /// Refuses a request without `Authorization: Bearer <token>` (constant-time comparison).
-async fn require_token(State(token): State<ClusterToken>, request: Request, next: Next) -> Response {
+async fn require_token(
+    State(token): State<ClusterToken>,
+    request: Request,
+    next: Next,
+) -> Response {
     let presented = request
         .headers()
         .get(header::AUTHORIZATION)
@@ -187,7 +195,12 @@ mod tests {
 
     #[test]
     fn loopback_addresses_are_told_apart() {
-        let yes = ["127.0.0.1:1", "127.3.4.5:1", "[::1]:1", "[::ffff:127.0.0.1]:1"];
+        let yes = [
+            "127.0.0.1:1",
+            "127.3.4.5:1",
+            "[::1]:1",
+            "[::ffff:127.0.0.1]:1",
+        ];
         let no = ["0.0.0.0:1", "10.0.0.1:1", "[::]:1", "[::ffff:10.0.0.1]:1"];
         for a in yes {
             assert!(is_loopback(&a.parse().expect("address")), "{a}");

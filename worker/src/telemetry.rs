@@ -97,102 +97,103 @@ pub fn encode(cache_dir: &Path) -> String {
 }
 
 impl WorkerMetrics {
-/// Records a finished step: `steps_done` steps of `job` are now completed at `rank`.
-pub fn record_step(&self, job: &str, rank: u32, steps_done: u64, times: StepTimes) {
-    let m = self;
-    let labels = JobLabels {
-        job_id: job.to_string(),
-        rank: rank.to_string(),
-    };
-    if m.job.get_or_create(&labels).get() != 1 {
-        // A new job (or rank): only the current one is listed.
-        m.job.clear();
-        m.job.get_or_create(&labels).set(1);
-    }
-    m.steps.inc();
-    m.step.set(i64::try_from(steps_done).unwrap_or(i64::MAX));
-    let values = [times.compute, times.ring_wait, times.optimizer, times.other()];
-    for (phase, seconds) in PHASES.iter().zip(values) {
-        let labels = PhaseLabels {
-            phase: (*phase).to_string(),
+    /// Records a finished step: `steps_done` steps of `job` are now completed at `rank`.
+    pub fn record_step(&self, job: &str, rank: u32, steps_done: u64, times: StepTimes) {
+        let m = self;
+        let labels = JobLabels {
+            job_id: job.to_string(),
+            rank: rank.to_string(),
         };
-        m.phase_seconds.get_or_create(&labels).inc_by(seconds);
-        m.last_step.get_or_create(&labels).set(seconds);
+        if m.job.get_or_create(&labels).get() != 1 {
+            // A new job (or rank): only the current one is listed.
+            m.job.clear();
+            m.job.get_or_create(&labels).set(1);
+        }
+        m.steps.inc();
+        m.step.set(i64::try_from(steps_done).unwrap_or(i64::MAX));
+        let values = [
+            times.compute,
+            times.ring_wait,
+            times.optimizer,
+            times.other(),
+        ];
+        for (phase, seconds) in PHASES.iter().zip(values) {
+            let labels = PhaseLabels {
+                phase: (*phase).to_string(),
+            };
+            m.phase_seconds.get_or_create(&labels).inc_by(seconds);
+            m.last_step.get_or_create(&labels).set(seconds);
+        }
+        m.last_step
+            .get_or_create(&PhaseLabels {
+                phase: "total".to_string(),
+            })
+            .set(times.total);
+        *m.last.lock().unwrap_or_else(PoisonError::into_inner) = Some(times);
     }
-    m.last_step
-        .get_or_create(&PhaseLabels {
-            phase: "total".to_string(),
-        })
-        .set(times.total);
-    *m.last.lock().unwrap_or_else(PoisonError::into_inner) = Some(times);
-}
 
-/// The metrics page: Prometheus text exposition of everything above; `cache_dir` is the
-/// worker's `--cache-dir`.
-pub fn encode(&self, cache_dir: &Path) -> String {
-    let m = self;
-    let mut registry = Registry::with_prefix("keel_worker");
-    registry.register(
-        "job_info",
-        "The job and rank this worker runs (1), since its first step",
-        m.job.clone(),
-    );
-    registry.register(
-        "step",
-        "Steps of the current job completed here",
-        m.step.clone(),
-    );
-    registry.register(
-        "steps",
-        "Training steps this process completed",
-        m.steps.clone(),
-    );
-    registry.register(
-        "step_seconds",
-        "Step wall time by phase (compute, ring_wait, optimizer, other), seconds",
-        m.phase_seconds.clone(),
-    );
-    registry.register(
-        "last_step_seconds",
-        "The last step's wall time by phase, and its total, seconds",
-        m.last_step.clone(),
-    );
-    registry.register(
-        "allreduce_bytes",
-        "Bytes sent to the right neighbour on the ring",
-        m.allreduce_bytes.clone(),
-    );
-    registry.register(
-        "allreduce_seconds",
-        "Time the ring spent in all-reduces (overlaps the backward pass), seconds",
-        m.allreduce_seconds.clone(),
-    );
-    let gemm = SecondsCounter::default();
-    gemm.inc_by(crate::model::gemm::stats().seconds);
-    registry.register(
-        "gemm_seconds",
-        "Wall time inside GEMM calls, seconds",
-        gemm,
-    );
-    let rss = Gauge::<i64>::default();
-    rss.set(i64::try_from(resident_bytes().unwrap_or(0)).unwrap_or(i64::MAX));
-    registry.register(
-        "resident_memory_bytes",
-        "Resident set size of this process, bytes",
-        rss,
-    );
-    let cache = Gauge::<i64>::default();
-    cache.set(i64::try_from(cache_bytes(&cache_dir.join("files"))).unwrap_or(i64::MAX));
-    registry.register(
-        "shard_cache_bytes",
-        "Bytes of the files (shards, vocabularies) cached from the coordinator",
-        cache,
-    );
-    let mut text = String::new();
-    // Writing into a String cannot fail.
-    let _ = prometheus_client::encoding::text::encode(&mut text, &registry);
-    text
-}
+    /// The metrics page: Prometheus text exposition of everything above; `cache_dir` is the
+    /// worker's `--cache-dir`.
+    pub fn encode(&self, cache_dir: &Path) -> String {
+        let m = self;
+        let mut registry = Registry::with_prefix("keel_worker");
+        registry.register(
+            "job_info",
+            "The job and rank this worker runs (1), since its first step",
+            m.job.clone(),
+        );
+        registry.register(
+            "step",
+            "Steps of the current job completed here",
+            m.step.clone(),
+        );
+        registry.register(
+            "steps",
+            "Training steps this process completed",
+            m.steps.clone(),
+        );
+        registry.register(
+            "step_seconds",
+            "Step wall time by phase (compute, ring_wait, optimizer, other), seconds",
+            m.phase_seconds.clone(),
+        );
+        registry.register(
+            "last_step_seconds",
+            "The last step's wall time by phase, and its total, seconds",
+            m.last_step.clone(),
+        );
+        registry.register(
+            "allreduce_bytes",
+            "Bytes sent to the right neighbour on the ring",
+            m.allreduce_bytes.clone(),
+        );
+        registry.register(
+            "allreduce_seconds",
+            "Time the ring spent in all-reduces (overlaps the backward pass), seconds",
+            m.allreduce_seconds.clone(),
+        );
+        let gemm = SecondsCounter::default();
+        gemm.inc_by(crate::model::gemm::stats().seconds);
+        registry.register("gemm_seconds", "Wall time inside GEMM calls, seconds", gemm);
+        let rss = Gauge::<i64>::default();
+        rss.set(i64::try_from(resident_bytes().unwrap_or(0)).unwrap_or(i64::MAX));
+        registry.register(
+            "resident_memory_bytes",
+            "Resident set size of this process, bytes",
+            rss,
+        );
+        let cache = Gauge::<i64>::default();
+        cache.set(i64::try_from(cache_bytes(&cache_dir.join("files"))).unwrap_or(i64::MAX));
+        registry.register(
+            "shard_cache_bytes",
+            "Bytes of the files (shards, vocabularies) cached from the coordinator",
+            cache,
+        );
+        let mut text = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &registry);
+        text
+    }
 }
 
 /// Counts `bytes` sent to the right neighbour on the ring.
@@ -246,10 +247,7 @@ mod tests {
             optimizer: 0.1,
         };
         assert!((t.other() - 0.2).abs() < 1e-12);
-        let over = StepTimes {
-            total: 0.5,
-            ..t
-        };
+        let over = StepTimes { total: 0.5, ..t };
         assert_eq!(over.other(), 0.0);
     }
 

@@ -174,9 +174,15 @@ mod tests {
         let (lines, next) = read_lines(&path, 0).expect("read");
         assert_eq!(lines, vec![json!({"step": 1}), json!({"step": 2})]);
         assert_eq!(next, 31, "the unfinished last line is left for later");
-        let mut file = std::fs::OpenOptions::new().append(true).open(&path).expect("open");
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .expect("open");
         std::io::Write::write_all(&mut file, b"}\n").expect("append");
-        assert_eq!(read_lines(&path, next).expect("again").0, vec![json!({"step": 3})]);
+        assert_eq!(
+            read_lines(&path, next).expect("again").0,
+            vec![json!({"step": 3})]
+        );
         assert_eq!(read_lines(&path, 10_000).expect("past the end").0.len(), 3);
     }
 

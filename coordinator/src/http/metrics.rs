@@ -63,12 +63,21 @@ const JOB_GAUGES: [(&str, &str); 11] = [
     ("max_steps", "Steps the job runs in all"),
     ("loss", "Latest training loss (MLM + NSP), nats"),
     ("learning_rate", "Latest learning rate"),
-    ("tokens_per_second", "Latest step's tokens per second, whole ring"),
+    (
+        "tokens_per_second",
+        "Latest step's tokens per second, whole ring",
+    ),
     ("step_seconds", "Latest step's wall time, seconds"),
-    ("generation", "Membership generation (raised by every re-formed ring)"),
+    (
+        "generation",
+        "Membership generation (raised by every re-formed ring)",
+    ),
     ("ring_workers", "Workers in the job's current ring"),
     ("eval_loss", "Latest held-out MLM loss, nats"),
-    ("eval_accuracy_ratio", "Latest held-out MLM accuracy, 0 to 1"),
+    (
+        "eval_accuracy_ratio",
+        "Latest held-out MLM accuracy, 0 to 1",
+    ),
     ("elapsed_seconds", "Seconds since the job was submitted"),
 ];
 
@@ -111,7 +120,9 @@ pub fn encode(machine: &Machine, now: Instant) -> String {
     registered.set(i64::try_from(workers.len()).unwrap_or(i64::MAX));
     let live = workers
         .iter()
-        .filter(|w| w.reachable() && now.saturating_duration_since(w.last_seen()) < HEARTBEAT_TIMEOUT)
+        .filter(|w| {
+            w.reachable() && now.saturating_duration_since(w.last_seen()) < HEARTBEAT_TIMEOUT
+        })
         .count();
     alive.set(i64::try_from(live).unwrap_or(i64::MAX));
     registry.register("workers_registered", "Workers registered", registered);
@@ -144,11 +155,7 @@ pub fn encode(machine: &Machine, now: Instant) -> String {
         recoveries.get_or_create(&job).inc_by(status.recoveries);
         skipped.get_or_create(&job).inc_by(status.skipped_steps);
     }
-    registry.register(
-        "job_info",
-        "A job's state and GEMM precision (1)",
-        info,
-    );
+    registry.register("job_info", "A job's state and GEMM precision (1)", info);
     for ((name, help), family) in JOB_GAUGES.iter().zip(gauges) {
         registry.register(format!("job_{name}"), *help, family);
     }
@@ -174,7 +181,10 @@ mod tests {
 
     #[test]
     fn state_names_are_the_lower_case_proto_names() {
-        assert_eq!(state_name(JobState::WaitingForWorkers), "waiting_for_workers");
+        assert_eq!(
+            state_name(JobState::WaitingForWorkers),
+            "waiting_for_workers"
+        );
         assert_eq!(state_name(JobState::Running), "running");
     }
 

@@ -30,7 +30,10 @@ pub fn routes(shared: Arc<Shared>) -> Routes {
     let open = Router::new()
         .route("/metrics", get(metrics_page))
         .route("/healthz", get(|| async { "ok" }))
-        .route("/", get(|| async { page("text/html; charset=utf-8", INDEX_HTML) }))
+        .route(
+            "/",
+            get(|| async { page("text/html; charset=utf-8", INDEX_HTML) }),
+        )
         .route(
             "/index.html",
             get(|| async { page("text/html; charset=utf-8", INDEX_HTML) }),
