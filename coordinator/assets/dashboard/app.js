@@ -403,7 +403,7 @@
     }
     nodes.push(svg("line", { x1: pad.l, x2: pad.l, y1: pad.t, y2: pad.t + H, class: "axis" }));
     nodes.push(svg("line", { x1: pad.l, x2: pad.l + W, y1: pad.t + H, y2: pad.t + H, class: "axis" }));
-    if (opts.xLabel) nodes.push(svg("text", { x: pad.l + W, y: height - 4, "text-anchor": "end", class: "axis-title" }, opts.xLabel));
+    if (opts.xLabel) nodes.push(svg("text", { x: pad.l + W / 2, y: height - 3, "text-anchor": "middle", class: "axis-title" }, opts.xLabel));
     if (opts.yLabel) nodes.push(svg("text", { x: 12, y: pad.t + H / 2, transform: `rotate(-90 12 ${pad.t + H / 2})`, "text-anchor": "middle", class: "axis-title" }, opts.yLabel));
 
     for (const ev of opts.markers || []) {
@@ -600,7 +600,7 @@
     defs.append(marker);
     nodes.push(defs);
     const n = members.length;
-    const cx = width / 2, cy = height / 2 - 6, R = Math.min(height / 2 - 42, width / 4), r = 22;
+    const cx = width / 2, cy = height / 2 + 2, R = Math.min(height / 2 - 50, width / 4), r = 22;
     if (!n) {
       nodes.push(svg("text", { x: cx, y: cy, "text-anchor": "middle", class: "no-data" }, noRing));
       el_.replaceChildren(...nodes);
