@@ -5,7 +5,8 @@
 #
 # Usage: scripts/demo.sh [CORPUS_PATH...]
 #   Default corpus: the King James Bible from Debian's `bible-kjv` package.
-# Environment: KEEL_DEMO_STEPS (default 1200), KEEL_DEMO_OUT (default demo-out), KEEL_DEMO_WORKERS (2).
+# Environment: KEEL_DEMO_STEPS (default 1200), KEEL_DEMO_OUT (default demo-out), KEEL_DEMO_WORKERS (2),
+#   KEEL_DEMO_DASHBOARD (an address such as 127.0.0.1:9470: serve the live dashboard there; off).
 #
 # The recipe is chosen to show learning a person can see in two to three minutes on two cores:
 # BERT-tiny on 32-token sequences (128 of them a step). At 128 tokens a tiny BERT spends its
@@ -67,7 +68,9 @@ TOML
 } > "$job"
 
 say "Pretraining a tiny BERT ($steps steps) on a local cluster: 1 coordinator + $workers workers"
-"$bin/keel" local --workers "$workers" "$job" --out "$out/checkpoint"
+dashboard=()
+if [ -n "${KEEL_DEMO_DASHBOARD:-}" ]; then dashboard=(--dashboard "$KEEL_DEMO_DASHBOARD"); fi
+"$bin/keel" local --workers "$workers" "${dashboard[@]}" "$job" --out "$out/checkpoint"
 
 say "Checkpoint (Hugging Face layout) in $out/checkpoint:"
 ls -l "$out/checkpoint"

@@ -36,6 +36,11 @@ pub struct Args {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Serve the coordinator's live dashboard (and Prometheus metrics) at this address, e.g.
+    /// 127.0.0.1:9470; off when not given. Off loopback the page asks for the cluster token
+    /// (in `WORK_DIR/keel.token`).
+    #[arg(long, value_name = "ADDR")]
+    pub dashboard: Option<String>,
 }
 
 /// The started processes; dropping it kills and reaps them.
@@ -116,6 +121,8 @@ fn spawn(
         .env_remove("KEEL_TLS_CERT")
         .env_remove("KEEL_TLS_KEY")
         .env_remove("KEEL_TLS_CA")
+        // Nor a metrics port meant for one process (every worker would try to bind it).
+        .env_remove("KEEL_METRICS_LISTEN")
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -177,18 +184,22 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     let port = free_port()?;
     let coord_addr = format!("127.0.0.1:{port}");
+    let mut coordinator_args: Vec<String> = vec![
+        "--listen".into(),
+        coord_addr.clone(),
+        "--data-dir".into(),
+        root.join("coordinator").display().to_string(),
+        "--token-file".into(),
+        token_path.display().to_string(),
+    ];
+    if let Some(addr) = &args.dashboard {
+        coordinator_args.extend(["--metrics-listen".to_string(), addr.clone()]);
+    }
     spawn(
         &mut cluster,
         "coordinator",
         &coordinator_exe,
-        &[
-            "--listen".into(),
-            coord_addr.clone(),
-            "--data-dir".into(),
-            root.join("coordinator").display().to_string(),
-            "--token-file".into(),
-            token_path.display().to_string(),
-        ],
+        &coordinator_args,
         &logs,
     )?;
     let mut client = crate::client::connect_with(&coord_addr, &security)?;
@@ -205,6 +216,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             logs.join("coordinator.log").display()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if let Some(addr) = &args.dashboard {
+        // The coordinator has bound it by now (it binds before serving gRPC).
+        errln!(
+            "dashboard: http://{addr}/ (token: {})",
+            token_path.display()
+        );
     }
     for i in 0..args.workers {
         let addr = format!("127.0.0.1:{}", free_port()?);
