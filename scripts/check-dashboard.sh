@@ -33,8 +33,10 @@ if ! grep -q -- '--metrics-listen' <<<"$coordinator_help"; then
   echo "check-dashboard: $BIN_DIR/keel-coordinator has no --metrics-listen (an older build?)" >&2
   exit 1
 fi
-command -v node >/dev/null && command -v npm >/dev/null \
-  || { echo "check-dashboard: node and npm are needed (Node.js 20)" >&2; exit 1; }
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  echo "check-dashboard: node and npm are needed (Node.js 20)" >&2
+  exit 1
+fi
 
 PLAYWRIGHT_VERSION=1.65.1
 CHROMIUM=/usr/bin/chromium
