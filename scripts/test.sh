@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: formatting, clippy (warnings are errors), all unit and integration tests
 # (real coordinator and worker processes on 127.0.0.1), the deploy/ file checks, the TensorBoard
-# round trip (scripts/check-tensorboard.sh), and, as root,
+# round trip (scripts/check-tensorboard.sh), the live dashboard in headless Chromium
+# (scripts/check-dashboard.sh), and, as root,
 # the multi-host test across network namespaces. Installs what it needs first (scripts/setup.sh)
 # and writes the test corpora from Debian packages into corpora/ (scripts/corpora.sh).
 set -euo pipefail
@@ -24,6 +25,8 @@ scripts/validate-deploy.sh target/release
 step "TensorBoard round trip (the tensorboard package reads every scalar of a short job)"
 cargo build --release --bins
 scripts/check-tensorboard.sh target/release
+step "live dashboard (headless Chromium: token form, loss chart, ring, a worker killed and the recovery shown)"
+scripts/check-dashboard.sh target/release
 if [ "$(id -u)" = 0 ] && ip netns list >/dev/null 2>&1; then
   step "multi-host test (network namespaces)"
   scripts/multihost-test.sh --netem --link-cut target/release
