@@ -166,7 +166,7 @@ pub struct ResumeEvent {
 /// `{"event":"recovery"|"grow","generation":..,"reason":..,"step":..}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RegroupEvent {
-    /// The generation being left.
+    /// The generation being formed (one more than the ring that was left).
     pub generation: u64,
     /// Why (the lost worker and its error, or the joining workers).
     pub reason: String,
