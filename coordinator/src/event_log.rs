@@ -31,7 +31,7 @@ impl EventLogs {
     pub fn new() -> Self {
         EventLogs {
             files: Mutex::new(HashMap::new()),
-            host: hostname(),
+            host: keel_proto::host::hostname(),
         }
     }
 
@@ -77,17 +77,6 @@ impl Default for EventLogs {
     fn default() -> Self {
         Self::new()
     }
-}
-
-/// This machine's name: `$HOSTNAME`, else the kernel's, else empty (the file is then named
-/// after `localhost`).
-fn hostname() -> String {
-    std::env::var("HOSTNAME")
-        .ok()
-        .filter(|h| !h.is_empty())
-        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
-        .map(|h| h.trim().to_string())
-        .unwrap_or_default()
 }
 
 #[cfg(test)]

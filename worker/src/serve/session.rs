@@ -116,18 +116,6 @@ async fn leave_running_job(state: &WorkerState) {
         .await;
 }
 
-/// This machine's name for registration: `$HOSTNAME` (a shell variable that is seldom
-/// exported), else the kernel's; empty only when neither exists (the coordinator then leaves
-/// the field out of its log).
-fn hostname() -> String {
-    std::env::var("HOSTNAME")
-        .ok()
-        .filter(|h| !h.is_empty())
-        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
-        .map(|h| h.trim().to_string())
-        .unwrap_or_default()
-}
-
 /// One registration: heartbeats plus the attach stream, until either fails.
 ///
 /// Errors: the coordinator's [`tonic::Status`] (registration refused, the stream broken,
@@ -161,7 +149,7 @@ async fn session(
         .register(RegisterRequest {
             advertise_addr: config.advertise_addr.clone(),
             threads: config.threads as u32,
-            hostname: hostname(),
+            hostname: keel_proto::host::hostname(),
             held,
             held_steps,
             bf16_native: bf16.native,
