@@ -204,7 +204,7 @@ for (let i = 0; i < 3; i++) {
   if (wrong.status !== 401) fail(`/api/workers with a wrong token answered ${wrong.status}, not 401`);
   const good = await http(`${BASE}/api/workers`, { Authorization: `Bearer ${token}` });
   if (good.status !== 200) fail(`/api/workers with the token answered ${good.status}: ${good.text.slice(0, 200)}`);
-  for (const f of ["/", "/app.js", "/style.css"]) {
+  for (const f of ["/", "/common.js", "/charts.js", "/ring.js", "/app.js", "/style.css"]) {
     const r = await http(BASE + f);
     if (r.status !== 200 || r.text.length < 100) fail(`${f} answered ${r.status} (${r.text.length} bytes) without a token`);
   }

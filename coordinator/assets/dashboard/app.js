@@ -1,13 +1,13 @@
 // Keel dashboard: polls the coordinator's JSON API every 2 s and draws the jobs, the chosen
 // job's curves (inline SVG, no library), its ring, its generations and its last checkpoint.
-// Plain JavaScript, no build step, no request leaves this coordinator.
+// Plain JavaScript, no build step, no request leaves this coordinator. The helpers come from
+// common.js, charts.js and ring.js (loaded before this file, on the `Keel` namespace).
 "use strict";
 
-(function () {
+(function (Keel) {
   const POLL_MS = 2000;
   const TOKEN_KEY = "keel-token";
   const MAX_CHART_POINTS = 1500; // per series; longer series are thinned (min/max per bucket)
-  const SVG_NS = "http://www.w3.org/2000/svg";
 
   const $ = (id) => document.getElementById(id);
 
@@ -41,71 +41,11 @@
     return body;
   }
 
-  // ---------- formatting ----------
+  // ---------- helpers (common.js, charts.js, ring.js) ----------
 
-  const isNum = (v) => typeof v === "number" && isFinite(v);
-  const normState = (s) => String(s || "unknown").replace(/-/g, "_").toLowerCase();
-  const stateLabel = (s) => normState(s).replace(/_/g, " ");
+  const { isNum, normState, stateLabel, fmtLoss, fmtLr, fmtInt, fmtSeconds, fmtDuration, parseMember, el, svg } = Keel;
+  const { thin, lineChart, lostWorkers, drawRingDiagram } = Keel;
   const ACTIVE = new Set(["running", "recovering", "waiting_for_workers", "preparing", "queued"]);
-
-  function fmtLoss(v) { return isNum(v) ? v.toFixed(3) : "–"; }
-  function fmtLr(v) {
-    if (!isNum(v)) return "–";
-    if (v === 0) return "0";
-    return v.toExponential(2).replace("e-", "e−");
-  }
-  function fmtInt(v) { return isNum(v) ? Math.round(v).toLocaleString("en-US") : "–"; }
-  function fmtSeconds(v) {
-    if (!isNum(v)) return "–";
-    if (v < 1) return (v * 1000).toFixed(v < 0.01 ? 1 : 0) + " ms";
-    if (v < 10) return v.toFixed(2) + " s";
-    return v.toFixed(1) + " s";
-  }
-  function fmtDuration(s) {
-    if (!isNum(s)) return "–";
-    s = Math.max(0, Math.round(s));
-    const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = s % 60;
-    if (h > 0) return h + "h " + String(m).padStart(2, "0") + "m";
-    if (m > 0) return m + "m " + String(sec).padStart(2, "0") + "s";
-    return sec + "s";
-  }
-  function fmtTick(v, step) {
-    const a = Math.abs(v);
-    if (v === 0) return "0";
-    if (a >= 1e6) return (v / 1e6).toFixed(step >= 1e6 ? 0 : 1) + "M";
-    if (a >= 1e4) return (v / 1e3).toFixed(step >= 1e3 ? 0 : 1) + "k";
-    if (a < 1e-2) {
-      let d = 0;
-      while (d < 4 && Math.abs(Number(v.toExponential(d)) - v) > step * 1e-3) d++;
-      return v.toExponential(d).replace("e-", "e−");
-    }
-    const decimals = Math.max(0, Math.min(6, -Math.floor(Math.log10(step) + 1e-9)));
-    return v.toFixed(decimals);
-  }
-
-  // "w-1 (127.0.0.1:7071)" -> { id: "w-1", address: "127.0.0.1:7071" }
-  function parseMember(text) {
-    const m = /^\s*(\S+)\s*\((.*)\)\s*$/.exec(String(text));
-    return m ? { id: m[1], address: m[2] } : { id: String(text).trim(), address: "" };
-  }
-
-  function el(tag, attrs, ...children) {
-    const e = document.createElement(tag);
-    for (const [k, v] of Object.entries(attrs || {})) {
-      if (v === null || v === undefined) continue;
-      if (k === "class") e.className = v;
-      else if (k === "text") e.textContent = v;
-      else e.setAttribute(k, v);
-    }
-    for (const c of children) e.append(c);
-    return e;
-  }
-  function svg(tag, attrs, text) {
-    const e = document.createElementNS(SVG_NS, tag);
-    for (const [k, v] of Object.entries(attrs || {})) if (v !== null && v !== undefined) e.setAttribute(k, v);
-    if (text !== undefined) e.textContent = text;
-    return e;
-  }
 
   // ---------- connection / token ----------
 
@@ -329,146 +269,7 @@
     $("stat-recoveries").textContent = `${rec} recover${rec === 1 ? "y" : "ies"}${skipped}` + (job.precision ? ` · ${job.precision}` : "");
   }
 
-  // ---------- charts ----------
-
-  // Thins a series to at most `max` points, keeping each bucket's min and max.
-  function thin(points, max) {
-    if (points.length <= max) return points;
-    const out = [];
-    const per = Math.ceil(points.length / (max / 2));
-    for (let i = 0; i < points.length; i += per) {
-      let lo = null, hi = null;
-      for (let k = i; k < Math.min(points.length, i + per); k++) {
-        const p = points[k];
-        if (lo === null || p[1] < lo[1]) lo = p;
-        if (hi === null || p[1] > hi[1]) hi = p;
-      }
-      if (lo[0] <= hi[0]) out.push(lo, hi); else out.push(hi, lo);
-    }
-    return out;
-  }
-
-  function niceStep(span, count) {
-    const raw = span / Math.max(1, count);
-    const mag = Math.pow(10, Math.floor(Math.log10(raw)));
-    const f = raw / mag;
-    return (f <= 1 ? 1 : f <= 2 ? 2 : f <= 2.5 ? 2.5 : f <= 5 ? 5 : 10) * mag;
-  }
-  function ticks(lo, hi, count) {
-    if (!(hi > lo)) { const d = Math.abs(lo) * 0.1 || 1; lo -= d; hi += d; }
-    const step = niceStep(hi - lo, count);
-    const start = Math.floor(lo / step) * step, end = Math.ceil(hi / step) * step;
-    const out = [];
-    for (let v = start; v <= end + step * 1e-6; v += step) out.push(Math.abs(v) < step * 1e-9 ? 0 : v);
-    return { lo: start, hi: end, step, values: out };
-  }
-
-  // Draws a line chart into `svgEl`. series: [{ name, color, points: [[x, y]], dots }]
-  function lineChart(svgEl, opts) {
-    const width = Math.max(240, Math.round(svgEl.getBoundingClientRect().width || svgEl.parentElement.clientWidth || 600));
-    const height = Math.max(120, Math.round(svgEl.getBoundingClientRect().height || 260));
-    svgEl.setAttribute("viewBox", `0 0 ${width} ${height}`);
-    const nodes = [];
-    const all = opts.series.flatMap((s) => s.points);
-    const pad = { l: 52, r: 14, t: opts.legend ? 26 : 10, b: 34 };
-    const W = width - pad.l - pad.r, H = height - pad.t - pad.b;
-    if (!all.length) {
-      nodes.push(svg("text", { x: width / 2, y: height / 2, "text-anchor": "middle", class: "no-data" }, opts.empty || "no data yet"));
-      svgEl.replaceChildren(...nodes);
-      return;
-    }
-    let xmin = Math.min(...all.map((p) => p[0])), xmax = Math.max(...all.map((p) => p[0]));
-    if (isNum(opts.xMax) && opts.xMax > xmax) xmax = opts.xMax;
-    if (isNum(opts.xMin)) xmin = Math.min(xmin, opts.xMin);
-    let ymin = Math.min(...all.map((p) => p[1])), ymax = Math.max(...all.map((p) => p[1]));
-    if (opts.yZero) ymin = Math.min(0, ymin);
-    const xt = ticks(xmin, xmax, Math.max(2, Math.floor(W / 90)));
-    const yt = ticks(ymin, ymax, Math.max(2, Math.floor(H / 45)));
-    const xLo = isNum(opts.xMin) ? Math.min(opts.xMin, xmin) : xt.lo;
-    const xHi = Math.max(xmax, xLo + 1);
-    const X = (x) => pad.l + ((x - xLo) / (xHi - xLo)) * W;
-    const Y = (y) => pad.t + H - ((y - yt.lo) / (yt.hi - yt.lo)) * H;
-
-    for (const v of yt.values) {
-      const y = Y(v);
-      nodes.push(svg("line", { x1: pad.l, x2: pad.l + W, y1: y, y2: y, class: "grid-line" }));
-      nodes.push(svg("text", { x: pad.l - 6, y: y + 4, "text-anchor": "end" }, fmtTick(v, yt.step)));
-    }
-    for (const v of xt.values) {
-      if (v < xLo - 1e-9 || v > xHi + 1e-9) continue;
-      const x = X(v);
-      nodes.push(svg("line", { x1: x, x2: x, y1: pad.t, y2: pad.t + H, class: "grid-line" }));
-      nodes.push(svg("line", { x1: x, x2: x, y1: pad.t + H, y2: pad.t + H + 4, class: "axis" }));
-      nodes.push(svg("text", { x, y: pad.t + H + 16, "text-anchor": "middle" }, fmtTick(v, xt.step)));
-    }
-    nodes.push(svg("line", { x1: pad.l, x2: pad.l, y1: pad.t, y2: pad.t + H, class: "axis" }));
-    nodes.push(svg("line", { x1: pad.l, x2: pad.l + W, y1: pad.t + H, y2: pad.t + H, class: "axis" }));
-    if (opts.xLabel) nodes.push(svg("text", { x: pad.l + W / 2, y: height - 3, "text-anchor": "middle", class: "axis-title" }, opts.xLabel));
-    if (opts.yLabel) nodes.push(svg("text", { x: 12, y: pad.t + H / 2, transform: `rotate(-90 12 ${pad.t + H / 2})`, "text-anchor": "middle", class: "axis-title" }, opts.yLabel));
-
-    for (const ev of opts.markers || []) {
-      if (ev.x < xLo || ev.x > xHi) continue;
-      const x = X(ev.x);
-      const line = svg("line", { x1: x, x2: x, y1: pad.t, y2: pad.t + H, class: "event-line", "data-event": ev.kind });
-      line.append(svg("title", {}, ev.title));
-      nodes.push(line);
-    }
-
-    for (const s of opts.series) {
-      if (!s.points.length) continue;
-      const d = s.points.map((p, i) => (i ? "L" : "M") + X(p[0]).toFixed(1) + " " + Y(p[1]).toFixed(1)).join("");
-      nodes.push(svg("path", { d, fill: "none", stroke: s.color, "stroke-width": s.width || 1.6, "stroke-linejoin": "round", "data-series": s.name }));
-      if (s.dots) for (const p of s.points) nodes.push(svg("circle", { cx: X(p[0]).toFixed(1), cy: Y(p[1]).toFixed(1), r: 3, fill: "#fff", stroke: s.color, "stroke-width": 1.6 }));
-    }
-
-    if (opts.legend) {
-      let x = pad.l + W;
-      const items = opts.series.filter((s) => s.legend !== false).reverse();
-      for (const s of items) {
-        const label = s.name;
-        const w = 22 + label.length * 6.4;
-        x -= w;
-        nodes.push(svg("line", { x1: x, x2: x + 16, y1: 12, y2: 12, stroke: s.color, "stroke-width": 2.5 }));
-        if (s.dots) nodes.push(svg("circle", { cx: x + 8, cy: 12, r: 3, fill: "#fff", stroke: s.color, "stroke-width": 1.6 }));
-        nodes.push(svg("text", { x: x + 20, y: 16 }, label));
-        x -= 12;
-      }
-    }
-
-    // Hover read-out: the nearest point of each series at the pointer's step.
-    const hover = svg("g", { class: "hover", visibility: "hidden" });
-    nodes.push(hover);
-    const hit = svg("rect", { x: pad.l, y: pad.t, width: W, height: H, fill: "transparent" });
-    nodes.push(hit);
-    hit.addEventListener("mousemove", (ev) => {
-      const box = svgEl.getBoundingClientRect();
-      const px = ((ev.clientX - box.left) / box.width) * width;
-      const xv = xLo + ((px - pad.l) / W) * (xHi - xLo);
-      const rows = [];
-      let xs = null;
-      for (const s of opts.series) {
-        if (!s.points.length) continue;
-        let best = s.points[0];
-        for (const p of s.points) if (Math.abs(p[0] - xv) < Math.abs(best[0] - xv)) best = p;
-        if (xs === null) xs = best[0];
-        rows.push(`${s.name}: ${(s.format || String)(best[1])}`);
-      }
-      const parts = [svg("line", { x1: X(xs), x2: X(xs), y1: pad.t, y2: pad.t + H, class: "hover-line" })];
-      const lines = [`step ${fmtInt(xs)}`, ...rows];
-      const tw = 12 + Math.max(...lines.map((l) => l.length)) * 6.2, th = 8 + lines.length * 15;
-      let tx = X(xs) + 10;
-      if (tx + tw > pad.l + W) tx = X(xs) - 10 - tw;
-      const tip = svg("g", { class: "tip" });
-      tip.append(svg("rect", { x: tx, y: pad.t + 4, width: tw, height: th, rx: 4 }));
-      lines.forEach((l, i) => tip.append(svg("text", { x: tx + 6, y: pad.t + 18 + i * 15 }, l)));
-      parts.push(tip);
-      hover.replaceChildren(...parts);
-      hover.setAttribute("visibility", "visible");
-    });
-    hit.addEventListener("mouseleave", () => hover.setAttribute("visibility", "hidden"));
-
-    svgEl.replaceChildren(...nodes);
-  }
+  // ---------- charts (drawn by charts.js) ----------
 
   let lastChartData = null;
   function renderCharts(m) {
@@ -517,22 +318,6 @@
 
   // ---------- ring ----------
 
-  // Workers the job lost, from its recovery lines ("worker w-2 (127.0.0.1:7072), rank 1, ...")
-  // and stall lines (`dropped`): /api/workers forgets a worker whose connection closed.
-  function lostWorkers(m, inRing, alive) {
-    const lost = new Map();
-    for (const e of m ? m.events : []) {
-      const ids = [];
-      if (e.event === "recovery") {
-        const r = /worker (\S+) \(([^)]*)\)/.exec(String(e.reason || ""));
-        if (r) ids.push(r[1]);
-      } else if (e.event === "stall") ids.push(...(e.dropped || []));
-      for (const id of ids) lost.set(id, e.step);
-    }
-    for (const id of [...lost.keys()]) if (inRing.has(id) || alive.has(id)) lost.delete(id);
-    return lost; // id -> step
-  }
-
   let lastRing = null;
   function renderRing(job, m) {
     if (m === undefined && lastRing) m = lastRing.m;
@@ -564,7 +349,7 @@
     const alive = new Set(state.workers.filter((w) => normState(w.state) !== "lost").map((w) => w.id));
     const lost = lostWorkers(m, inRing, alive);
     for (const w of state.workers) if (normState(w.state) === "lost" && !inRing.has(w.id) && !lost.has(w.id) && w.job === job.job_id) lost.set(w.id, null);
-    drawRingDiagram(members, byId, job, noRing, lost);
+    drawRingDiagram($("ring-diagram"), members, byId, noRing, lost);
 
     // Workers outside this ring: the ones this job lost, and the cluster's others.
     const others = [];
@@ -583,71 +368,6 @@
         p.append(el("span", { "data-other-worker": o.id, "data-state": o.state }, el("span", { class: "state-dot", "data-state": o.state }), o.text));
       });
     }
-  }
-
-  const STATE_COLORS = { training: "#16a34a", idle: "#94a3b8", lost: "#dc2626", unknown: "#94a3b8" };
-  // The ring as a circle: rank r sends its gradients to rank r+1; lost workers that last
-  // belonged to this job sit outside it.
-  function drawRingDiagram(members, byId, job, noRing, lostIds) {
-    const el_ = $("ring-diagram");
-    const width = Math.max(240, Math.round(el_.getBoundingClientRect().width || 400));
-    const height = Math.max(120, Math.round(el_.getBoundingClientRect().height || 200));
-    el_.setAttribute("viewBox", `0 0 ${width} ${height}`);
-    const nodes = [];
-    const defs = svg("defs");
-    const marker = svg("marker", { id: "ring-arrow", viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 7, markerHeight: 7, orient: "auto-start-reverse" });
-    marker.append(svg("path", { d: "M0 0 L10 5 L0 10 z", fill: "#94a3b8" }));
-    defs.append(marker);
-    nodes.push(defs);
-    const n = members.length;
-    const cx = width / 2, cy = height / 2 + 2, R = Math.min(height / 2 - 50, width / 4), r = 22;
-    if (!n) {
-      nodes.push(svg("text", { x: cx, y: cy, "text-anchor": "middle", class: "no-data" }, noRing));
-      el_.replaceChildren(...nodes);
-      return;
-    }
-    const pos = members.map((_, i) => {
-      const a = (n === 2 ? Math.PI : -Math.PI / 2) + (2 * Math.PI * i) / n;
-      return [cx + R * Math.cos(a), cy + R * Math.sin(a)];
-    });
-    if (n > 1) {
-      for (let i = 0; i < n; i++) {
-        const [x0, y0] = pos[i], [x1, y1] = pos[(i + 1) % n];
-        const dx = x1 - x0, dy = y1 - y0, len = Math.hypot(dx, dy) || 1;
-        const ux = dx / len, uy = dy / len;
-        // Bend each edge slightly outwards so that a 2-worker ring shows both directions.
-        const bend = n === 2 ? 26 : 14;
-        const mx = (x0 + x1) / 2 - uy * bend, my = (y0 + y1) / 2 + ux * bend;
-        nodes.push(svg("path", {
-          d: `M${x0 + ux * (r + 3)} ${y0 + uy * (r + 3)} Q${mx} ${my} ${x1 - ux * (r + 5)} ${y1 - uy * (r + 5)}`,
-          fill: "none", stroke: "#94a3b8", "stroke-width": 1.5, "marker-end": "url(#ring-arrow)",
-        }));
-      }
-    }
-    members.forEach((mem, i) => {
-      const w = byId.get(mem.id) || {};
-      const ws = w.state ? normState(w.state) : "unknown";
-      const [x, y] = pos[i];
-      const g = svg("g", { "data-worker": mem.id, "data-rank": String(i) });
-      g.append(svg("circle", { cx: x, cy: y, r, fill: "#fff", stroke: STATE_COLORS[ws] || "#94a3b8", "stroke-width": 3 }));
-      g.append(svg("text", { x, y: y + 4, "text-anchor": "middle", "font-weight": 600 }, mem.id));
-      const a = Math.atan2(y - cy, x - cx);
-      const lx = x + Math.cos(a) * (r + 16), ly = y + Math.sin(a) * (r + 12) + 4;
-      const anchor = Math.abs(Math.cos(a)) < 0.3 ? "middle" : Math.cos(a) > 0 ? "start" : "end";
-      g.append(svg("text", { x: lx, y: ly, "text-anchor": n === 1 ? "middle" : anchor, class: "node-sub" }, "rank " + i));
-      g.append(svg("title", {}, `${mem.id} ${mem.address} · ${ws}`));
-      nodes.push(g);
-    });
-    [...lostIds.keys()].slice(-4).forEach((id, i) => {
-      const x = width - 40, y = 30 + i * 44;
-      const g = svg("g", { "data-lost-worker": id });
-      g.append(svg("circle", { cx: x, cy: y, r: 17, fill: "#fff", stroke: "#dc2626", "stroke-width": 2, "stroke-dasharray": "3 2" }));
-      g.append(svg("text", { x, y: y + 4, "text-anchor": "middle", class: "node-sub" }, id));
-      const step = lostIds.get(id);
-      g.append(svg("text", { x: x - 24, y: y + 4, "text-anchor": "end", class: "node-sub lost" }, "lost" + (step !== null && step !== undefined ? ` at step ${fmtInt(step)}` : "")));
-      nodes.push(g);
-    });
-    el_.replaceChildren(...nodes);
   }
 
   // ---------- timeline ----------
@@ -760,4 +480,4 @@
   });
 
   poll();
-})();
+})(window.Keel = window.Keel || {});

@@ -6,7 +6,11 @@
 //! - `metrics`: `GET /metrics`, built from the machine at each scrape.
 //! - `api`: `GET /api/jobs`, `/api/jobs/{job}/metrics`, `/api/workers`.
 //! - this file: the routes and the dashboard's static files, built into the binary from
-//!   `coordinator/assets/dashboard/` (no front-end build step: plain HTML, CSS and JavaScript).
+//!   `coordinator/assets/dashboard/` (no front-end build step: plain HTML, CSS and JavaScript):
+//!   `index.html`, `style.css` and, loaded in this order as classic scripts sharing the `Keel`
+//!   namespace object, `common.js` (formatting, element builders), `charts.js` (the SVG line
+//!   charts), `ring.js` (the ring diagram) and `app.js` (polling, state, tables, timeline,
+//!   token form).
 
 pub mod api;
 pub mod metrics;
@@ -22,6 +26,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 static INDEX_HTML: &str = include_str!("../../assets/dashboard/index.html");
+static COMMON_JS: &str = include_str!("../../assets/dashboard/common.js");
+static CHARTS_JS: &str = include_str!("../../assets/dashboard/charts.js");
+static RING_JS: &str = include_str!("../../assets/dashboard/ring.js");
 static APP_JS: &str = include_str!("../../assets/dashboard/app.js");
 static STYLE_CSS: &str = include_str!("../../assets/dashboard/style.css");
 
@@ -37,6 +44,18 @@ pub fn routes(shared: Arc<Shared>) -> Routes {
         .route(
             "/index.html",
             get(|| async { page("text/html; charset=utf-8", INDEX_HTML) }),
+        )
+        .route(
+            "/common.js",
+            get(|| async { page("text/javascript; charset=utf-8", COMMON_JS) }),
+        )
+        .route(
+            "/charts.js",
+            get(|| async { page("text/javascript; charset=utf-8", CHARTS_JS) }),
+        )
+        .route(
+            "/ring.js",
+            get(|| async { page("text/javascript; charset=utf-8", RING_JS) }),
         )
         .route(
             "/app.js",
