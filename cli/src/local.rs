@@ -160,6 +160,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             (Some(t), p)
         }
     };
+    // From here on, any failure (a process that cannot start, a port taken) keeps the logs.
+    let tmp = KeptOnFailure(tmp);
     let logs = root.join("logs");
     std::fs::create_dir_all(&logs)?;
     let token_path = root.join("keel.token");
@@ -218,7 +220,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     if let Some(addr) = &args.dashboard {
-        // The coordinator has bound it by now (it binds before serving gRPC).
+        // The coordinator has bound it by now (it binds before serving gRPC). An unspecified
+        // host (0.0.0.0, [::]) is reached on this machine at loopback.
+        let addr = addr
+            .replacen("0.0.0.0:", "127.0.0.1:", 1)
+            .replacen("[::]:", "[::1]:", 1);
         errln!(
             "dashboard: http://{addr}/ (token: {})",
             token_path.display()
@@ -250,7 +256,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if !args.quiet {
         // A temporary work folder is removed after a successful run: name it only where it
         // stays (--work-dir); on failure its logs are kept and named below.
-        let where_logs = if tmp.is_some() {
+        let where_logs = if tmp.0.is_some() {
             "logs are kept if the run fails (or give --work-dir)".to_string()
         } else {
             format!("logs in {}", logs.display())
@@ -297,15 +303,31 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         _ = interrupted.wait_for(|i| *i) => Err(anyhow::anyhow!("interrupted")),
     };
     drop(cluster);
-    match (&result, tmp) {
-        (Ok(()), Some(t)) => drop(t),
-        (Err(_), Some(t)) => {
+    if result.is_ok() {
+        tmp.remove();
+    }
+    result
+}
+
+/// `keel local`'s temporary work folder (`None` with `--work-dir`): removed by
+/// [`KeptOnFailure::remove`] after a successful run; dropped otherwise (an error returned
+/// anywhere), it stays and its logs folder is named.
+struct KeptOnFailure(Option<tempfile::TempDir>);
+
+impl KeptOnFailure {
+    /// Removes the folder (the run succeeded).
+    fn remove(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl Drop for KeptOnFailure {
+    fn drop(&mut self) {
+        if let Some(t) = self.0.take() {
             let kept = t.keep();
             errln!("keel local: logs kept in {}", kept.join("logs").display());
         }
-        _ => {}
     }
-    result
 }
 
 /// The last held-out evaluation (`eval` line) of a metrics.jsonl, if the job evaluated; lines

@@ -209,3 +209,36 @@ fn watch_writes_progress_to_stderr_and_the_outcome_to_stdout() {
     assert!(line.contains("steps 4, 8, 12"), "{line}");
     assert!(!pulled.exists());
 }
+
+/// `keel local` whose coordinator cannot start (its dashboard address is taken) says why and
+/// keeps the logs it names; it used to remove its temporary folder on such an early failure,
+/// so the log it pointed to was gone.
+#[test]
+fn keel_local_keeps_the_logs_it_names_when_the_cluster_cannot_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let job = JobFile::new(kjv_lines(dir.path(), 200)).write(dir.path());
+    let out = command(&keel())
+        .args(["local", "--quiet", "--dashboard", &addr])
+        .arg(&job)
+        .arg("--out")
+        .arg(dir.path().join("out"))
+        .env_remove("KEEL_LOCAL_DIR")
+        .current_dir(dir.path())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("Address already in use"), "{stderr}");
+    let kept = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("keel local: logs kept in "))
+        .unwrap_or_else(|| panic!("no kept logs named:\n{stderr}"));
+    let log = Path::new(kept.trim()).join("coordinator.log");
+    let text = std::fs::read_to_string(&log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
+    assert!(text.contains("--metrics-listen"), "{text}");
+    std::fs::remove_dir_all(Path::new(kept.trim()).parent().unwrap()).unwrap();
+    drop(taken);
+}

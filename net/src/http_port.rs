@@ -44,6 +44,60 @@ static REFUSED_LOG: LogLimit = LogLimit::new(REFUSAL_LOG_INTERVAL);
 pub const PROMETHEUS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+/// The content type of the Prometheus text format 0.0.4, for scrapers that do not ask for
+/// OpenMetrics (`curl`, `promtool check metrics`).
+pub const PROMETHEUS_TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// A `/metrics` reply: `openmetrics` (what `prometheus-client` encodes) as it is when the
+/// request's `Accept` names `application/openmetrics-text` (Prometheus does), else in the
+/// Prometheus text format 0.0.4 ([`to_text_format`]).
+pub fn metrics_reply(headers: &axum::http::HeaderMap, openmetrics: String) -> Response {
+    let wants_openmetrics = headers.get_all(header::ACCEPT).iter().any(|v| {
+        v.to_str()
+            .is_ok_and(|a| a.contains("application/openmetrics-text"))
+    });
+    if wants_openmetrics {
+        (
+            [(header::CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE)],
+            openmetrics,
+        )
+            .into_response()
+    } else {
+        let text = to_text_format(&openmetrics);
+        ([(header::CONTENT_TYPE, PROMETHEUS_TEXT_CONTENT_TYPE)], text).into_response()
+    }
+}
+
+/// OpenMetrics text as the Prometheus text format 0.0.4: a counter's `# HELP` and `# TYPE`
+/// lines name its `_total` samples (OpenMetrics names the family without the suffix),
+/// `# UNIT` and `# EOF` lines are dropped. Gauges and samples are the same in both.
+pub fn to_text_format(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|prefix| {
+            let rest = line.strip_prefix(prefix)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{prefix}{name}_total {tail}"))
+        });
+        match renamed {
+            Some(line) => out.push_str(&line),
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
 /// The `--metrics-listen` flag of the coordinator and the workers.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct MetricsArgs {
@@ -126,12 +180,11 @@ pub async fn serve(
     let app = routes.open.merge(protected);
     tracing::info!(%addr, token_required = !loopback, tls = tls.is_some(), "metrics listening");
     let incoming = Incoming::new(listener, limits);
+    let header_timeout = limits.handshake_timeout;
     match tls {
         None => {
             let listener = BoundedListener { incoming, addr };
-            axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown)
-                .await
+            serve_http1(listener, app, header_timeout, shutdown).await;
         }
         Some(config) => {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -142,12 +195,39 @@ pub async fn serve(
                 tx,
             ));
             let listener = TlsListener { accepted: rx, addr };
-            let served = axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown)
-                .await;
+            serve_http1(listener, app, header_timeout, shutdown).await;
             handshakes.abort();
-            served
         }
+    }
+    Ok(())
+}
+
+/// Serves HTTP/1.1 on each connection `listener` accepts until `shutdown` resolves (then
+/// accepts no more; connections in progress end with their request or the process). A
+/// request's headers must arrive within `header_timeout` of its first byte, so that a client
+/// trickling bytes cannot hold a connection slot.
+async fn serve_http1<L: axum::serve::Listener>(
+    mut listener: L,
+    app: Router,
+    header_timeout: Duration,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) {
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    tokio::pin!(shutdown);
+    loop {
+        let (io, _remote) = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut shutdown => return,
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let connection = http.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!("HTTP port connection: {e}");
+            }
+        });
     }
 }
 
@@ -217,7 +297,7 @@ async fn require_token(
     let presented = request
         .headers()
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+        .and_then(|v| bearer_credentials(v.as_bytes()));
     match presented {
         Some(p) if token.matches(p) => next.run(request).await,
         other => {
@@ -232,6 +312,17 @@ async fn require_token(
             json_error(StatusCode::UNAUTHORIZED, reason)
         }
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` value: the scheme in any case (RFC 9110
+/// §11.1), spaces around the token ignored; `None` for another scheme.
+fn bearer_credentials(value: &[u8]) -> Option<&[u8]> {
+    let value = value.trim_ascii();
+    let space = value.iter().position(|b| *b == b' ')?;
+    let (scheme, token) = value.split_at(space);
+    scheme
+        .eq_ignore_ascii_case(b"bearer")
+        .then(|| token.trim_ascii())
 }
 
 /// [`Incoming`] as an axum listener.
@@ -262,6 +353,25 @@ impl axum::serve::Listener for BoundedListener {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counters_are_named_by_their_samples_in_the_text_format() {
+        let om = "# HELP keel_steps Steps.\n# TYPE keel_steps counter\nkeel_steps_total 3\n\
+                  # HELP keel_step Step.\n# TYPE keel_step gauge\nkeel_step 3\n# EOF\n";
+        assert_eq!(
+            to_text_format(om),
+            "# HELP keel_steps_total Steps.\n# TYPE keel_steps_total counter\nkeel_steps_total 3\n\
+             # HELP keel_step Step.\n# TYPE keel_step gauge\nkeel_step 3\n"
+        );
+    }
+
+    #[test]
+    fn bearer_credentials_take_any_case_and_spaces() {
+        assert_eq!(bearer_credentials(b"Bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer_credentials(b"bearer  abc "), Some(&b"abc"[..]));
+        assert_eq!(bearer_credentials(b"Basic abc"), None);
+        assert_eq!(bearer_credentials(b"Bearer"), None);
+    }
 
     #[test]
     fn loopback_addresses_are_told_apart() {

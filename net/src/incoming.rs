@@ -105,7 +105,8 @@ pub struct ConnectionArgs {
     #[arg(long, env = "KEEL_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
     /// Seconds a new connection has to send the HTTP/2 preface (and finish TLS) before it is
-    /// closed.
+    /// closed; on the HTTP port (`--metrics-listen`) also the time a request's headers may
+    /// take.
     #[arg(long, env = "KEEL_HANDSHAKE_TIMEOUT", value_name = "SECONDS",
           default_value_t = DEFAULT_HANDSHAKE_TIMEOUT_SECS)]
     pub handshake_timeout: f64,

@@ -90,6 +90,66 @@ fn off_loopback_the_api_needs_the_token_and_health_does_not() {
 }
 
 #[test]
+fn the_bearer_scheme_is_case_insensitive_and_spaces_do_not_matter() {
+    let dir = tempfile::tempdir().unwrap();
+    let (token, secret) = token(dir.path());
+    let port = start("0.0.0.0:0", token, None);
+    for header in [format!("bearer {secret}"), format!("BEARER  {secret} ")] {
+        let mut stream = tcp(port);
+        write!(
+            stream,
+            "GET /api/secret HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: {header}\r\n\r\n"
+        )
+        .unwrap();
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).unwrap();
+        assert!(reply.starts_with("HTTP/1.1 200"), "{header:?}: {reply}");
+    }
+    assert_eq!(exchange(tcp(port), "/api/secret", Some("")).0, 401);
+}
+
+#[test]
+fn a_request_trickled_a_byte_at_a_time_is_cut_off() {
+    // The deadline for a request's headers is the handshake timeout (default 10 s): a client
+    // sending a header byte every second is closed then, not kept for ever.
+    let dir = tempfile::tempdir().unwrap();
+    let (token, _) = token(dir.path());
+    let port = start("127.0.0.1:0", token, None);
+    let mut stream = tcp(port);
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut closed = false;
+    for _ in 0..40 {
+        std::thread::sleep(Duration::from_millis(500));
+        if stream.write_all(b"X").is_err() {
+            closed = true;
+            break;
+        }
+        stream
+            .set_read_timeout(Some(Duration::from_millis(1)))
+            .unwrap();
+        let mut buf = [0u8; 512];
+        match stream.read(&mut buf) {
+            Ok(0) => {
+                closed = true;
+                break;
+            }
+            Ok(_) => {
+                // An error reply (408) before closing also ends it.
+                closed = true;
+                break;
+            }
+            Err(_) => {}
+        }
+    }
+    let took = started.elapsed();
+    assert!(closed, "still open after {took:?}");
+    assert!(took < Duration::from_secs(15), "closed only after {took:?}");
+}
+
+#[test]
 fn on_loopback_the_api_is_open() {
     let dir = tempfile::tempdir().unwrap();
     let (token, _) = token(dir.path());

@@ -21,7 +21,7 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::IntoResponse;
 use axum::routing::get;
-use keel_net::http_port::{PROMETHEUS_CONTENT_TYPE, Routes};
+use keel_net::http_port::{Routes, metrics_reply};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -86,7 +86,10 @@ fn page(content_type: &'static str, body: &'static str) -> impl IntoResponse {
 }
 
 /// `GET /metrics`.
-async fn metrics_page(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
+async fn metrics_page(
+    State(shared): State<Arc<Shared>>,
+    headers: axum::http::HeaderMap,
+) -> impl IntoResponse {
     let text = shared.read(|m| metrics::encode(m, Instant::now()));
-    ([(header::CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE)], text)
+    metrics_reply(&headers, text)
 }

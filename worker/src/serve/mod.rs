@@ -258,14 +258,11 @@ async fn metrics_port(
     let open = axum::Router::new()
         .route(
             "/metrics",
-            get(move || {
+            get(move |headers: axum::http::HeaderMap| {
                 let cache_dir = cache_dir.clone();
                 async move {
-                    (
-                        [(
-                            axum::http::header::CONTENT_TYPE,
-                            keel_net::http_port::PROMETHEUS_CONTENT_TYPE,
-                        )],
+                    keel_net::http_port::metrics_reply(
+                        &headers,
                         crate::telemetry::encode(&cache_dir),
                     )
                 }
