@@ -243,7 +243,8 @@ fn metrics_and_the_dashboard_api_agree_with_status_and_the_step_log() {
         assert!(w["keel_worker_allreduce_seconds_total"] > 0.0, "{page}");
         assert!(w["keel_worker_resident_memory_bytes"] > 1e7, "{page}");
         assert!(w["keel_worker_shard_cache_bytes"] > 0.0, "{page}");
-        assert!(one(&w, "keel_worker_last_step_seconds{phase=\"total\"}") > 0.0);
+        assert!(w["keel_worker_last_step_duration_seconds"] > 0.0, "{page}");
+        assert!(one(&w, "keel_worker_last_step_seconds{phase=\"compute\"}") > 0.0);
     }
     assert_eq!(ranks.len(), 2, "two ranks: {ranks:?}");
 

@@ -12,7 +12,9 @@
 //!   `compute` (forward and backward of every micro-batch), `ring_wait` (from the end of the
 //!   backward pass until the summed gradient and loss are back: the all-reduce time the
 //!   backward pass did not hide), `optimizer` (clipping and the AdamW/LAMB update), `other`
-//!   (input batches, the all-reduce of counts, reporting); the last step also has `total`.
+//!   (input batches, the all-reduce of counts, reporting); the phases sum to the step, whose
+//!   wall time is `keel_worker_last_step_duration_seconds` (a metric of its own, so that a
+//!   `sum` over the phases counts the step once).
 //! - `keel_worker_allreduce_bytes_total`: bytes this worker sent on the ring (frames as
 //!   encoded, headers included); `keel_worker_allreduce_seconds_total`: time the ring spent in
 //!   all-reduces (overlapping the backward pass).
@@ -77,6 +79,7 @@ pub struct WorkerMetrics {
     step: Gauge,
     phase_seconds: Family<PhaseLabels, SecondsCounter>,
     last_step: Family<PhaseLabels, SecondsGauge>,
+    last_step_total: SecondsGauge,
     allreduce_bytes: Counter,
     allreduce_seconds: SecondsCounter,
     job: Family<JobLabels, Gauge>,
@@ -124,11 +127,7 @@ impl WorkerMetrics {
             m.phase_seconds.get_or_create(&labels).inc_by(seconds);
             m.last_step.get_or_create(&labels).set(seconds);
         }
-        m.last_step
-            .get_or_create(&PhaseLabels {
-                phase: "total".to_string(),
-            })
-            .set(times.total);
+        m.last_step_total.set(times.total);
         *m.last.lock().unwrap_or_else(PoisonError::into_inner) = Some(times);
     }
 
@@ -159,8 +158,13 @@ impl WorkerMetrics {
         );
         registry.register(
             "last_step_seconds",
-            "The last step's wall time by phase, and its total, seconds",
+            "The last step's wall time by phase, seconds",
             m.last_step.clone(),
+        );
+        registry.register(
+            "last_step_duration_seconds",
+            "The last step's wall time, seconds",
+            m.last_step_total.clone(),
         );
         registry.register(
             "allreduce_bytes",
@@ -273,7 +277,7 @@ mod tests {
         for needle in [
             "keel_worker_job_info{job_id=\"job-7\",rank=\"2\"} 1",
             "keel_worker_step 5",
-            "keel_worker_last_step_seconds{phase=\"total\"} 0.4",
+            "keel_worker_last_step_duration_seconds 0.4",
             "keel_worker_last_step_seconds{phase=\"compute\"} 0.25",
             "keel_worker_shard_cache_bytes 1000",
             "# TYPE keel_worker_steps counter",
