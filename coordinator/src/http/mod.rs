@@ -25,47 +25,50 @@ use keel_net::http_port::{Routes, metrics_reply};
 use std::sync::Arc;
 use std::time::Instant;
 
-static INDEX_HTML: &str = include_str!("../../assets/dashboard/index.html");
-static COMMON_JS: &str = include_str!("../../assets/dashboard/common.js");
-static CHARTS_JS: &str = include_str!("../../assets/dashboard/charts.js");
-static RING_JS: &str = include_str!("../../assets/dashboard/ring.js");
-static APP_JS: &str = include_str!("../../assets/dashboard/app.js");
-static STYLE_CSS: &str = include_str!("../../assets/dashboard/style.css");
+const HTML: &str = "text/html; charset=utf-8";
+const JS: &str = "text/javascript; charset=utf-8";
+const CSS: &str = "text/css; charset=utf-8";
+
+/// The dashboard's files: (path, content type, contents).
+static FILES: [(&str, &str, &str); 7] = [
+    ("/", HTML, include_str!("../../assets/dashboard/index.html")),
+    (
+        "/index.html",
+        HTML,
+        include_str!("../../assets/dashboard/index.html"),
+    ),
+    (
+        "/common.js",
+        JS,
+        include_str!("../../assets/dashboard/common.js"),
+    ),
+    (
+        "/charts.js",
+        JS,
+        include_str!("../../assets/dashboard/charts.js"),
+    ),
+    (
+        "/ring.js",
+        JS,
+        include_str!("../../assets/dashboard/ring.js"),
+    ),
+    ("/app.js", JS, include_str!("../../assets/dashboard/app.js")),
+    (
+        "/style.css",
+        CSS,
+        include_str!("../../assets/dashboard/style.css"),
+    ),
+];
 
 /// The routes of the coordinator's HTTP port over `shared`.
 pub fn routes(shared: Arc<Shared>) -> Routes {
-    let open = Router::new()
+    let mut open = Router::new()
         .route("/metrics", get(metrics_page))
-        .route("/healthz", get(|| async { "ok" }))
-        .route(
-            "/",
-            get(|| async { page("text/html; charset=utf-8", INDEX_HTML) }),
-        )
-        .route(
-            "/index.html",
-            get(|| async { page("text/html; charset=utf-8", INDEX_HTML) }),
-        )
-        .route(
-            "/common.js",
-            get(|| async { page("text/javascript; charset=utf-8", COMMON_JS) }),
-        )
-        .route(
-            "/charts.js",
-            get(|| async { page("text/javascript; charset=utf-8", CHARTS_JS) }),
-        )
-        .route(
-            "/ring.js",
-            get(|| async { page("text/javascript; charset=utf-8", RING_JS) }),
-        )
-        .route(
-            "/app.js",
-            get(|| async { page("text/javascript; charset=utf-8", APP_JS) }),
-        )
-        .route(
-            "/style.css",
-            get(|| async { page("text/css; charset=utf-8", STYLE_CSS) }),
-        )
-        .with_state(shared.clone());
+        .route("/healthz", get(|| async { "ok" }));
+    for (path, content_type, body) in FILES {
+        open = open.route(path, get(move || async move { page(content_type, body) }));
+    }
+    let open = open.with_state(shared.clone());
     let protected = Router::new()
         .route("/api/jobs", get(api::jobs))
         .route("/api/jobs/{job}/metrics", get(api::job_metrics))
