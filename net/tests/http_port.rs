@@ -42,11 +42,13 @@ fn start(bind: &str, token: ClusterToken, tls: Option<Arc<rustls::ServerConfig>>
 /// The status code and body of one request written on `stream`.
 fn exchange(mut stream: impl Read + Write, path: &str, token: Option<&str>) -> (u16, String) {
     let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n{auth}\r\n"
-    )
-    .unwrap();
+    let request =
+        format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n{auth}\r\n");
+    // A server that refuses the bytes (a TLS port reading plain HTTP) may close the socket
+    // while they are still being written: that is "no HTTP answer", code 0, not a test crash.
+    if let Err(e) = stream.write_all(request.as_bytes()) {
+        return (0, format!("write failed: {e}"));
+    }
     let mut reply = Vec::new();
     // A TLS peer may end without close_notify; what arrived is what counts.
     let _ = stream.read_to_end(&mut reply);
