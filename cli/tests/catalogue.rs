@@ -812,6 +812,7 @@ fn frame(job: &str, generation: u64, data_len: usize, total_len: u64, offset: u6
         total_len,
         offset,
         data: vec![0u8; data_len].into(),
+        dtype: 0,
     }
 }
 
@@ -836,6 +837,15 @@ async fn ring_frames(addr: &str, id: &str, generation: u64) {
             frame(id, generation, 6, 4, 0),
             Code::InvalidArgument,
             "6 bytes",
+        ),
+        (
+            "an element encoding that does not exist",
+            RingFrame {
+                dtype: 9,
+                ..frame(id, generation, 16, 4, 0)
+            },
+            Code::InvalidArgument,
+            "dtype 9",
         ),
         (
             "empty payload",

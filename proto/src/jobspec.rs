@@ -22,6 +22,7 @@
 //! micro_batch_size = 16
 //! max_steps = 300
 //! precision = "auto"                      # or "bf16", "fp32" (see crate::precision)
+//! allreduce_dtype = "fp32"                # or "bf16": gradients on the wire
 //! [cluster]
 //! min_workers = 2
 //! max_workers = 2
@@ -29,7 +30,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::precision::PrecisionSetting;
+use crate::precision::{AllReduceDtype, PrecisionSetting};
 use std::path::{Path, PathBuf};
 
 /// A job file that could not be read or is not valid.
@@ -243,6 +244,10 @@ pub struct TrainSpec {
     /// GEMM arithmetic: `auto` (default), `bf16` or `fp32` (see [`crate::precision`]).
     #[serde(default)]
     pub precision: PrecisionSetting,
+    /// How gradients travel on the ring: `fp32` (default) or `bf16`, half the bytes, summed in
+    /// fp32 at every hop (see [`AllReduceDtype`]).
+    #[serde(default)]
+    pub allreduce_dtype: AllReduceDtype,
 }
 
 /// `[cluster]`: world size bounds and failure detection.
@@ -804,6 +809,17 @@ max_workers = 2
         assert_eq!(spec.train.precision, PrecisionSetting::Bf16);
         let e = err_of(&EXAMPLE.replace("seed = 42", "seed = 42\nprecision = \"fp16\""));
         assert!(e.contains("precision") && e.contains("bf16"), "{e}");
+    }
+
+    #[test]
+    fn allreduce_dtype_defaults_to_fp32_and_a_bad_one_is_named() {
+        let spec = JobSpec::from_toml_str(EXAMPLE, "job.toml").unwrap();
+        assert_eq!(spec.train.allreduce_dtype, AllReduceDtype::Fp32);
+        let text = EXAMPLE.replace("seed = 42", "seed = 42\nallreduce_dtype = \"bf16\"");
+        let spec = JobSpec::from_toml_str(&text, "job.toml").unwrap();
+        assert_eq!(spec.train.allreduce_dtype, AllReduceDtype::Bf16);
+        let e = err_of(&EXAMPLE.replace("seed = 42", "seed = 42\nallreduce_dtype = \"fp16\""));
+        assert!(e.contains("allreduce_dtype") && e.contains("bf16"), "{e}");
     }
 
     #[test]

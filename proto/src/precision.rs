@@ -6,6 +6,9 @@
 //! matrix unit does (Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning Training").
 //! Weights, gradients, optimizer moments, LayerNorm, softmax, GELU, losses and the all-reduce
 //! stay fp32. `fp32` is the plain fp32 path.
+//!
+//! Apart from that, `train.allreduce_dtype` ([`AllReduceDtype`]) sets how the gradients travel
+//! on the ring: fp32 (default) or bf16, summed in fp32 at every hop either way.
 
 use std::fmt;
 use std::str::FromStr;
@@ -128,6 +131,61 @@ impl FromStr for PrecisionSetting {
             "bf16" => Ok(PrecisionSetting::Bf16),
             "fp32" => Ok(PrecisionSetting::Fp32),
             other => Err(UnknownPrecision(other.to_string())),
+        }
+    }
+}
+
+/// `train.allreduce_dtype`: how the gradient buckets travel on the ring all-reduce.
+///
+/// `bf16` halves the bytes on the wire: each hop rounds the partial sum it sends to bf16
+/// (nearest even) and adds what it receives into its fp32 buffer, and the finished sums are
+/// rounded to bf16 once, alike on every rank, so replicas stay identical. The summed gradient
+/// then carries bf16's 8 significant bits (a relative error up to 2^-8 per rounding). The loss,
+/// counts, evaluation sums and state broadcasts stay fp32 whatever this says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllReduceDtype {
+    /// 4 bytes per gradient element.
+    #[default]
+    Fp32,
+    /// 2 bytes per gradient element.
+    Bf16,
+}
+
+impl AllReduceDtype {
+    /// `fp32` or `bf16`, as in the job file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AllReduceDtype::Fp32 => "fp32",
+            AllReduceDtype::Bf16 => "bf16",
+        }
+    }
+
+    /// The ring frame's encoding of the elements (`RingFrame.dtype`).
+    pub fn wire(self) -> crate::ring_rpc::WireDtype {
+        match self {
+            AllReduceDtype::Fp32 => crate::ring_rpc::WireDtype::F32,
+            AllReduceDtype::Bf16 => crate::ring_rpc::WireDtype::Bf16,
+        }
+    }
+}
+
+impl fmt::Display for AllReduceDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for AllReduceDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "fp32" => Ok(AllReduceDtype::Fp32),
+            "bf16" => Ok(AllReduceDtype::Bf16),
+            other => Err(format!(
+                "unknown all-reduce dtype `{other}`: expected fp32 or bf16"
+            )),
         }
     }
 }

@@ -9,6 +9,7 @@
 //! order in which buckets complete is a function of the model only, so every rank sends them
 //! in the same order.
 
+use crate::allreduce::WireDtype;
 use crate::ringlink::{RingLink, RingReply};
 use std::ops::Range;
 
@@ -74,6 +75,8 @@ pub struct Buckets {
     sent: Vec<bool>,
     /// Replies to wait for, in send order.
     pending: Vec<(usize, RingReply)>,
+    /// How the buckets travel on the ring (`train.allreduce_dtype`).
+    dtype: WireDtype,
 }
 
 /// Cuts each of `groups` (ranges of the gradient buffer that become final together, in any
@@ -95,8 +98,8 @@ pub fn bucket_ranges(groups: &[Range<usize>], bucket_elems: usize) -> Vec<Range<
 
 impl Buckets {
     /// Buckets over a gradient buffer whose ranges `groups` (which must cover it exactly once)
-    /// each become final together; see [`bucket_ranges`].
-    pub fn new(groups: &[Range<usize>], bucket_elems: usize) -> Self {
+    /// each become final together; see [`bucket_ranges`]. The buckets travel as `dtype`.
+    pub fn new(groups: &[Range<usize>], bucket_elems: usize, dtype: WireDtype) -> Self {
         let ranges = bucket_ranges(groups, bucket_elems);
         let n = ranges.len();
         Buckets {
@@ -105,7 +108,13 @@ impl Buckets {
             sent: vec![false; n],
             pending: Vec::with_capacity(n),
             ranges,
+            dtype,
         }
+    }
+
+    /// How the buckets travel on the ring.
+    pub fn dtype(&self) -> WireDtype {
+        self.dtype
     }
 
     /// Starts a step: nothing is final, nothing sent.
@@ -170,7 +179,8 @@ impl Buckets {
     fn send(&mut self, b: usize, ring: &RingLink, step: u64) {
         self.sent[b] = true;
         let data = std::mem::take(&mut self.buffers[b]);
-        self.pending.push((b, ring.submit(step, b as u32, data)));
+        let reply = ring.submit_as(step, b as u32, data, self.dtype);
+        self.pending.push((b, reply));
     }
 }
 

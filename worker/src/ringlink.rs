@@ -2,7 +2,7 @@
 //! thread submits buffers and later waits for their sums; one task on the runtime runs the
 //! all-reduces one after another in submission order, which is the same order on every rank.
 
-use crate::allreduce::{AllReduceError, Ring};
+use crate::allreduce::{AllReduceError, Ring, WireDtype};
 use crate::control::JobControl;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,6 +33,8 @@ struct Request {
     step: u64,
     bucket: u32,
     data: Vec<f32>,
+    /// How the elements travel (f32, or bf16 for gradients).
+    dtype: WireDtype,
     reply: oneshot::Sender<Result<(Vec<f32>, Duration), RingLinkError>>,
 }
 
@@ -107,7 +109,7 @@ impl RingLink {
                     Err(RingLinkError::Aborted)
                 } else {
                     tokio::select! {
-                        r = ring.all_reduce_sum(req.step, req.bucket, req.data) => {
+                        r = ring.all_reduce_sum_as(req.step, req.bucket, req.data, req.dtype) => {
                             r.map_err(RingLinkError::from)
                         }
                         () = control.stopped() => Err(RingLinkError::Aborted),
@@ -125,14 +127,21 @@ impl RingLink {
         RingLink { tx }
     }
 
-    /// Queues `data` to be summed across ranks as (step, bucket).
+    /// Queues `data` to be summed across ranks as (step, bucket), exactly (f32 on the wire).
     pub fn submit(&self, step: u64, bucket: u32, data: Vec<f32>) -> RingReply {
+        self.submit_as(step, bucket, data, WireDtype::F32)
+    }
+
+    /// Queues `data` to be summed across ranks as (step, bucket), its elements sent as `dtype`
+    /// (see [`Ring::all_reduce_sum_as`]: bf16 only for gradients).
+    pub fn submit_as(&self, step: u64, bucket: u32, data: Vec<f32>, dtype: WireDtype) -> RingReply {
         let (reply, rx) = oneshot::channel();
         // If the task is gone the reply sender is dropped and `wait` says Closed.
         let _ = self.tx.send(Request {
             step,
             bucket,
             data,
+            dtype,
             reply,
         });
         RingReply { rx }

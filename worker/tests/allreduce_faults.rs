@@ -92,6 +92,7 @@ fn frame(job: &str, generation: u64, data: Bytes, total_len: u64, offset: u64) -
         total_len,
         offset,
         data,
+        dtype: 0,
     }
 }
 

@@ -3,14 +3,17 @@
 //! it must wait because a send still reads the range it writes.
 //!
 //! Shapes: the buffer is `[len]` f32; a frame covers the elements `range` and carries
-//! `range.len() * 4` little-endian bytes.
+//! `range.len() * 4` little-endian bytes of f32, or `range.len() * 2` of bf16 (see
+//! `bf16_wire`).
 
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use keel_proto::ring_rpc::WireDtype;
 
+use super::bf16_wire;
 use super::mailbox::InboundFrame;
 use super::shared_buf::SharedBuf;
 
@@ -20,7 +23,8 @@ pub(super) enum Payload {
     /// reduce-scatter partial sum, or the finished chunk): the range must not be written until
     /// the send finishes.
     Buffer(Range<usize>),
-    /// Already encoded (an all-gather frame passed on as received).
+    /// Already encoded (an all-gather frame passed on as received, or any bf16 frame: encoding
+    /// is a copy, so the buffer is free again at once).
     Ready(Bytes),
 }
 
@@ -42,11 +46,14 @@ pub(super) fn writes_readers(range: &Range<usize>, readers: &[Range<usize>]) -> 
         .any(|r| r.start < range.end && range.start < r.end)
 }
 
-/// [`absorb`]s `frame` (received for the buffer's elements `range`) and queues what it passes
-/// on, noting a send from the buffer in `readers`; or, while a queued or unfinished send still
-/// reads `range`, puts it in `deferred` to be tried again after a send finishes.
+/// [`absorb`]s `frame` (received for the buffer's elements `range`, encoded as `dtype`) and
+/// queues what it passes on, noting a send from the buffer in `readers`; or, while a queued or
+/// unfinished send still reads `range`, puts it in `deferred` to be tried again after a send
+/// finishes.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn absorb_or_defer(
     n: usize,
+    dtype: WireDtype,
     buf: &Arc<SharedBuf>,
     frame: InboundFrame,
     range: Range<usize>,
@@ -60,7 +67,7 @@ pub(super) fn absorb_or_defer(
     }
     // SAFETY: no queued or unfinished send reads `range` (checked above), and the ring task
     // (the caller) is the buffer's only writer.
-    if let Some(out) = unsafe { absorb(n, buf, frame, range) } {
+    if let Some(out) = unsafe { absorb(n, dtype, buf, frame, range) } {
         if let Payload::Buffer(r) = &out.payload {
             readers.push(r.clone());
         }
@@ -77,11 +84,15 @@ pub(super) fn absorb_or_defer(
 /// sum is final and goes out as all-gather step 0. All-gather: copy, and pass the received
 /// bytes on unchanged unless this was the last step.
 ///
+/// In bf16 (`dtype`) the partial sum goes out as an encoded copy, and the finished sum (step
+/// `n - 2`) is first rounded to bf16 in place, so this rank keeps what the others will decode.
+///
 /// # Safety
 /// Nothing else reads or writes `range` of `buf` during the call, and no queued or unfinished
 /// send reads `range` (every step writes it).
 unsafe fn absorb(
     n: usize,
+    dtype: WireDtype,
     buf: &SharedBuf,
     frame: InboundFrame,
     range: Range<usize>,
@@ -91,14 +102,29 @@ unsafe fn absorb(
     // SAFETY: by the caller's promise `range` is ours alone.
     let local = unsafe { buf.write(range.clone()) };
     if t + 2 <= n {
-        add_le(local, &frame.data);
+        let payload = match dtype {
+            WireDtype::F32 => {
+                add_le(local, &frame.data);
+                Payload::Buffer(range.clone())
+            }
+            WireDtype::Bf16 => {
+                bf16_wire::add(local, &frame.data);
+                if t + 2 == n {
+                    bf16_wire::round_in_place(local);
+                }
+                Payload::Ready(bf16_wire::encode(local))
+            }
+        };
         Some(Outgoing {
             ring_step: next,
             offset: range.start,
-            payload: Payload::Buffer(range),
+            payload,
         })
     } else {
-        copy_le(local, &frame.data);
+        match dtype {
+            WireDtype::F32 => copy_le(local, &frame.data),
+            WireDtype::Bf16 => bf16_wire::copy(local, &frame.data),
+        }
         (t + 1 < 2 * (n - 1)).then(|| Outgoing {
             ring_step: next,
             offset: range.start,

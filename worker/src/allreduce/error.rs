@@ -159,6 +159,22 @@ pub enum FrameRejected {
         /// The frame's length, f32 elements.
         got: u64,
     },
+    /// The frame's elements are encoded otherwise (`RingFrame.dtype`) than the all-reduce's
+    /// other frames, or than this worker's all-reduce once it started (`INVALID_ARGUMENT`): the
+    /// workers disagree on `train.allreduce_dtype`.
+    #[error(
+        "dtype mismatch for step {step} bucket {bucket}: this all-reduce travels as {expected:?}, frame is {got:?}"
+    )]
+    DtypeMismatch {
+        /// Step of the all-reduce.
+        step: u64,
+        /// Bucket of the all-reduce.
+        bucket: u32,
+        /// The all-reduce's encoding.
+        expected: keel_proto::ring_rpc::WireDtype,
+        /// The frame's.
+        got: keel_proto::ring_rpc::WireDtype,
+    },
     /// No all-reduce with this (step, bucket) runs here or can still start: a bucket unknown
     /// at a step already past, or a step too far ahead (`INVALID_ARGUMENT`).
     #[error(

@@ -7,6 +7,8 @@
 
 use std::ops::Range;
 
+use keel_proto::ring_rpc::WireDtype;
+
 use super::plan::{chunk_plan, frame_count, recv_chunk};
 
 /// Where a rank stands in its ring, as far as the receive plan is concerned.
@@ -16,7 +18,8 @@ pub(crate) struct RingShape {
     pub world_size: usize,
     /// This rank, `0..world_size`.
     pub rank: usize,
-    /// Elements per frame (`frame_bytes / 4`, >= 1); the last frame of a chunk may be shorter.
+    /// Elements per frame (`frame_bytes / 4`, >= 1, whatever the elements' encoding); the last
+    /// frame of a chunk may be shorter.
     pub frame_elems: usize,
 }
 
@@ -31,6 +34,8 @@ pub(crate) struct FrameSchedule {
     first_frame: Vec<usize>,
     /// Frames expected in all.
     expected: usize,
+    /// How the frames encode the elements.
+    dtype: WireDtype,
 }
 
 /// One planned frame.
@@ -43,8 +48,9 @@ pub(crate) struct PlannedFrame {
 }
 
 impl FrameSchedule {
-    /// The plan of an all-reduce of `len` f32 elements. World size 1 expects no frame.
-    pub(crate) fn new(shape: RingShape, len: usize) -> Self {
+    /// The plan of an all-reduce of `len` elements sent as `dtype`. World size 1 expects no
+    /// frame.
+    pub(crate) fn new(shape: RingShape, len: usize, dtype: WireDtype) -> Self {
         let n = shape.world_size.max(1);
         let chunks = chunk_plan(len, n);
         let ring_steps = 2 * (n - 1);
@@ -59,7 +65,13 @@ impl FrameSchedule {
             chunks,
             first_frame,
             expected,
+            dtype,
         }
+    }
+
+    /// How the frames encode the elements.
+    pub(crate) fn dtype(&self) -> WireDtype {
+        self.dtype
     }
 
     /// Length of the buffer, f32 elements.
@@ -130,7 +142,7 @@ mod tests {
                         rank,
                         frame_elems: 7,
                     };
-                    let s = FrameSchedule::new(shape, len);
+                    let s = FrameSchedule::new(shape, len, WireDtype::F32);
                     assert_eq!(s.len(), len);
                     let mut seen = vec![false; s.expected()];
                     for t in 0..2 * (n - 1) {

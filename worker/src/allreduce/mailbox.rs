@@ -23,9 +23,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use keel_net::security::ClientSecurity;
-use keel_proto::ring_rpc::RingFrame;
+use keel_proto::ring_rpc::{RingFrame, WireDtype};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 
+use super::bf16_wire::element_bytes;
 use super::error::{AllReduceError, FrameRejected};
 use super::expect::{FrameSchedule, PlannedFrame, RingShape};
 
@@ -160,11 +161,13 @@ pub(crate) struct InboundFrame {
     pub sender_rank: u32,
     /// Ring step (reduce-scatter, then all-gather) the frame belongs to.
     pub ring_step: u32,
-    /// Sender's buffer length, f32 elements.
+    /// Sender's buffer length, elements.
     pub total_len: u64,
     /// First element of `data` in the buffer.
     pub offset: u64,
-    /// f32 little-endian; a length that is a multiple of 4 (checked on delivery).
+    /// How `data` encodes the elements.
+    pub dtype: WireDtype,
+    /// The elements, little-endian in `dtype`; a whole number of them (checked on delivery).
     pub data: Bytes,
     /// This frame's share of the mailbox's byte budget, released when the frame is dropped.
     _permit: OwnedSemaphorePermit,
@@ -283,9 +286,15 @@ impl Mailbox {
         Ok(())
     }
 
-    /// Checks a frame (of `elems` f32) under the lock: its (job, generation), its all-reduce's
-    /// state, and that it is a planned frame not accepted before. Changes nothing.
-    fn admit(st: &State, frame: &RingFrame, elems: usize) -> Result<Admission, FrameRejected> {
+    /// Checks a frame (of `elems` elements encoded as `dtype`) under the lock: its (job,
+    /// generation), its all-reduce's state, and that it is a planned frame not accepted before.
+    /// Changes nothing.
+    fn admit(
+        st: &State,
+        frame: &RingFrame,
+        elems: usize,
+        dtype: WireDtype,
+    ) -> Result<Admission, FrameRejected> {
         let m = st
             .membership
             .as_ref()
@@ -337,6 +346,14 @@ impl Mailbox {
                         got: frame.total_len,
                     });
                 }
+                if slot.schedule.dtype() != dtype {
+                    return Err(FrameRejected::DtypeMismatch {
+                        step,
+                        bucket,
+                        expected: slot.schedule.dtype(),
+                        got: dtype,
+                    });
+                }
                 None
             }
             None => {
@@ -353,7 +370,7 @@ impl Mailbox {
                 let len = usize::try_from(frame.total_len).map_err(|_| {
                     FrameRejected::Malformed(format!("a buffer of {} f32", frame.total_len))
                 })?;
-                Some(FrameSchedule::new(m.shape, len))
+                Some(FrameSchedule::new(m.shape, len, dtype))
             }
         };
         let (schedule, ahead) = match (existing, &new_slot) {
@@ -395,13 +412,20 @@ impl Mailbox {
     /// step out of reach), length mismatch, a frame its plan does not expect, a duplicate); the
     /// service maps them to gRPC codes. A refused frame holds nothing.
     pub async fn deliver(&self, frame: RingFrame) -> Result<(), FrameRejected> {
+        let dtype = WireDtype::try_from(frame.dtype).map_err(|_| {
+            FrameRejected::Malformed(format!(
+                "dtype {}: expected 0 (f32) or 1 (bf16)",
+                frame.dtype
+            ))
+        })?;
+        let size = element_bytes(dtype);
         let bytes = frame.data.len();
-        if bytes == 0 || !bytes.is_multiple_of(4) || bytes > MAX_FRAME_BYTES {
+        if bytes == 0 || !bytes.is_multiple_of(size) || bytes > MAX_FRAME_BYTES {
             return Err(FrameRejected::Malformed(format!(
-                "payload of {bytes} bytes: expected a positive multiple of 4 up to {MAX_FRAME_BYTES}"
+                "payload of {bytes} bytes: expected a positive multiple of {size} ({dtype:?} elements) up to {MAX_FRAME_BYTES}"
             )));
         }
-        let elems = bytes / 4;
+        let elems = bytes / size;
         if frame
             .offset
             .checked_add(elems as u64)
@@ -418,7 +442,7 @@ impl Mailbox {
             // Registered before looking, so a start between the look and the wait is not missed.
             let mut changed = pin!(self.changed.notified());
             changed.as_mut().enable();
-            let ahead = Self::admit(&self.lock(), &frame, elems)?.ahead;
+            let ahead = Self::admit(&self.lock(), &frame, elems, dtype)?.ahead;
             // Wait for room without holding the lock; a sender that gives up drops this future.
             let budget = if ahead { &self.ahead } else { &self.budget };
             tokio::select! {
@@ -431,7 +455,7 @@ impl Mailbox {
         };
         let mut st = self.lock();
         // Membership, the all-reduce or its frames may have moved on while we waited.
-        let admission = Self::admit(&st, &frame, elems)?;
+        let admission = Self::admit(&st, &frame, elems, dtype)?;
         let slot = match st.slots.entry(admission.key) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => match admission.new_slot {
@@ -445,6 +469,7 @@ impl Mailbox {
             ring_step: frame.ring_step,
             total_len: frame.total_len,
             offset: frame.offset,
+            dtype,
             data: frame.data,
             _permit: permit,
         };
@@ -455,8 +480,8 @@ impl Mailbox {
     }
 
     /// Starts receiving for the local all-reduce (job, generation, step, bucket) of `total_len`
-    /// f32 elements; frames buffered so far come first (if they were sent for another length,
-    /// the all-reduce finds them so and fails). Frames held ahead for steps this worker has now
+    /// elements sent as `dtype`; frames buffered so far come first (if they were sent for
+    /// another length or dtype, the all-reduce finds them so and fails). Frames held ahead for steps this worker has now
     /// moved past are dropped.
     ///
     /// Errors: [`AllReduceError::StaleGeneration`] if the mailbox serves another (job,
@@ -468,6 +493,7 @@ impl Mailbox {
         step: u64,
         bucket: u32,
         total_len: usize,
+        dtype: WireDtype,
     ) -> Result<Inbox, AllReduceError> {
         let mut st = self.lock();
         let shape = match &st.membership {
@@ -509,7 +535,7 @@ impl Mailbox {
                 || (k.step.saturating_add(LATE_STEPS) >= newest
                     && k.step <= newest.saturating_add(EARLY_STEPS))
         });
-        let schedule = FrameSchedule::new(shape, total_len);
+        let schedule = FrameSchedule::new(shape, total_len, dtype);
         let slot = st
             .slots
             .entry(key)
@@ -518,8 +544,9 @@ impl Mailbox {
             .rx
             .take()
             .ok_or(AllReduceError::Duplicate { step, bucket })?;
-        if slot.schedule.len() != total_len {
-            // Frames held for another length stay queued: the all-reduce reports the mismatch.
+        if slot.schedule.len() != total_len || slot.schedule.dtype() != dtype {
+            // Frames held for another length or dtype stay queued: the all-reduce reports the
+            // mismatch.
             slot.seen.clear();
         }
         slot.schedule = schedule;

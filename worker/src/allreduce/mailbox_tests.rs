@@ -24,6 +24,7 @@ fn frame_at(step: u64, bucket: u32, ring_step: u32) -> RingFrame {
         total_len: 8,
         offset: if ring_step == 0 { 4 } else { 0 },
         data: vec![0u8; 16].into(),
+        dtype: WireDtype::F32.into(),
     }
 }
 
@@ -38,7 +39,7 @@ async fn frames_of_an_all_reduce_that_cannot_exist_are_refused_not_buffered() {
     // Before the first local all-reduce any step may come first (a resumed job).
     mailbox.deliver(frame(40, 0)).await.unwrap();
     assert_eq!(mailbox.held_bytes(), 16);
-    let _inbox = mailbox.open("job-1", 1, 5, 0, 8).unwrap();
+    let _inbox = mailbox.open("job-1", 1, 5, 0, 8, WireDtype::F32).unwrap();
     // Step 40 is out of reach from step 5: what was held for it is gone.
     assert_eq!(mailbox.held_bytes(), 0);
     for (step, bucket) in [(3, 9), (1000, 0), (8, 0), (7, 0), (40, 0)] {
@@ -64,7 +65,7 @@ async fn frames_of_an_all_reduce_that_cannot_exist_are_refused_not_buffered() {
 async fn frames_the_plan_does_not_expect_are_refused_naming_why_and_hold_nothing() {
     let mailbox = Mailbox::new();
     mailbox.join("job-1", 1, SHAPE).unwrap();
-    let _running = mailbox.open("job-1", 1, 1, 0, 8).unwrap();
+    let _running = mailbox.open("job-1", 1, 1, 0, 8, WireDtype::F32).unwrap();
     let shifted = RingFrame {
         offset: 3,
         ..frame(1, 0)
@@ -130,6 +131,61 @@ async fn frames_the_plan_does_not_expect_are_refused_naming_why_and_hold_nothing
 }
 
 #[tokio::test]
+async fn frames_of_another_dtype_or_an_unknown_one_are_refused() {
+    let mailbox = Mailbox::new();
+    mailbox.join("job-1", 1, SHAPE).unwrap();
+    let bf16 = |step: u64, ring_step: u32, bytes: usize| RingFrame {
+        dtype: WireDtype::Bf16.into(),
+        data: vec![0u8; bytes].into(),
+        ..frame_at(step, 0, ring_step)
+    };
+    // 4 bf16 elements are 8 bytes: the planned frame of an all-reduce of 8 elements.
+    mailbox.deliver(bf16(1, 0, 8)).await.unwrap();
+    assert_eq!(mailbox.held_bytes(), 8);
+    // The same all-reduce's next frame in f32 (16 bytes for 4 elements): the workers disagree.
+    let running = mailbox.open("job-1", 1, 1, 0, 8, WireDtype::Bf16).unwrap();
+    let err = mailbox.deliver(frame_at(1, 0, 1)).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            FrameRejected::DtypeMismatch {
+                expected: WireDtype::Bf16,
+                got: WireDtype::F32,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    drop(running);
+    // An odd number of bytes is no whole number of bf16 elements; dtype 7 is no dtype.
+    let err = mailbox.deliver(bf16(2, 0, 7)).await.unwrap_err();
+    assert!(
+        matches!(&err, FrameRejected::Malformed(m) if m.contains("multiple of 2")),
+        "{err}"
+    );
+    let err = mailbox
+        .deliver(RingFrame {
+            dtype: 7,
+            ..frame(2, 0)
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, FrameRejected::Malformed(m) if m.contains("dtype 7")),
+        "{err}"
+    );
+    // 8 bytes read as f32 are 2 elements, not the planned 4: unplanned.
+    let err = mailbox
+        .deliver(RingFrame {
+            dtype: WireDtype::F32.into(),
+            ..bf16(2, 0, 8)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, FrameRejected::Unplanned { .. }), "{err}");
+}
+
+#[tokio::test]
 async fn frames_held_ahead_are_bounded_apart_and_freed_when_the_step_moves_on() {
     // 1 MiB frames; 16 MiB for running all-reduces, 4 MiB ahead.
     let shape = RingShape {
@@ -146,7 +202,9 @@ async fn frames_held_ahead_are_bounded_apart_and_freed_when_the_step_moves_on() 
         data: vec![0u8; 1 << 20].into(),
         ..frame(step, bucket)
     };
-    let mut step1 = mailbox.open("job-1", 1, 1, 0, len as usize).unwrap();
+    let mut step1 = mailbox
+        .open("job-1", 1, 1, 0, len as usize, WireDtype::F32)
+        .unwrap();
     // A bucket that never runs fills the ahead budget ...
     for k in 0..4 {
         mailbox.deliver(big(1, 7, k)).await.unwrap();
@@ -163,7 +221,9 @@ async fn frames_held_ahead_are_bounded_apart_and_freed_when_the_step_moves_on() 
     assert!(!waiting.is_finished(), "no room ahead: the frame must wait");
     assert_eq!(mailbox.held_bytes(), 4 << 20);
     drop(step1);
-    let mut step2 = mailbox.open("job-1", 1, 2, 0, len as usize).unwrap();
+    let mut step2 = mailbox
+        .open("job-1", 1, 2, 0, len as usize, WireDtype::F32)
+        .unwrap();
     tokio::time::timeout(Duration::from_secs(5), waiting)
         .await
         .expect("the waiting frame goes on once its all-reduce started")
@@ -173,6 +233,8 @@ async fn frames_held_ahead_are_bounded_apart_and_freed_when_the_step_moves_on() 
     // At step 3 nothing of step 1 can come any more: the bucket that never ran is let go.
     assert_eq!(mailbox.held_bytes(), 4 << 20);
     drop(step2);
-    let _step3 = mailbox.open("job-1", 1, 3, 0, len as usize).unwrap();
+    let _step3 = mailbox
+        .open("job-1", 1, 3, 0, len as usize, WireDtype::F32)
+        .unwrap();
     assert_eq!(mailbox.held_bytes(), 0);
 }

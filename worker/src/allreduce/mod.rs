@@ -14,6 +14,7 @@
 //! - `wire`: `Ring/Stream` messages encoded and decoded without copying their payloads.
 //! - `ring`: [`Ring`] and [`RingConfig`], the send side and the algorithm.
 //! - `absorb`: what a received frame does to the buffer (add or copy) and what it passes on.
+//! - `bf16_wire`: frames of bf16 elements (`train.allreduce_dtype = "bf16"`), summed in f32.
 //! - `link`: one long-lived `Ring/Stream` call to the right neighbour, acked frame by frame,
 //!   sent below tonic's codec (see `wire`).
 //! - `error`: [`AllReduceError`] (callers), [`FrameRejected`] (wire).
@@ -62,6 +63,7 @@
 
 mod absorb;
 pub mod bench;
+mod bf16_wire;
 mod error;
 mod expect;
 mod link;
@@ -73,6 +75,7 @@ mod shared_buf;
 mod wire;
 
 pub use error::{AllReduceError, FrameRejected};
+pub use keel_proto::ring_rpc::WireDtype;
 pub use mailbox::{DEFAULT_CAPACITY_BYTES, MAX_FRAME_BYTES, Mailbox};
 pub use plan::{chunk_plan, frame_count, frame_plan, recv_chunk, send_chunk};
 pub use ring::{Ring, RingConfig};

@@ -2,7 +2,8 @@
 //! frame (Patarasuk and Yuan, JPDC 2009, section 3; the schedule Horovod and NCCL use).
 //!
 //! Shapes: the buffer is `[len]` f32, cut by [`chunk_plan`] into `n = world_size` chunks and each
-//! chunk into frames of at most `frame_bytes / 4` elements ([`frame_plan`]).
+//! chunk into frames of at most `frame_bytes / 4` elements ([`frame_plan`]), sent as f32 or, for
+//! [`Ring::all_reduce_sum_as`] in bf16, as half as many bytes (see `bf16_wire`).
 //!
 //! A frame is forwarded as soon as it is reduced, so ring step `t + 1` of frame `k` overlaps
 //! ring step `t` of frame `k + 1`: sending, receiving and adding run at the same time. Each
@@ -19,7 +20,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use keel_proto::ring_rpc::RingFrame;
+use keel_proto::ring_rpc::{RingFrame, WireDtype};
 
 use super::link::LinkStream;
 use backon::{ExponentialBuilder, Retryable};
@@ -27,6 +28,7 @@ use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 use tonic::Code;
 
 use super::absorb::{Outgoing, Payload, absorb_or_defer};
+use super::bf16_wire::{self, element_bytes};
 use super::error::AllReduceError;
 use super::expect::{FrameSchedule, PlannedFrame, RingShape};
 use super::mailbox::{InboundFrame, MAX_FRAME_BYTES, Mailbox};
@@ -198,6 +200,24 @@ impl Ring {
         bucket: u32,
         data: Vec<f32>,
     ) -> Result<Vec<f32>, AllReduceError> {
+        self.all_reduce_sum_as(step, bucket, data, WireDtype::F32)
+            .await
+    }
+
+    /// [`Ring::all_reduce_sum`] with the elements sent as `dtype`. `F32` is that; `Bf16`
+    /// sends half the bytes and returns sums rounded to bf16, the same on every rank (see
+    /// `bf16_wire`): for gradients, never for counts or losses. Every rank must use the same
+    /// `dtype` for a (step, bucket); a frame in another is refused ([`AllReduceError::BadFrame`]
+    /// on the receiver).
+    ///
+    /// Errors: as [`Ring::all_reduce_sum`].
+    pub async fn all_reduce_sum_as(
+        &self,
+        step: u64,
+        bucket: u32,
+        data: Vec<f32>,
+        dtype: WireDtype,
+    ) -> Result<Vec<f32>, AllReduceError> {
         let n = self.cfg.world_size as usize;
         if n == 1 {
             return Ok(data);
@@ -207,21 +227,32 @@ impl Ring {
         let buf = Arc::new(SharedBuf::new(data));
         let chunks = chunk_plan(len, n);
         let frame_elems = self.cfg.frame_bytes / 4;
-        let schedule = FrameSchedule::new(shape(&self.cfg), len);
+        let schedule = FrameSchedule::new(shape(&self.cfg), len, dtype);
         let expected = schedule.expected();
         // One flag per expected incoming frame (the mailbox refuses copies already; a backstop).
         let mut seen = vec![false; expected];
         let mut received = 0usize;
 
-        let mut inbox =
-            self.mailbox
-                .open(&self.cfg.job_id, self.cfg.generation, step, bucket, len)?;
+        let mut inbox = self.mailbox.open(
+            &self.cfg.job_id,
+            self.cfg.generation,
+            step,
+            bucket,
+            len,
+            dtype,
+        )?;
         let mut outbox: VecDeque<Outgoing> =
             frame_plan(chunks[send_chunk(rank, n, 0)].clone(), frame_elems)
                 .map(|range| Outgoing {
                     ring_step: 0,
                     offset: range.start,
-                    payload: Payload::Buffer(range),
+                    payload: match dtype {
+                        WireDtype::F32 => Payload::Buffer(range),
+                        // SAFETY: nothing writes the buffer before the loop below.
+                        WireDtype::Bf16 => {
+                            Payload::Ready(bf16_wire::encode(unsafe { buf.read(range) }))
+                        }
+                    },
                 })
                 .collect();
         // Ranges of the buffer that frames queued in `outbox` or being sent will still read;
@@ -251,7 +282,7 @@ impl Ring {
                     }
                     Payload::Ready(bytes) => (None, bytes),
                 };
-                let send = self.send(step, bucket, out.ring_step, len, out.offset, payload);
+                let send = self.send(step, bucket, out.ring_step, len, out.offset, dtype, payload);
                 let wait_for_copies = self.cfg.timeout;
                 sends.push(async move {
                     let sent = send.await;
@@ -288,7 +319,7 @@ impl Ring {
                     // Frames that waited for that range may go on now.
                     for _ in 0..deferred.len() {
                         let Some((frame, range)) = deferred.pop_front() else { break };
-                        absorb_or_defer(n, &buf, frame, range, &mut outbox, &mut readers, &mut deferred);
+                        absorb_or_defer(n, dtype, &buf, frame, range, &mut outbox, &mut readers, &mut deferred);
                     }
                 }
                 frame = inbox.recv(), if received < expected => {
@@ -305,7 +336,7 @@ impl Ring {
                     }
                     received += 1;
                     last_arrival = Instant::now();
-                    absorb_or_defer(n, &buf, frame, slot.range, &mut outbox, &mut readers, &mut deferred);
+                    absorb_or_defer(n, dtype, &buf, frame, slot.range, &mut outbox, &mut readers, &mut deferred);
                 }
                 () = sleep_until(last_arrival + self.cfg.timeout), if received < expected => {
                     return Err(self.timeout_error(
@@ -370,8 +401,20 @@ impl Ring {
                 got: frame.total_len,
             });
         }
+        if frame.dtype != schedule.dtype() {
+            let reason = format!(
+                "its elements are {:?}, this all-reduce's are {:?} (do the workers disagree on train.allreduce_dtype?)",
+                frame.dtype,
+                schedule.dtype()
+            );
+            return Err(self.bad_frame(step, bucket, frame, reason));
+        }
         schedule
-            .locate(frame.ring_step, frame.offset, frame.data.len() / 4)
+            .locate(
+                frame.ring_step,
+                frame.offset,
+                frame.data.len() / element_bytes(frame.dtype),
+            )
             .map_err(|reason| self.bad_frame(step, bucket, frame, reason))
     }
 
@@ -401,6 +444,7 @@ impl Ring {
     /// Pushes one frame to the right neighbour, retrying while it is not reachable or has not
     /// joined this generation yet, for at most `timeout`. Returns whether an attempt failed
     /// before the one that was accepted.
+    #[allow(clippy::too_many_arguments)]
     async fn send(
         &self,
         step: u64,
@@ -408,6 +452,7 @@ impl Ring {
         ring_step: u32,
         total_len: usize,
         offset: usize,
+        dtype: WireDtype,
         data: Bytes,
     ) -> Result<bool, AllReduceError> {
         let stream = self.next_stream.fetch_add(1, Ordering::Relaxed) % self.right.len();
@@ -422,6 +467,7 @@ impl Ring {
             total_len: total_len as u64,
             offset: offset as u64,
             data,
+            dtype: dtype.into(),
         };
         let (rank, addr) = right_neighbour(&self.cfg);
         let deadline = Instant::now() + self.cfg.timeout;

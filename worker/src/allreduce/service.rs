@@ -193,6 +193,7 @@ impl From<FrameRejected> for Status {
         match rejected {
             FrameRejected::Malformed(_)
             | FrameRejected::LengthMismatch { .. }
+            | FrameRejected::DtypeMismatch { .. }
             | FrameRejected::UnknownAllReduce { .. }
             | FrameRejected::Unplanned { .. } => Status::invalid_argument(message),
             FrameRejected::Duplicate { .. } => Status::already_exists(message),

@@ -30,7 +30,9 @@ const DATA_FIELD: u32 = 9;
 
 /// `frame` as one gRPC message in two pieces: the prefix and every field but `data` (a small
 /// new buffer), then `data` itself (the same [`Bytes`], not copied). Sent back to back, the two
-/// are exactly what tonic would send for `frame`.
+/// are what tonic would send for `frame`, byte for byte when `dtype` is f32 (0, not written);
+/// a bf16 frame's `dtype` (field 10) comes before `data` (field 9) instead of after it, which
+/// every protobuf parser accepts (fields may come in any order).
 ///
 /// Errors: `OUT_OF_RANGE` when the message would exceed [`MAX_MESSAGE_BYTES`] (what the
 /// receiver accepts).
@@ -261,6 +263,7 @@ mod tests {
             total_len: 1 << 20,
             offset: 4096,
             data: Bytes::from(data),
+            dtype: 0,
         }
     }
 
@@ -287,6 +290,20 @@ mod tests {
             assert_eq!(wire, tonic_bytes(&f), "{} payload bytes", f.data.len());
             assert_eq!(payload.as_ptr(), f.data.as_ptr(), "payload was copied");
         }
+    }
+
+    #[test]
+    fn a_bf16_frame_decodes_to_itself_with_its_dtype_ahead_of_the_payload() {
+        let f = RingFrame {
+            dtype: keel_proto::ring_rpc::WireDtype::Bf16.into(),
+            ..frame(vec![3u8; 1000])
+        };
+        let [head, payload] = encode_frame(&f).unwrap();
+        let mut wire = head.to_vec();
+        wire.extend_from_slice(&payload);
+        // Field 10 precedes field 9 here (tonic writes it last): the same message.
+        assert_eq!(wire.len(), tonic_bytes(&f).len());
+        assert_eq!(RingFrame::decode(&wire[5..]).unwrap(), f);
     }
 
     #[test]

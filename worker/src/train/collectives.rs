@@ -3,6 +3,7 @@
 //! ranks, which token ids each rank's batches use), the loss sums, and the word embeddings'
 //! lookup-gradient rows. Every rank calls them in the same order with the same ids.
 
+use crate::allreduce::WireDtype;
 use crate::batch::Batch;
 use crate::buckets::SpecialBucket;
 use crate::model::LookupGrads;
@@ -140,9 +141,20 @@ pub fn split_pays(rows: &LookupGrads<f32>, vocab_size: usize) -> bool {
     2 * rows.ids().len() <= vocab_size
 }
 
-/// Sends the lookup rows' gradient `[u, c]` to be summed ([`SpecialBucket::LookupRows`]).
-pub fn submit_lookup_rows(ring: &RingLink, step: u64, lookup: &mut LookupGrads<f32>) -> RingReply {
-    ring.submit(step, SpecialBucket::LookupRows.id(), lookup.take_grads())
+/// Sends the lookup rows' gradient `[u, c]` to be summed ([`SpecialBucket::LookupRows`]),
+/// its elements as `dtype` like the other gradient buckets.
+pub fn submit_lookup_rows(
+    ring: &RingLink,
+    step: u64,
+    lookup: &mut LookupGrads<f32>,
+    dtype: WireDtype,
+) -> RingReply {
+    ring.submit_as(
+        step,
+        SpecialBucket::LookupRows.id(),
+        lookup.take_grads(),
+        dtype,
+    )
 }
 
 /// `[v]` flags, 1 for every token id that occurs in `batches` (padding included: its lookup

@@ -118,7 +118,8 @@ impl<'a> Trainer<'a> {
             .map_err(|e| err(format!("{}: {e}", setup.heldout.display())))?;
         // One rank has nothing to overlap: the word embeddings keep their whole gradient.
         let split_lookup = setup.world_size > 1;
-        let buckets = Buckets::new(&model.ready_ranges(split_lookup), BUCKET_ELEMS);
+        let wire = setup.spec.train.allreduce_dtype.wire();
+        let buckets = Buckets::new(&model.ready_ranges(split_lookup), BUCKET_ELEMS, wire);
         let word_range = model.word_embeddings_range();
         let t = &setup.spec.train;
         Ok(Self {
@@ -311,7 +312,7 @@ impl<'a> Trainer<'a> {
         let ring = &self.links.ring;
         let lookup_sum = lookup
             .as_deref_mut()
-            .map(|l| submit_lookup_rows(ring, step, l));
+            .map(|l| submit_lookup_rows(ring, step, l, self.buckets.dtype()));
         self.buckets.flush(&self.grads, ring, step);
         self.buckets
             .finish(&mut self.grads)

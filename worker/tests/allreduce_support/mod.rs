@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_worker::allreduce::{Mailbox, Ring, RingConfig, ring_service, tune_server};
+use keel_worker::allreduce::{Mailbox, Ring, RingConfig, WireDtype, ring_service, tune_server};
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
 
@@ -84,13 +84,27 @@ pub fn all_reduce(
     bucket: u32,
     inputs: Vec<Vec<f32>>,
 ) -> Vec<Result<Vec<f32>, keel_worker::allreduce::AllReduceError>> {
+    all_reduce_as(peers, rings, step, bucket, inputs, &[WireDtype::F32])
+}
+
+/// [`all_reduce`] with each rank's elements sent as `dtypes[rank % dtypes.len()]`.
+pub fn all_reduce_as(
+    peers: &[Peer],
+    rings: &[Arc<Ring>],
+    step: u64,
+    bucket: u32,
+    inputs: Vec<Vec<f32>>,
+    dtypes: &[WireDtype],
+) -> Vec<Result<Vec<f32>, keel_worker::allreduce::AllReduceError>> {
     let handles: Vec<_> = peers
         .iter()
         .zip(rings)
         .zip(inputs)
-        .map(|((p, ring), data)| {
+        .enumerate()
+        .map(|(rank, ((p, ring), data))| {
             let ring = Arc::clone(ring);
-            p.rt.spawn(async move { ring.all_reduce_sum(step, bucket, data).await })
+            let dtype = dtypes[rank % dtypes.len()];
+            p.rt.spawn(async move { ring.all_reduce_sum_as(step, bucket, data, dtype).await })
         })
         .collect();
     handles
