@@ -9,9 +9,19 @@ const EXE: &str = env!("CARGO_BIN_EXE_keel-worker");
 
 #[test]
 fn bench_allreduce_prints_one_json_line_per_world_and_size() {
+    bench_allreduce_in("fp32");
+}
+
+/// The benchmark's peers check their sums themselves (exact in bf16 too: small integers).
+#[test]
+fn bench_allreduce_with_bf16_on_the_wire_checks_its_sums() {
+    bench_allreduce_in("bf16");
+}
+
+fn bench_allreduce_in(dtype: &str) {
     let out = Command::new(EXE)
         .args(["bench-allreduce", "--workers", "1,3", "--sizes-mib", "1,2"])
-        .args(["--iters", "2", "--timeout-secs", "60"])
+        .args(["--iters", "2", "--timeout-secs", "60", "--dtype", dtype])
         .output()
         .unwrap();
     assert!(
@@ -27,6 +37,7 @@ fn bench_allreduce_prints_one_json_line_per_world_and_size() {
     assert_eq!(lines.len(), 4);
     for (line, (workers, mib)) in lines.iter().zip([(1, 1), (1, 2), (3, 1), (3, 2)]) {
         assert_eq!(line["workers"], workers);
+        assert_eq!(line["dtype"], dtype);
         assert_eq!(line["bytes"], mib << 20);
         assert!(line["seconds"].as_f64().unwrap() > 0.0);
         assert!(line["busbw_gb_s"].as_f64().unwrap() >= 0.0);

@@ -7,8 +7,10 @@
 //! each preceded by a one-element all-reduce as a barrier, and prints one JSON line of its
 //! per-iteration seconds. The parent takes, per iteration, the slowest rank, then the median,
 //! and prints one JSON line per (workers, size):
-//! `{"workers","bytes","seconds","algbw_gb_s","busbw_gb_s",...}` where
-//! busbw = algbw * 2 (n - 1) / n (NCCL's bus bandwidth; GB = 1e9 bytes).
+//! `{"workers","bytes","seconds","algbw_gb_s","busbw_gb_s","dtype",...}` where
+//! busbw = algbw * 2 (n - 1) / n (NCCL's bus bandwidth; GB = 1e9 bytes). `bytes` is the f32
+//! buffer reduced (the gradient's size) whatever `--dtype` says, so bf16's bandwidth figures
+//! are gradient bytes per second, which the wire carries at half that.
 //!
 //! Every wait is bounded: all-reduces by the ring timeout, the parent's reads by
 //! `--timeout-secs`; a peer exits by itself when its stdin closes (the parent is done, or died).
@@ -25,6 +27,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use keel_proto::precision::AllReduceDtype;
 use tokio::net::TcpListener;
 
 use super::{Mailbox, Ring, RingConfig, ring_service, tune_server};
@@ -56,6 +59,9 @@ pub struct Args {
     /// Ring timeout, and the bound on each wait of the parent, seconds.
     #[arg(long, default_value_t = 120)]
     pub timeout_secs: u64,
+    /// Elements on the wire: `fp32`, or `bf16` (half the bytes; `train.allreduce_dtype`).
+    #[arg(long, default_value_t = AllReduceDtype::Fp32)]
+    pub dtype: AllReduceDtype,
 }
 
 /// Arguments of one benchmark peer process (started by `bench-allreduce`).
@@ -88,6 +94,9 @@ pub struct PeerArgs {
     /// Ring timeout, seconds.
     #[arg(long)]
     pub timeout_secs: u64,
+    /// Elements on the wire.
+    #[arg(long, default_value_t = AllReduceDtype::Fp32)]
+    pub dtype: AllReduceDtype,
 }
 
 /// One peer's report for one size, as printed on its stdout.
@@ -174,6 +183,7 @@ fn run_world(args: &Args, n: usize) -> anyhow::Result<()> {
             .args(["--frame-kib", &args.frame_kib.to_string()])
             .args(["--threads", &args.threads.to_string()])
             .args(["--timeout-secs", &args.timeout_secs.to_string()])
+            .args(["--dtype", args.dtype.as_str()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -264,6 +274,7 @@ fn run_world(args: &Args, n: usize) -> anyhow::Result<()> {
                 "iters": args.iters,
                 "streams_per_link": args.streams_per_link,
                 "frame_bytes": args.frame_kib * 1024,
+                "dtype": args.dtype.as_str(),
             })
         );
     }
@@ -351,7 +362,9 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
             let token = ring.all_reduce_sum(step, 1, vec![1.0f32]).await?;
             let cpu_before = process_cpu_seconds();
             let started = Instant::now();
-            data = ring.all_reduce_sum(step, 0, data).await?;
+            data = ring
+                .all_reduce_sum_as(step, 0, data, args.dtype.wire())
+                .await?;
             let elapsed = started.elapsed().as_secs_f64();
             if it >= args.warmup {
                 seconds.push(elapsed);
@@ -387,7 +400,8 @@ fn process_cpu_seconds() -> f64 {
     secs(usage.ru_utime) + secs(usage.ru_stime)
 }
 
-/// Rank `r`'s input: `r + 1 + (i mod 13)`, integer-valued so the sum is exact.
+/// Rank `r`'s input: `r + 1 + (i mod 13)`, integer-valued so the sum is exact (in bf16 too: it
+/// stays below 256 up to 8 ranks).
 fn fill_input(data: &mut [f32], rank: usize) {
     for block in data.chunks_mut(13) {
         for (k, v) in block.iter_mut().enumerate() {

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The ring all-reduce on a slow link, gradients as f32 vs bf16 on the wire
+# (`train.allreduce_dtype`): `keel-worker bench-allreduce --dtype fp32|bf16`, alternated round by
+# round in the same minutes, with every peer inside one network namespace whose loopback is
+# shaped by `tc qdisc ... tbf rate RATE`. All ring links share that one shaped loopback (like
+# hosts on one shared medium): each of the n links gets about RATE / n, which is what a
+# bandwidth-bound ring sees; the ratio fp32 / bf16 is the point, not the absolute figure.
+#
+# Prints one JSON line per (round, dtype, workers, size) as bench-allreduce does, with "rate"
+# and "round" added, and then a Markdown table: median seconds over rounds, fp32 vs bf16.
+#
+# Usage (as root; needs ip and tc, Debian: iproute2):
+#   scripts/bench-wire.sh [--rate 1gbit] [--workers 2,4] [--sizes-mib 4,16,64] [--rounds 2]
+#                         [--iters 3] [--bin-dir DIR] [--out FILE.jsonl]
+# The namespace is removed on exit, whatever the exit; every run is bounded by --timeout-secs.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RATE=1gbit
+WORKERS=2,4
+SIZES=4,16,64
+ROUNDS=2
+ITERS=3
+BIN_DIR="${CARGO_TARGET_DIR:-$REPO/target}/release"
+OUT="$REPO/target/bench-wire.jsonl"
+
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
+die() { echo "bench-wire: $*" >&2; exit 1; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --rate) RATE="${2:?--rate needs a tc rate such as 1gbit}"; shift ;;
+    --workers) WORKERS="${2:?--workers needs a list}"; shift ;;
+    --sizes-mib) SIZES="${2:?--sizes-mib needs a list}"; shift ;;
+    --rounds) ROUNDS="${2:?--rounds needs a number}"; shift ;;
+    --iters) ITERS="${2:?--iters needs a number}"; shift ;;
+    --bin-dir) BIN_DIR="${2:?--bin-dir needs a directory}"; shift ;;
+    --out) OUT="${2:?--out needs a file}"; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument $1 (see --help)" ;;
+  esac
+  shift
+done
+
+[ "$(id -u)" = 0 ] || die "needs root (network namespaces and tc)"
+{ command -v ip && command -v tc; } >/dev/null || die "'ip' and 'tc' not found (Debian: apt-get install iproute2)"
+[ -x "$BIN_DIR/keel-worker" ] || die "$BIN_DIR/keel-worker not found (cargo build --release)"
+[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive number, got $ROUNDS"
+
+NS="keelwire$$"
+cleanup() { ip netns del "$NS" 2>/dev/null || true; }
+trap cleanup EXIT
+ip netns add "$NS"
+ip netns exec "$NS" ip link set lo up
+ip netns exec "$NS" tc qdisc replace dev lo root tbf rate "$RATE" burst 256kb latency 50ms \
+  || die "tc tbf on the namespace's loopback failed"
+SHAPING="$(ip netns exec "$NS" tc qdisc show dev lo | head -n 1)"
+echo "bench-wire: $SHAPING (namespace $NS); $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //'), $(nproc) cores" >&2
+
+mkdir -p "$(dirname "$OUT")"
+: > "$OUT"
+for round in $(seq 1 "$ROUNDS"); do
+  for dtype in fp32 bf16; do
+    ip netns exec "$NS" timeout 1800 "$BIN_DIR/keel-worker" bench-allreduce \
+        --workers "$WORKERS" --sizes-mib "$SIZES" --iters "$ITERS" --dtype "$dtype" --timeout-secs 300 \
+      | python3 -c '
+import json, sys
+for line in sys.stdin:
+    row = json.loads(line)
+    row.update(rate=sys.argv[1], round=int(sys.argv[2]))
+    print(json.dumps(row), flush=True)
+' "$RATE" "$round" | tee -a "$OUT"
+  done
+done
+
+python3 - "$OUT" "$RATE" <<'PY'
+import json, statistics, sys
+from collections import defaultdict
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+by = defaultdict(list)
+for r in rows:
+    by[(r["workers"], r["bytes"], r["dtype"])].append(r["seconds"])
+print(f"\n| workers | gradient MiB | fp32 wire, ms | bf16 wire, ms | fp32 / bf16 |  ({sys.argv[2]} shared loopback, median of rounds)")
+print("|---|---|---|---|---|")
+for (w, b) in sorted({(k[0], k[1]) for k in by}):
+    f, h = by.get((w, b, "fp32")), by.get((w, b, "bf16"))
+    if not f or not h:
+        continue
+    f, h = statistics.median(f), statistics.median(h)
+    print(f"| {w} | {b >> 20} | {f * 1e3:.1f} | {h * 1e3:.1f} | {f / h:.2f} |")
+PY
