@@ -9,9 +9,15 @@
 # Prints one JSON line per (round, dtype, workers, size) as bench-allreduce does, with "rate"
 # and "round" added, and then a Markdown table: median seconds over rounds, fp32 vs bf16.
 #
+# With --train-steps N it then trains: `keel local --workers 2 --threads 1` in the same
+# namespace, bert-mini on corpora/en-kjv (vocabulary 8,000, micro-batch 8 x 128 tokens, as
+# examples/scaling.sh), N steps with train.allreduce_dtype = fp32, then bf16, --rounds times,
+# and prints per run the mean step seconds and all-reduce seconds (metrics.jsonl, steps after
+# the first 20%) and the final training loss.
+#
 # Usage (as root; needs ip and tc, Debian: iproute2):
 #   scripts/bench-wire.sh [--rate 1gbit] [--workers 2,4] [--sizes-mib 4,16,64] [--rounds 2]
-#                         [--iters 3] [--bin-dir DIR] [--out FILE.jsonl]
+#                         [--iters 3] [--train-steps N] [--bin-dir DIR] [--out FILE.jsonl]
 # The namespace is removed on exit, whatever the exit; every run is bounded by --timeout-secs.
 set -euo pipefail
 
@@ -21,6 +27,7 @@ WORKERS=2,4
 SIZES=4,16,64
 ROUNDS=2
 ITERS=3
+TRAIN_STEPS=0
 BIN_DIR="${CARGO_TARGET_DIR:-$REPO/target}/release"
 OUT="$REPO/target/bench-wire.jsonl"
 
@@ -34,6 +41,7 @@ while [ $# -gt 0 ]; do
     --sizes-mib) SIZES="${2:?--sizes-mib needs a list}"; shift ;;
     --rounds) ROUNDS="${2:?--rounds needs a number}"; shift ;;
     --iters) ITERS="${2:?--iters needs a number}"; shift ;;
+    --train-steps) TRAIN_STEPS="${2:?--train-steps needs a number}"; shift ;;
     --bin-dir) BIN_DIR="${2:?--bin-dir needs a directory}"; shift ;;
     --out) OUT="${2:?--out needs a file}"; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -47,8 +55,11 @@ done
 [ -x "$BIN_DIR/keel-worker" ] || die "$BIN_DIR/keel-worker not found (cargo build --release)"
 [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive number, got $ROUNDS"
 
+[[ "$TRAIN_STEPS" =~ ^[0-9]+$ ]] || die "--train-steps must be a number, got $TRAIN_STEPS"
+
 NS="keelwire$$"
-cleanup() { ip netns del "$NS" 2>/dev/null || true; }
+WORK="$(mktemp -d)"
+cleanup() { ip netns del "$NS" 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 ip netns add "$NS"
 ip netns exec "$NS" ip link set lo up
@@ -89,3 +100,45 @@ for (w, b) in sorted({(k[0], k[1]) for k in by}):
     f, h = statistics.median(f), statistics.median(h)
     print(f"| {w} | {b >> 20} | {f * 1e3:.1f} | {h * 1e3:.1f} | {f / h:.2f} |")
 PY
+
+[ "$TRAIN_STEPS" -gt 0 ] || exit 0
+[ -x "$BIN_DIR/keel" ] || die "$BIN_DIR/keel not found (cargo build --release)"
+"$REPO/scripts/corpora.sh" >/dev/null
+for round in $(seq 1 "$ROUNDS"); do
+  for dtype in fp32 bf16; do
+    run="$WORK/$dtype-$round"
+    mkdir -p "$run"
+    cat > "$run/job.toml" <<TOML
+[data]
+corpus = ["$REPO/corpora/en-kjv"]
+vocab_size = 8000
+max_seq_length = 128
+max_predictions_per_seq = 20
+[model]
+preset = "mini"
+[train]
+micro_batch_size = 8
+max_steps = $TRAIN_STEPS
+learning_rate = 1e-3
+warmup_steps = 4
+checkpoint_every = 0
+eval_every = 0
+precision = "fp32"
+allreduce_dtype = "$dtype"
+TOML
+    ip netns exec "$NS" timeout 3600 "$BIN_DIR/keel" local --workers 2 --threads 1 --quiet \
+        "$run/job.toml" --out "$run/out" --work-dir "$run/work" >"$run/log" 2>&1 \
+      || { tail -n 20 "$run/log" >&2; die "keel local ($dtype wire) failed; its log is above"; }
+    python3 - "$run/out/metrics.jsonl" "$dtype" "$round" "$RATE" <<'PY'
+import json, sys
+steps = [r for r in map(json.loads, open(sys.argv[1])) if "loss" in r]
+tail = steps[len(steps) // 5:]
+mean = lambda k: sum(r[k] for r in tail) / len(tail)
+print(json.dumps({"train": "bert-mini, 2 workers", "rate": sys.argv[4], "round": int(sys.argv[3]),
+                  "dtype": sys.argv[2], "steps": len(steps),
+                  "step_seconds": round(mean("step_seconds"), 4),
+                  "allreduce_seconds": round(mean("allreduce_seconds"), 4),
+                  "final_loss": round(steps[-1]["loss"], 4)}))
+PY
+  done
+done | tee -a "$OUT"
