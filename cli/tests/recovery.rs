@@ -105,11 +105,23 @@ impl Cluster {
 
     /// The job: 3 workers' global batch, fixed vocabulary (byte-identical data every time).
     fn submit(&self, name: &str, min_workers: usize) -> String {
+        self.submit_sized(name, 3, min_workers, None)
+    }
+
+    /// The job on `workers` workers' global batch (at most that many, at least `min_workers`),
+    /// with `train_extra` lines in `[train]` (else the precision rule below).
+    fn submit_sized(
+        &self,
+        name: &str,
+        workers: usize,
+        min_workers: usize,
+        train_extra: Option<&str>,
+    ) -> String {
         let case = self.root().join(name);
         std::fs::create_dir_all(&case).unwrap();
         let mut job = JobFile::new(self.corpus.clone());
         job.vocab = Some(fixture("wordpiece").join("vocab.txt"));
-        job.workers = 3;
+        job.workers = workers;
         job.micro_batch_size = 4;
         job.max_steps = 40;
         job.warmup_steps = 4;
@@ -125,9 +137,12 @@ impl Cluster {
             // The bit-for-bit cases run in `auto`: bf16 where the workers have it natively.
             job.train_extra = format!("precision = \"{}\"", self.precision);
         }
+        if let Some(extra) = train_extra {
+            job.train_extra = extra.to_string();
+        }
         let text = std::fs::read_to_string(job.write(&case))
             .unwrap()
-            .replace("min_workers = 3\n", "");
+            .replace(&format!("min_workers = {workers}\n"), "");
         let path = case.join("job.toml");
         std::fs::write(&path, text).unwrap();
         let out = run_keel(
@@ -384,4 +399,69 @@ fn two_runs_of_one_bf16_job_on_the_same_workers_are_bit_identical() {
     std::fs::rename(&first, &kept).unwrap();
     let second = cluster.reference_checkpoint(3);
     assert_bit_identical(&kept, &second);
+}
+
+/// Many workers (issue 18): eight train, two are killed at once (`kill -9`, back to back), the
+/// job goes on with the six survivors without waiting, a newcomer joins it mid-job in a new
+/// generation, and it completes every step. The gradients travel as bf16 on the 8-rank ring
+/// (`train.allreduce_dtype`), so that path runs through recoveries too.
+#[test]
+fn eight_workers_lose_two_at_once_and_take_a_newcomer() {
+    let mut cluster = Cluster::new(8);
+    let limit = Duration::from_secs(600);
+    let mut rng = Rng::from_time();
+    let job = cluster.submit_sized(
+        "eight",
+        8,
+        6,
+        Some("precision = \"fp32\"\nallreduce_dtype = \"bf16\""),
+    );
+    let target = 3 + rng.below(8);
+    let s = cluster.wait(&job, "8 workers to reach the kill step", limit, |s| {
+        s["state"] == "running"
+            && s["step"].as_u64().unwrap_or(0) >= target
+            && s["workers"].as_array().is_some_and(|w| w.len() == 8)
+    });
+    let first = rng.below(8) as usize;
+    let second = (first + 1 + rng.below(7) as usize) % 8;
+    // Remove the higher index first, so the lower one still names the same worker.
+    let (hi, lo) = (first.max(second), first.min(second));
+    let killed_at = Instant::now();
+    let addrs = [cluster.kill(hi), cluster.kill(lo)];
+    println!("killed {addrs:?} at step >= {} ({s})", s["step"]);
+    let s = cluster.wait(&job, "the job to go on with 6 workers", limit, |s| {
+        s["state"] == "running" && s["workers"].as_array().is_some_and(|w| w.len() == 6)
+    });
+    println!(
+        "running with 6 workers at step {} after {:.1} s",
+        s["step"],
+        killed_at.elapsed().as_secs_f64()
+    );
+    let resumed_at = s["step"].as_u64().unwrap();
+    cluster.wait(&job, "two steps with 6 workers", limit, |s| {
+        s["step"].as_u64().unwrap_or(0) >= resumed_at + 2 || s["state"] == "completed"
+    });
+    cluster.add_worker();
+    let done = cluster.wait(&job, "the job to complete", limit, |s| {
+        s["state"] == "completed"
+    });
+    println!("final status: {done}");
+    assert_eq!(done["step"], 40, "{done}");
+    // The two deaths may be noticed together (one recovery) or one after the other (two).
+    let recoveries = done["recoveries"].as_u64().unwrap_or(0);
+    assert!((1..=2).contains(&recoveries), "{done}");
+    let got = cluster.pull(&job, "eight-checkpoint");
+    let metrics = std::fs::read_to_string(got.join("metrics.jsonl")).unwrap();
+    assert!(
+        metrics.contains("\"event\":\"grow\""),
+        "no generation added the newcomer"
+    );
+    let losses: Vec<f64> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["loss"].as_f64())
+        .collect();
+    assert!(
+        losses.iter().all(|l| l.is_finite()) && losses.last() < losses.first(),
+        "losses {losses:?}"
+    );
 }
