@@ -9,11 +9,12 @@
 # Prints one JSON line per (round, dtype, workers, size) as bench-allreduce does, with "rate"
 # and "round" added, and then a Markdown table: median seconds over rounds, fp32 vs bf16.
 #
-# With --train-steps N it then trains: `keel local --workers 2 --threads 1` in the same
-# namespace, bert-mini on corpora/en-kjv (vocabulary 8,000, micro-batch 8 x 128 tokens, as
-# examples/scaling.sh), N steps with train.allreduce_dtype = fp32, then bf16, --rounds times,
-# and prints per run the mean step seconds and all-reduce seconds (metrics.jsonl, steps after
-# the first 20%) and the final training loss.
+# With --train-steps N it then trains: `keel local --threads 1` in the same namespace,
+# bert-mini on corpora/en-kjv (vocabulary 8,000, micro-batch 8 x 128 tokens, as
+# examples/scaling.sh), N steps on 1 worker (dtype "none": no ring, the compute alone), then 2
+# workers with train.allreduce_dtype = fp32, then bf16, --rounds times, and prints per run the
+# mean step seconds and all-reduce seconds (metrics.jsonl, steps after the first 20%) and the
+# final training loss.
 #
 # Usage (as root; needs ip and tc, Debian: iproute2):
 #   scripts/bench-wire.sh [--rate 1gbit] [--workers 2,4] [--sizes-mib 4,16,64] [--rounds 2]
@@ -98,14 +99,17 @@ for (w, b) in sorted({(k[0], k[1]) for k in by}):
     if not f or not h:
         continue
     f, h = statistics.median(f), statistics.median(h)
-    print(f"| {w} | {b >> 20} | {f * 1e3:.1f} | {h * 1e3:.1f} | {f / h:.2f} |")
+    print(f"| {w} | {b / 2**20:g} | {f * 1e3:.1f} | {h * 1e3:.1f} | {f / h:.2f} |")
 PY
 
 [ "$TRAIN_STEPS" -gt 0 ] || exit 0
 [ -x "$BIN_DIR/keel" ] || die "$BIN_DIR/keel not found (cargo build --release)"
 "$REPO/scripts/corpora.sh" >/dev/null
 for round in $(seq 1 "$ROUNDS"); do
-  for dtype in fp32 bf16; do
+  # "none": one worker, no ring: the step's compute alone (the scale model's calibration).
+  for dtype in none fp32 bf16; do
+    workers=2
+    [ "$dtype" = none ] && workers=1
     run="$WORK/$dtype-$round"
     mkdir -p "$run"
     cat > "$run/job.toml" <<TOML
@@ -124,18 +128,29 @@ warmup_steps = 4
 checkpoint_every = 0
 eval_every = 0
 precision = "fp32"
-allreduce_dtype = "$dtype"
+allreduce_dtype = "${dtype/none/fp32}"
 TOML
-    ip netns exec "$NS" timeout 3600 "$BIN_DIR/keel" local --workers 2 --threads 1 --quiet \
+    ip netns exec "$NS" timeout 3600 "$BIN_DIR/keel" local --workers "$workers" --threads 1 --quiet \
         "$run/job.toml" --out "$run/out" --work-dir "$run/work" >"$run/log" 2>&1 \
       || { tail -n 20 "$run/log" >&2; die "keel local ($dtype wire) failed; its log is above"; }
-    python3 - "$run/out/metrics.jsonl" "$dtype" "$round" "$RATE" <<'PY'
-import json, sys
+    python3 - "$run/out/metrics.jsonl" "$dtype" "$round" "$RATE" "$workers" <<'PY'
+import json, os, struct, sys
 steps = [r for r in map(json.loads, open(sys.argv[1])) if "loss" in r]
+# Parameters (the gradient's elements), from the checkpoint's safetensors header; the MLM
+# decoder's weight is the word embeddings' (tied), counted once.
+with open(os.path.join(os.path.dirname(sys.argv[1]), "model.safetensors"), "rb") as f:
+    header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+params = 0
+for name, t in header.items():
+    if name != "__metadata__" and name != "cls.predictions.decoder.weight":
+        n = 1
+        for d in t["shape"]:
+            n *= d
+        params += n
 tail = steps[len(steps) // 5:]
 mean = lambda k: sum(r[k] for r in tail) / len(tail)
-print(json.dumps({"train": "bert-mini, 2 workers", "rate": sys.argv[4], "round": int(sys.argv[3]),
-                  "dtype": sys.argv[2], "steps": len(steps),
+print(json.dumps({"train": "bert-mini", "workers": int(sys.argv[5]), "rate": sys.argv[4],
+                  "round": int(sys.argv[3]), "dtype": sys.argv[2], "steps": len(steps), "params": params,
                   "step_seconds": round(mean("step_seconds"), 4),
                   "allreduce_seconds": round(mean("allreduce_seconds"), 4),
                   "final_loss": round(steps[-1]["loss"], 4)}))

@@ -7,7 +7,7 @@
 //! each preceded by a one-element all-reduce as a barrier, and prints one JSON line of its
 //! per-iteration seconds. The parent takes, per iteration, the slowest rank, then the median,
 //! and prints one JSON line per (workers, size):
-//! `{"workers","bytes","seconds","algbw_gb_s","busbw_gb_s","dtype",...}` where
+//! `{"workers","bytes","seconds","seconds_per_ring_step","algbw_gb_s","busbw_gb_s","dtype",...}` where
 //! busbw = algbw * 2 (n - 1) / n (NCCL's bus bandwidth; GB = 1e9 bytes). `bytes` is the f32
 //! buffer reduced (the gradient's size) whatever `--dtype` says, so bf16's bandwidth figures
 //! are gradient bytes per second, which the wire carries at half that.
@@ -38,9 +38,10 @@ pub struct Args {
     /// World sizes to measure (processes on 127.0.0.1).
     #[arg(long, value_delimiter = ',', default_value = "2,3,4")]
     pub workers: Vec<usize>,
-    /// Buffer sizes, MiB of f32.
+    /// Buffer sizes, MiB of f32; fractions allowed (0.000004 is one element: the ring's
+    /// latency, 2 (n - 1) hops of nothing).
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256")]
-    pub sizes_mib: Vec<usize>,
+    pub sizes_mib: Vec<f64>,
     /// Timed all-reduces per size (the median is reported).
     #[arg(long, default_value_t = 5)]
     pub iters: usize,
@@ -75,7 +76,7 @@ pub struct PeerArgs {
     pub world: usize,
     /// Buffer sizes, MiB of f32.
     #[arg(long, value_delimiter = ',')]
-    pub sizes_mib: Vec<usize>,
+    pub sizes_mib: Vec<f64>,
     /// Timed all-reduces per size.
     #[arg(long)]
     pub iters: usize,
@@ -149,6 +150,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.iters == 0 || args.streams_per_link == 0 || args.frame_kib == 0 {
         bail!("--iters, --streams-per-link and --frame-kib must be positive");
     }
+    if let Some(bad) = args.sizes_mib.iter().find(|m| !(m.is_finite() && **m > 0.0)) {
+        bail!("--sizes-mib must be positive numbers, got {bad}");
+    }
     for &n in &args.workers {
         if n == 0 {
             bail!("--workers must be positive");
@@ -156,6 +160,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         run_world(&args, n)?;
     }
     Ok(())
+}
+
+/// f32 elements in `mib` MiB, at least one.
+fn elements(mib: f64) -> usize {
+    ((mib * f64::from(1u32 << 20) / 4.0).round() as usize).max(1)
 }
 
 fn run_world(args: &Args, n: usize) -> anyhow::Result<()> {
@@ -268,6 +277,9 @@ fn run_world(args: &Args, n: usize) -> anyhow::Result<()> {
                 "workers": n,
                 "bytes": bytes,
                 "seconds": seconds,
+                // A ring step is one hop of a chunk; for a one-element buffer this is the
+                // per-hop latency.
+                "seconds_per_ring_step": (n > 1).then(|| seconds / (2.0 * (n as f64 - 1.0))),
                 "algbw_gb_s": (algbw * 1000.0).round() / 1000.0,
                 "busbw_gb_s": (busbw * 1000.0).round() / 1000.0,
                 "cpu_seconds_all_ranks": (cpu_seconds * 1e4).round() / 1e4,
@@ -352,7 +364,7 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
     let n = args.world;
     let mut step = 0u64;
     for &mib in &args.sizes_mib {
-        let len = mib * (1 << 20) / 4;
+        let len = elements(mib);
         let mut data = vec![0.0f32; len];
         let mut seconds = Vec::with_capacity(args.iters);
         let mut cpu_seconds = Vec::with_capacity(args.iters);
