@@ -9,18 +9,23 @@
 #   keelmhPID-w1     10.77.0.11  keel-worker --advertise-addr 10.77.0.11:7071
 #   keelmhPID-w2     10.77.0.12  keel-worker --advertise-addr 10.77.0.12:7071
 #   keelmhPID-w3     10.77.0.13  keel-worker --advertise-addr 10.77.0.13:7071
+#   ...              (--workers N: hosts w1..wN at 10.77.0.11..10.77.0.1N, N from 2 to 8)
 #   keelmhPID-user   10.77.0.20  keel submit / watch / status / pull
 #   keelmhPID-net    (no address: the bridge keelbr0 and the host-side end of every veth)
 #
 # It first checks the plumbing (a TCP server on each host's Keel port reached from every other
-# host), then runs a short job across the three workers (tiny preset, 30 steps, max_seq_length 64,
+# host), then runs a short job across the worker hosts (3 unless --workers; tiny preset, 30 steps, max_seq_length 64,
 # vocab_size 2000) and pulls the checkpoint from the user's host, checking its files. With --netem every host's
 # link gets `netem delay 1ms rate 1gbit` and the job runs a second time under it; both step
 # times are printed (a kernel without sch_netem gets `tbf rate 1gbit`: the bandwidth limit
 # without the delay; the script says so). With --link-cut a third job (120 steps, peer timeout
 # 4 s) runs while worker w2's link is taken down for 12 s and brought back: the job must
 # notice, re-form its ring (state recovering), take w2 back when its link returns, and complete
-# with every step; the time from the cut to the recovery is printed. --plumbing-only stops after the network checks and
+# with every step; the time from the cut to the recovery is printed. With --kill-two (last; on
+# the shaped links with --netem) a job of 120 steps (min_workers = N - 2) runs while the workers
+# on w2 and w3 are killed (kill -9, back to back): the job must go on with N - 2 workers, take a newcomer (a fresh worker process with
+# an empty cache on w2's host) in a new generation, and complete every step. --allreduce-dtype
+# bf16 sends the gradients as bf16 on the ring in every job. --plumbing-only stops after the network checks and
 # needs no binaries. With --slurm, deploy/slurm/keel.sbatch then runs the same job on the three
 # worker hosts: on a real Slurm cluster when slurmctld, slurmd, munged and sbatch are installed
 # (Debian: slurmctld slurmd slurm-client munge; this script starts private daemons in the
@@ -28,7 +33,8 @@
 # stand-ins for srun, scontrol and squeue that run one task per host in its namespace.
 #
 # Usage (as root):
-#   scripts/multihost-test.sh [--netem] [--link-cut] [--slurm] [--plumbing-only] [--keep] [--steps N]
+#   scripts/multihost-test.sh [--netem] [--link-cut] [--kill-two] [--slurm] [--plumbing-only] [--keep]
+#                             [--steps N] [--workers N] [--allreduce-dtype fp32|bf16]
 #                             [--bin-dir DIR] [--corpus PATH] [BIN_DIR [CORPUS]]
 #   BIN_DIR  directory holding keel, keel-coordinator, keel-worker
 #            (default: $CARGO_TARGET_DIR/release, else target/release)
@@ -47,6 +53,9 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 NETEM=0
 SLURM=0
 LINK_CUT=0
+KILL_TWO=0
+N_WORKERS=3
+ALLREDUCE_DTYPE=fp32
 PLUMBING_ONLY=0
 KEEP=0
 STEPS=30
@@ -64,6 +73,9 @@ while [ $# -gt 0 ]; do
     --netem) NETEM=1 ;;
     --slurm) SLURM=1 ;;
     --link-cut) LINK_CUT=1 ;;
+    --kill-two) KILL_TWO=1 ;;
+    --workers) N_WORKERS="${2:?--workers needs a number}"; shift ;;
+    --allreduce-dtype) ALLREDUCE_DTYPE="${2:?--allreduce-dtype needs fp32 or bf16}"; shift ;;
     --plumbing-only) PLUMBING_ONLY=1 ;;
     --keep) KEEP=1 ;;
     --steps) STEPS="${2:?--steps needs a number}"; shift ;;
@@ -78,6 +90,10 @@ done
 [ ${#positional[@]} -ge 1 ] && BIN_DIR="${positional[0]}"
 [ ${#positional[@]} -ge 2 ] && CORPUS="${positional[1]}"
 [ ${#positional[@]} -ge 3 ] && { echo "multihost: too many arguments (see --help)" >&2; exit 2; }
+[[ "$N_WORKERS" =~ ^[2-8]$ ]] || { echo "multihost: --workers must be 2 to 8, got $N_WORKERS" >&2; exit 2; }
+[[ "$ALLREDUCE_DTYPE" =~ ^(fp32|bf16)$ ]] || { echo "multihost: --allreduce-dtype must be fp32 or bf16" >&2; exit 2; }
+[ "$SLURM" = 0 ] || [ "$N_WORKERS" = 3 ] || { echo "multihost: --slurm runs on exactly 3 worker hosts" >&2; exit 2; }
+[ "$KILL_TWO" = 0 ] || [ "$N_WORKERS" -ge 3 ] || { echo "multihost: --kill-two needs --workers 3 or more" >&2; exit 2; }
 if [ -z "$BIN_DIR" ]; then
   if [ -n "${CARGO_TARGET_DIR:-}" ]; then BIN_DIR="$CARGO_TARGET_DIR/release"; else BIN_DIR="$REPO/target/release"; fi
 fi
@@ -109,8 +125,12 @@ fi
 # State that cleanup undoes. Names carry our PID so parallel runs never collide.
 PREFIX="keelmh$$"
 NS_NET="$PREFIX-net"
-NODES=(coord w1 w2 w3 user)
-declare -A ADDR=([coord]=10.77.0.10 [w1]=10.77.0.11 [w2]=10.77.0.12 [w3]=10.77.0.13 [user]=10.77.0.20)
+WORKER_NODES=()
+declare -A ADDR=([coord]=10.77.0.10 [user]=10.77.0.20)
+for ((i = 1; i <= N_WORKERS; i++)); do WORKER_NODES+=("w$i"); ADDR[w$i]="10.77.0.$((10 + i))"; done
+NODES=(coord "${WORKER_NODES[@]}" user)
+# The worker process on each host (kill -9 in --kill-two).
+declare -A WPID=()
 CREATED_NS=()
 PIDS=()
 WORK="$(mktemp -d /tmp/keel-multihost.XXXXXX)"
@@ -345,7 +365,7 @@ link_tx_bytes() { # bytes the host NODE sent into the bridge
 
 write_job() { # write_job FILE
   cat >"$1" <<EOF
-# Written by scripts/multihost-test.sh: a short job across three workers.
+# Written by scripts/multihost-test.sh: a short job across the worker hosts.
 [data]
 corpus = ["$CORPUS"]
 vocab_size = 2000
@@ -372,10 +392,11 @@ max_grad_norm = 1.0
 seed = 42
 checkpoint_every = $STEPS
 eval_every = $STEPS
+allreduce_dtype = "$ALLREDUCE_DTYPE"
 
 [cluster]
-min_workers = 3
-max_workers = 3
+min_workers = $N_WORKERS
+max_workers = $N_WORKERS
 EOF
 }
 
@@ -387,22 +408,26 @@ keel_user() { # keel CLI from the user's host, bounded
 
 start_cluster() { # start_cluster TAG: coordinator + three workers, each on its own host
   local tag="$1" w
-  declare -A wpid=()
   start_in coord "$tag-coordinator" env NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" KEEL_TOKEN_FILE="$TOKEN_FILE" \
     "$BIN_DIR/keel-coordinator" --listen 0.0.0.0:7070 --data-dir "$WORK/$tag/coord-data"
   wait_listening user "${ADDR[coord]}" 7070 "$LAST_PID" "keel-coordinator"
-  for w in w1 w2 w3; do
-    start_in "$w" "$tag-worker-$w" env NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" KEEL_TOKEN_FILE="$TOKEN_FILE" \
-      "$BIN_DIR/keel-worker" --coordinator "${ADDR[coord]}:7070" --listen 0.0.0.0:7071 \
-      --advertise-addr "${ADDR[$w]}:7071" --threads "$THREADS" --cache-dir "$WORK/$tag/cache-$w"
-    wpid[$w]=$LAST_PID
+  for w in "${WORKER_NODES[@]}"; do
+    start_worker "$tag" "$w" "$WORK/$tag/cache-$w"
   done
-  for w in w1 w2 w3; do
+  for w in "${WORKER_NODES[@]}"; do
     # Reached from another worker's host: that is how ring peers will connect.
     local from=w1; [ "$w" = w1 ] && from=w2
-    wait_listening "$from" "${ADDR[$w]}" 7071 "${wpid[$w]}" "keel-worker on $w"
+    wait_listening "$from" "${ADDR[$w]}" 7071 "${WPID[$w]}" "keel-worker on $w"
   done
-  log "[$tag] coordinator on ${ADDR[coord]}:7070, workers on ${ADDR[w1]} ${ADDR[w2]} ${ADDR[w3]} :7071"
+  log "[$tag] coordinator on ${ADDR[coord]}:7070, workers on $(for w in "${WORKER_NODES[@]}"; do printf '%s ' "${ADDR[$w]}"; done):7071"
+}
+
+start_worker() { # start_worker TAG HOST CACHE_DIR: a keel-worker on HOST's address, port 7071
+  local tag="$1" w="$2" cache="$3"
+  start_in "$w" "$tag-worker-$w-$(date +%s%N)" env NO_COLOR=1 KEEL_LOG="${KEEL_LOG:-info}" KEEL_TOKEN_FILE="$TOKEN_FILE" \
+    "$BIN_DIR/keel-worker" --coordinator "${ADDR[coord]}:7070" --listen 0.0.0.0:7071 \
+    --advertise-addr "${ADDR[$w]}:7071" --threads "$THREADS" --cache-dir "$cache"
+  WPID[$w]=$LAST_PID
 }
 
 stop_cluster() {
@@ -472,7 +497,7 @@ run_job() { # run_job TAG: start a cluster, run the job from the user's host, pu
   local tag="$1" w
   mkdir -p "$WORK/$tag"
   start_cluster "$tag"
-  for w in w1 w2 w3; do TX_BEFORE+=("$(link_tx_bytes "$w")"); done
+  for w in "${WORKER_NODES[@]}"; do TX_BEFORE+=("$(link_tx_bytes "$w")"); done
   write_job "$WORK/$tag/job.toml"
   local job t0 t1
   job="$(keel_user 120 submit "$WORK/$tag/job.toml" 2>"$WORK/logs/$tag-submit.log" | awk 'NF { last = $NF } END { print last }')" \
@@ -489,7 +514,7 @@ run_job() { # run_job TAG: start a cluster, run the job from the user's host, pu
     || die "[$tag] keel pull $job --out failed"
   check_checkpoint "$WORK/$tag/pulled"
   local i=0 sent
-  for w in w1 w2 w3; do
+  for w in "${WORKER_NODES[@]}"; do
     sent=$(( $(link_tx_bytes "$w") - TX_BEFORE[i] ))
     log "[$tag] $w sent $((sent / 1024)) KiB over its link"
     # A 30-step all-reduce of even a tiny BERT moves megabytes: far less means no ring traffic.
@@ -694,7 +719,7 @@ run_slurm() {
   grep '^\[keel.sbatch' "$WORK/logs/slurm-batch.log" | sed 's/^/    /'
   check_checkpoint "$sb/out"
   local i=0 sent
-  for w in w1 w2 w3; do
+  for w in "${WORKER_NODES[@]}"; do
     sent=$(( $(link_tx_bytes "$w") - TX_BEFORE[i] ))
     log "[slurm] $w sent $((sent / 1024)) KiB over its link"
     [ "$sent" -gt $((1024 * 1024)) ] || die "[slurm] $w sent only $sent bytes: did gradients cross the network?"
@@ -762,6 +787,68 @@ run_link_cut() {
   stop_cluster
 }
 
+# Two workers killed at once (w2 and w3, kill -9 back to back): the job goes on with the
+# others without waiting (min_workers = N - 2), a newcomer (a fresh process, empty cache) joins
+# on w2's host in a new generation, and the job completes every step.
+job_worker_count() { # job_worker_count JOB: how many workers `keel status JOB` lists
+  keel_user 30 status "$1" 2>/dev/null | python3 -c 'import json, sys; print(len(json.load(sys.stdin).get("workers") or []))'
+}
+
+run_kill_two() {
+  local tag=killtwo job i state step t_kill t_on t_grown n_left=$((N_WORKERS - 2)) count
+  mkdir -p "$WORK/$tag"
+  start_cluster "$tag"
+  write_job "$WORK/$tag/job.toml"
+  sed -i "s/^max_steps = .*/max_steps = 120/; s/^checkpoint_every = .*/checkpoint_every = 40/; s/^eval_every = .*/eval_every = 0/; s/^min_workers = .*/min_workers = $n_left/" \
+    "$WORK/$tag/job.toml"
+  printf 'peer_timeout_seconds = 4\nreplacement_timeout_seconds = 120\n' >>"$WORK/$tag/job.toml"
+  job="$(keel_user 120 submit "$WORK/$tag/job.toml" 2>"$WORK/logs/$tag-submit.log" | awk 'NF { last = $NF } END { print last }')" \
+    || die "[$tag] keel submit failed"
+  for i in $(seq 1 600); do
+    step="$(job_field "$job" step)"; state="$(job_field "$job" state)"
+    [ "$state" = running ] && [ "${step:-0}" -ge 5 ] && [ "$(job_worker_count "$job")" = "$N_WORKERS" ] && break
+    [ "$state" = failed ] && die "[$tag] job $job failed before the kill: $(job_field "$job" error)"
+    sleep 0.5
+  done
+  [ "${step:-0}" -ge 5 ] || die "[$tag] job $job never reached step 5 with $N_WORKERS workers"
+  kill -KILL "${WPID[w2]}" "${WPID[w3]}"
+  t_kill=$EPOCHREALTIME
+  log "[$tag] killed the workers on w2 and w3 (kill -9) at step $step"
+  for i in $(seq 1 240); do
+    state="$(job_field "$job" state)"; count="$(job_worker_count "$job")"
+    [ "$state" = running ] && [ "$count" = "$n_left" ] && break
+    [ "$state" = failed ] && die "[$tag] job $job failed after the kill: $(job_field "$job" error)"
+    sleep 0.5
+  done
+  t_on=$EPOCHREALTIME
+  [ "$count" = "$n_left" ] || die "[$tag] the job did not go on with $n_left workers within 120 s: $(keel_user 30 status "$job")"
+  step="$(job_field "$job" step)"
+  log "[$tag] $(awk -v a="$t_kill" -v b="$t_on" 'BEGIN { printf "running with the survivors %.1f s after the kill", b - a }') (step $step, $(job_field "$job" recoveries) recoveries)"
+  start_worker "$tag" w2 "$WORK/$tag/cache-w2-newcomer"
+  for i in $(seq 1 240); do
+    state="$(job_field "$job" state)"; count="$(job_worker_count "$job")"
+    [ "$count" = $((n_left + 1)) ] && break
+    [ "$state" = completed ] && die "[$tag] job $job completed before the newcomer joined (raise the steps)"
+    [ "$state" = failed ] && die "[$tag] job $job failed while the newcomer joined: $(job_field "$job" error)"
+    sleep 0.5
+  done
+  t_grown=$EPOCHREALTIME
+  [ "$count" = $((n_left + 1)) ] || die "[$tag] the newcomer on w2 did not join within 120 s: $(keel_user 30 status "$job")"
+  log "[$tag] the newcomer joined at step $(job_field "$job" step), $(awk -v a="$t_on" -v b="$t_grown" 'BEGIN { printf "%.1f s", b - a }') after it started"
+  keel_user "$JOB_TIMEOUT" watch "$job" >"$WORK/logs/$tag-watch.log" 2>&1 \
+    || die "[$tag] job $job did not complete: $(keel_user 30 status "$job")"
+  keel_user 60 status "$job" >"$WORK/logs/$tag-status.log" 2>&1 || die "[$tag] keel status $job failed"
+  sed 's/^/    /' "$WORK/logs/$tag-status.log" | head -n 30
+  [ "$(job_field "$job" step)" = 120 ] || die "[$tag] job $job ended at step $(job_field "$job" step), not 120"
+  grep -q "10.77.0.12" "$WORK/logs/$tag-status.log" || die "[$tag] the newcomer on w2 (10.77.0.12) is not in the final ring"
+  keel_user 300 pull "$job" --out "$WORK/$tag/pulled" >"$WORK/logs/$tag-pull.log" 2>&1 \
+    || die "[$tag] keel pull $job --out failed"
+  check_checkpoint "$WORK/$tag/pulled"
+  KILL_TWO_RESULT="kill two of $N_WORKERS: running with $n_left $(awk -v a="$t_kill" -v b="$t_on" 'BEGIN { printf "%.1f s", b - a }') after the kill; a newcomer joined; completed 120/120 steps with $(job_worker_count "$job") workers, $(job_field "$job" recoveries) recoveries"
+  log "[$tag] $KILL_TWO_RESULT"
+  stop_cluster
+}
+
 # ---------------------------------------------------------------------------------------------
 log "work dir $WORK"
 setup_network
@@ -800,11 +887,22 @@ fi
 if [ "$NETEM" = 1 ]; then
   apply_shaping
   run_job shaped
+  result_shaped="$STEP_RESULT"
+fi
+# Under the shaping when --netem is on.
+if [ "$KILL_TWO" = 1 ]; then
+  run_kill_two
+fi
+if [ "$NETEM" = 1 ]; then
   log "RESULT plain links: $result_plain"
-  log "RESULT links shaped by '$SHAPING': $STEP_RESULT"
+  log "RESULT links shaped by '$SHAPING': $result_shaped"
 else
   log "RESULT: $result_plain"
 fi
 if [ "$LINK_CUT" = 1 ]; then
   log "RESULT $LINK_CUT_RESULT"
 fi
+if [ "$KILL_TWO" = 1 ]; then
+  log "RESULT $KILL_TWO_RESULT"
+fi
+log "RESULT $N_WORKERS worker hosts, gradients as $ALLREDUCE_DTYPE on the ring"

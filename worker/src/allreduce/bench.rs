@@ -150,7 +150,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.iters == 0 || args.streams_per_link == 0 || args.frame_kib == 0 {
         bail!("--iters, --streams-per-link and --frame-kib must be positive");
     }
-    if let Some(bad) = args.sizes_mib.iter().find(|m| !(m.is_finite() && **m > 0.0)) {
+    if let Some(bad) = args
+        .sizes_mib
+        .iter()
+        .find(|m| !(m.is_finite() && **m > 0.0))
+    {
         bail!("--sizes-mib must be positive numbers, got {bad}");
     }
     for &n in &args.workers {
