@@ -30,6 +30,8 @@ scripts/check-dashboard.sh target/release
 if [ "$(id -u)" = 0 ] && ip netns list >/dev/null 2>&1; then
   step "multi-host test (network namespaces)"
   scripts/multihost-test.sh --netem --link-cut target/release
+  step "multi-host test, 8 worker hosts (1 Gbit/s links, bf16 gradients, two killed at once, a newcomer)"
+  scripts/multihost-test.sh --netem --kill-two --workers 8 --allreduce-dtype bf16 target/release
 else
   step "multi-host test skipped: it needs root and network namespaces (run scripts/multihost-test.sh as root)"
 fi
