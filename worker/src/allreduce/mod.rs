@@ -35,7 +35,8 @@
 //! 5. All-gather, ring steps `n-1..2(n-1)`: finished frames travel once more around the ring;
 //!    each rank copies them and passes them on unchanged.
 //! 6. Frames travel on `streams_per_link` long-lived `Ring/Stream` calls (one per connection).
-//!    Every frame carries (job, generation, step, bucket, ring_step, offset, total length) and
+//!    Every frame carries (job, generation, step, bucket, ring_step, offset, total length, the
+//!    elements' dtype: f32, or bf16 for gradients with `train.allreduce_dtype = "bf16"`) and
 //!    is acked, in order, once the receiver accepted it; refusals carry a status code:
 //!    `INVALID_ARGUMENT` (malformed, length mismatch, a frame the receive plan does not expect,
 //!    an all-reduce that cannot run here: an unknown bucket of a past step, a step more than one
