@@ -55,8 +55,11 @@ write() {
 
 # fortune files (%-separated) to documents: ANSI colour codes and trailing blanks dropped, blank
 # lines inside a fortune dropped (a blank line is the document separator), empty fortunes skipped.
+# A file's end ends its last fortune too: some files lack the closing `%`, and their last
+# fortune was once glued to the next file's first.
 fortunes_to_documents() {
-  sed -e 's/\x1b\[[0-9;]*m//g' "$@" | awk '
+  local f
+  for f in "$@"; do sed -e 's/\x1b\[[0-9;]*m//g' "$f"; echo "%"; done | awk '
     function flush() { if (n > 0) { if (docs++) print ""; for (i = 1; i <= n; i++) print buf[i] } n = 0 }
     { sub(/[ \t\r]+$/, "") }
     /^%$/ { flush(); next }

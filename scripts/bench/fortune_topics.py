@@ -31,11 +31,9 @@ Pretraining corpus: every fortune of the files scripts/corpora.sh uses for en-fo
 --fortunes-dir), one fortune a document, in corpora.sh's layout: one line per line of the
 fortune, one blank line between documents. A fortune whose joined text equals a test text is left
 out (every copy of it, from any file), so the pretraining data never contains a test example.
-One deliberate difference from corpora.sh: corpora.sh pipes all files through awk as one stream,
-so a file whose last fortune is not followed by a `%` line (computers, law, people, pratchett,
-wisdom in fortunes 1:1.99.1) has that fortune glued to the first fortune of the next file; here
-each file ends its last fortune, so every document is exactly one fortune (and a test fortune
-cannot hide inside a glued document).
+As in corpora.sh, each file's end ends its last fortune, even where the file has no closing `%`
+line (computers, law, people, pratchett, wisdom in fortunes 1:1.99.1), so every document is
+exactly one fortune (and a test fortune cannot hide inside another document).
 
 Prints a one-line JSON summary on stdout.
 
