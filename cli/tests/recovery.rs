@@ -404,7 +404,8 @@ fn two_runs_of_one_bf16_job_on_the_same_workers_are_bit_identical() {
 /// Many workers (issue 18): eight train, two are killed at once (`kill -9`, back to back), the
 /// job goes on with the six survivors without waiting, a newcomer joins it mid-job in a new
 /// generation, and it completes every step. The gradients travel as bf16 on the 8-rank ring
-/// (`train.allreduce_dtype`), so that path runs through recoveries too.
+/// (`train.allreduce_dtype`) in buckets of 1 MiB (`train.bucket_mib`, several per step), so
+/// those paths run through recoveries too.
 #[test]
 fn eight_workers_lose_two_at_once_and_take_a_newcomer() {
     let mut cluster = Cluster::new(8);
@@ -414,7 +415,7 @@ fn eight_workers_lose_two_at_once_and_take_a_newcomer() {
         "eight",
         8,
         6,
-        Some("precision = \"fp32\"\nallreduce_dtype = \"bf16\""),
+        Some("precision = \"fp32\"\nallreduce_dtype = \"bf16\"\nbucket_mib = 1"),
     );
     let target = 3 + rng.below(8);
     let s = cluster.wait(&job, "8 workers to reach the kill step", limit, |s| {

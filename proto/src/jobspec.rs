@@ -23,6 +23,7 @@
 //! max_steps = 300
 //! precision = "auto"                      # or "bf16", "fp32" (see crate::precision)
 //! allreduce_dtype = "fp32"                # or "bf16": gradients on the wire
+//! bucket_mib = 4                          # gradient bucket, MiB (larger for large worlds)
 //! [cluster]
 //! min_workers = 2
 //! max_workers = 2
@@ -248,6 +249,12 @@ pub struct TrainSpec {
     /// fp32 at every hop (see [`AllReduceDtype`]).
     #[serde(default)]
     pub allreduce_dtype: AllReduceDtype,
+    /// Gradient bucket size, MiB of fp32 (1 to 1024; default 4): each bucket is one ring
+    /// all-reduce, started as soon as backward finishes it. Every bucket pays the ring's
+    /// per-hop latency 2 (W - 1) times, so large worlds want larger buckets
+    /// (`scripts/scale_model.py`); small ones overlap more of the all-reduce with backward.
+    #[serde(default = "default_bucket_mib")]
+    pub bucket_mib: usize,
 }
 
 /// `[cluster]`: world size bounds and failure detection.
@@ -363,6 +370,9 @@ fn default_progress_timeout() -> f64 {
 }
 fn default_max_skipped_steps() -> u64 {
     10
+}
+fn default_bucket_mib() -> usize {
+    4
 }
 
 /// The presets `[model] preset` accepts.
@@ -634,6 +644,13 @@ impl JobSpec {
                 "at least 1 checkpoint",
             ));
         }
+        if !(1..=1024).contains(&t.bucket_mib) {
+            return Err(bad(
+                "train.bucket_mib",
+                t.bucket_mib.to_string(),
+                "1 to 1024 MiB",
+            ));
+        }
 
         let c = &self.cluster;
         if c.min_workers == 0 {
@@ -820,6 +837,20 @@ max_workers = 2
         assert_eq!(spec.train.allreduce_dtype, AllReduceDtype::Bf16);
         let e = err_of(&EXAMPLE.replace("seed = 42", "seed = 42\nallreduce_dtype = \"fp16\""));
         assert!(e.contains("allreduce_dtype") && e.contains("bf16"), "{e}");
+    }
+
+    #[test]
+    fn bucket_mib_defaults_to_4_and_must_be_1_to_1024() {
+        let spec = JobSpec::from_toml_str(EXAMPLE, "job.toml").unwrap();
+        assert_eq!(spec.train.bucket_mib, 4);
+        let text = EXAMPLE.replace("seed = 42", "seed = 42\nbucket_mib = 64");
+        let spec = JobSpec::from_toml_str(&text, "job.toml").unwrap();
+        assert_eq!(spec.train.bucket_mib, 64);
+        for bad in ["0", "1025"] {
+            let e =
+                err_of(&EXAMPLE.replace("seed = 42", &format!("seed = 42\nbucket_mib = {bad}")));
+            assert!(e.contains("train.bucket_mib") && e.contains("1024"), "{e}");
+        }
     }
 
     #[test]

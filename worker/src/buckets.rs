@@ -13,7 +13,8 @@ use crate::allreduce::WireDtype;
 use crate::ringlink::{RingLink, RingReply};
 use std::ops::Range;
 
-/// Elements per bucket: 1 Mi f32 = 4 MiB.
+/// Elements per bucket of the state broadcast (1 Mi f32 = 4 MiB), and the gradient buckets'
+/// default (`train.bucket_mib = 4`).
 pub const BUCKET_ELEMS: usize = 1 << 20;
 
 /// Bucket id offsets: ids below [`FIRST_SPECIAL_BUCKET`] are gradient buckets.

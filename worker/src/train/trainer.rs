@@ -20,7 +20,7 @@ use super::optimizer::schedule_for;
 use super::pipeline::Pipeline;
 use super::setup::{Event, TrainSetup};
 use crate::batch::Batch;
-use crate::buckets::{BUCKET_ELEMS, Buckets};
+use crate::buckets::Buckets;
 use crate::control::JobControl;
 use crate::model::{Bert, DropoutKey, LookupGrads, StepOptions};
 use crate::optim::{LrSchedule, clip_grad_norm, global_norm};
@@ -119,7 +119,9 @@ impl<'a> Trainer<'a> {
         // One rank has nothing to overlap: the word embeddings keep their whole gradient.
         let split_lookup = setup.world_size > 1;
         let wire = setup.spec.train.allreduce_dtype.wire();
-        let buckets = Buckets::new(&model.ready_ranges(split_lookup), BUCKET_ELEMS, wire);
+        // `bucket_mib` MiB of f32 (validated: 1 to 1024).
+        let bucket_elems = setup.spec.train.bucket_mib.clamp(1, 1024) << 18;
+        let buckets = Buckets::new(&model.ready_ranges(split_lookup), bucket_elems, wire);
         let word_range = model.word_embeddings_range();
         let t = &setup.spec.train;
         Ok(Self {
