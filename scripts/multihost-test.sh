@@ -743,16 +743,39 @@ job_field() { # job_field JOB FIELD: one field of `keel status JOB` (JSON)
   keel_user 30 status "$1" 2>/dev/null | python3 -c 'import json, sys; print(json.load(sys.stdin).get(sys.argv[1], ""))' "$2"
 }
 
-run_link_cut() {
-  local tag=linkcut job i state step recoveries t_cut t_seen
+# The long job of the fault runs (120 steps, peer timeout 4 s) on a fresh cluster, submitted
+# from the user's host with min_workers = MIN; sets LONG_JOB to its id.
+submit_long_job() { # submit_long_job TAG MIN
+  local tag="$1" min="$2"
   mkdir -p "$WORK/$tag"
   start_cluster "$tag"
   write_job "$WORK/$tag/job.toml"
-  sed -i "s/^max_steps = .*/max_steps = 120/; s/^checkpoint_every = .*/checkpoint_every = 40/; s/^eval_every = .*/eval_every = 0/" \
+  sed -i "s/^max_steps = .*/max_steps = 120/; s/^checkpoint_every = .*/checkpoint_every = 40/; s/^eval_every = .*/eval_every = 0/; s/^min_workers = .*/min_workers = $min/" \
     "$WORK/$tag/job.toml"
   printf 'peer_timeout_seconds = 4\nreplacement_timeout_seconds = 120\n' >>"$WORK/$tag/job.toml"
-  job="$(keel_user 120 submit "$WORK/$tag/job.toml" 2>"$WORK/logs/$tag-submit.log" | awk 'NF { last = $NF } END { print last }')" \
+  LONG_JOB="$(keel_user 120 submit "$WORK/$tag/job.toml" 2>"$WORK/logs/$tag-submit.log" | awk 'NF { last = $NF } END { print last }')" \
     || die "[$tag] keel submit failed"
+}
+
+# Waits for the long job to complete, checks it ran 120/120 steps with w2 (10.77.0.12) in the
+# final ring, and pulls and checks its checkpoint.
+finish_long_job() { # finish_long_job TAG JOB
+  local tag="$1" job="$2"
+  keel_user "$JOB_TIMEOUT" watch "$job" >"$WORK/logs/$tag-watch.log" 2>&1 \
+    || die "[$tag] job $job did not complete: $(keel_user 30 status "$job")"
+  keel_user 60 status "$job" >"$WORK/logs/$tag-status.log" 2>&1 || die "[$tag] keel status $job failed"
+  sed 's/^/    /' "$WORK/logs/$tag-status.log" | head -n 30
+  [ "$(job_field "$job" step)" = 120 ] || die "[$tag] job $job ended at step $(job_field "$job" step), not 120"
+  grep -q "10.77.0.12" "$WORK/logs/$tag-status.log" || die "[$tag] w2 (10.77.0.12) is not in the final ring"
+  keel_user 300 pull "$job" --out "$WORK/$tag/pulled" >"$WORK/logs/$tag-pull.log" 2>&1 \
+    || die "[$tag] keel pull $job --out failed"
+  check_checkpoint "$WORK/$tag/pulled"
+}
+
+run_link_cut() {
+  local tag=linkcut job i state step recoveries t_cut t_seen
+  submit_long_job "$tag" "$N_WORKERS"
+  job="$LONG_JOB"
   for i in $(seq 1 600); do
     step="$(job_field "$job" step)"; state="$(job_field "$job" state)"
     [ "$state" = running ] && [ "${step:-0}" -ge 5 ] && break
@@ -774,15 +797,7 @@ run_link_cut() {
   sleep "$(awk -v a="$t_cut" -v b="$t_seen" 'BEGIN { d = 12 - (b - a); print (d > 0 ? d : 0) }')"
   ip -n "$NS_NET" link set "v-w2" up
   log "[$tag] w2's link is back"
-  keel_user "$JOB_TIMEOUT" watch "$job" >"$WORK/logs/$tag-watch.log" 2>&1 \
-    || die "[$tag] job $job did not complete after the link came back: $(keel_user 30 status "$job")"
-  keel_user 60 status "$job" >"$WORK/logs/$tag-status.log" 2>&1 || die "[$tag] keel status $job failed"
-  sed 's/^/    /' "$WORK/logs/$tag-status.log" | head -n 30
-  [ "$(job_field "$job" step)" = 120 ] || die "[$tag] job $job ended at step $(job_field "$job" step), not 120"
-  grep -q "10.77.0.12" "$WORK/logs/$tag-status.log" || die "[$tag] w2 (10.77.0.12) is not in the final ring"
-  keel_user 300 pull "$job" --out "$WORK/$tag/pulled" >"$WORK/logs/$tag-pull.log" 2>&1 \
-    || die "[$tag] keel pull $job --out failed"
-  check_checkpoint "$WORK/$tag/pulled"
+  finish_long_job "$tag" "$job"
   LINK_CUT_RESULT="link cut: recovery started $(awk -v a="$t_cut" -v b="$t_seen" 'BEGIN { printf "%.1f s", b - a }') after the cut; completed 120/120 steps with w2 back in the ring, $(job_field "$job" recoveries) recoveries"
   log "[$tag] $LINK_CUT_RESULT"
   stop_cluster
@@ -797,14 +812,8 @@ job_worker_count() { # job_worker_count JOB: how many workers `keel status JOB` 
 
 run_kill_two() {
   local tag=killtwo job i state step t_kill t_on t_grown n_left=$((N_WORKERS - 2)) count
-  mkdir -p "$WORK/$tag"
-  start_cluster "$tag"
-  write_job "$WORK/$tag/job.toml"
-  sed -i "s/^max_steps = .*/max_steps = 120/; s/^checkpoint_every = .*/checkpoint_every = 40/; s/^eval_every = .*/eval_every = 0/; s/^min_workers = .*/min_workers = $n_left/" \
-    "$WORK/$tag/job.toml"
-  printf 'peer_timeout_seconds = 4\nreplacement_timeout_seconds = 120\n' >>"$WORK/$tag/job.toml"
-  job="$(keel_user 120 submit "$WORK/$tag/job.toml" 2>"$WORK/logs/$tag-submit.log" | awk 'NF { last = $NF } END { print last }')" \
-    || die "[$tag] keel submit failed"
+  submit_long_job "$tag" "$n_left"
+  job="$LONG_JOB"
   for i in $(seq 1 600); do
     step="$(job_field "$job" step)"; state="$(job_field "$job" state)"
     [ "$state" = running ] && [ "${step:-0}" -ge 5 ] && [ "$(job_worker_count "$job")" = "$N_WORKERS" ] && break
@@ -836,15 +845,8 @@ run_kill_two() {
   t_grown=$EPOCHREALTIME
   [ "$count" = $((n_left + 1)) ] || die "[$tag] the newcomer on w2 did not join within 120 s: $(keel_user 30 status "$job")"
   log "[$tag] the newcomer joined at step $(job_field "$job" step), $(awk -v a="$t_on" -v b="$t_grown" 'BEGIN { printf "%.1f s", b - a }') after it started"
-  keel_user "$JOB_TIMEOUT" watch "$job" >"$WORK/logs/$tag-watch.log" 2>&1 \
-    || die "[$tag] job $job did not complete: $(keel_user 30 status "$job")"
-  keel_user 60 status "$job" >"$WORK/logs/$tag-status.log" 2>&1 || die "[$tag] keel status $job failed"
-  sed 's/^/    /' "$WORK/logs/$tag-status.log" | head -n 30
-  [ "$(job_field "$job" step)" = 120 ] || die "[$tag] job $job ended at step $(job_field "$job" step), not 120"
-  grep -q "10.77.0.12" "$WORK/logs/$tag-status.log" || die "[$tag] the newcomer on w2 (10.77.0.12) is not in the final ring"
-  keel_user 300 pull "$job" --out "$WORK/$tag/pulled" >"$WORK/logs/$tag-pull.log" 2>&1 \
-    || die "[$tag] keel pull $job --out failed"
-  check_checkpoint "$WORK/$tag/pulled"
+  # The newcomer runs on w2's host: w2's address in the final ring is the newcomer's.
+  finish_long_job "$tag" "$job"
   KILL_TWO_RESULT="kill two of $N_WORKERS: running with $n_left $(awk -v a="$t_kill" -v b="$t_on" 'BEGIN { printf "%.1f s", b - a }') after the kill; a newcomer joined; completed 120/120 steps with $(job_worker_count "$job") workers, $(job_field "$job" recoveries) recoveries"
   log "[$tag] $KILL_TWO_RESULT"
   stop_cluster

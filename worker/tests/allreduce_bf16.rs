@@ -8,27 +8,14 @@ mod allreduce_support;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use allreduce_support::{all_reduce_as, connect_all, start_peers};
+use allreduce_support::{all_reduce_as, connect_all, integer_input, random_input, start_peers};
 use keel_worker::allreduce::WireDtype;
-use rand::{RngExt, SeedableRng};
 
 /// The byte counter is per process: tests that read it must not overlap.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Integers in -50..=50: bf16 holds every sum of up to 5 of them exactly (|sum| < 256).
-fn integer_input(rank: usize, len: usize) -> Vec<f32> {
-    (0..len)
-        .map(|i| ((i * 7 + rank * 13) % 101) as f32 - 50.0)
-        .collect()
-}
-
-fn random_input(rank: usize, len: usize, seed: u64) -> Vec<f32> {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed * 1000 + rank as u64);
-    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
 }
 
 /// Bytes this process has sent on rings so far (`keel_worker_allreduce_bytes_total`).

@@ -6,20 +6,7 @@ mod allreduce_support;
 
 use std::time::Duration;
 
-use allreduce_support::{all_reduce, connect_all, start_peers};
-use rand::{RngExt, SeedableRng};
-
-/// Integer-valued input of `rank`: sums stay exact in f32.
-fn integer_input(rank: usize, len: usize) -> Vec<f32> {
-    (0..len)
-        .map(|i| ((i * 7 + rank * 13) % 101) as f32 - 50.0)
-        .collect()
-}
-
-fn random_input(rank: usize, len: usize, seed: u64) -> Vec<f32> {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed * 1000 + rank as u64);
-    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
+use allreduce_support::{all_reduce, connect_all, integer_input, random_input, start_peers};
 
 fn sequential_sum(inputs: &[Vec<f32>]) -> Vec<f32> {
     let mut sum = vec![0.0f32; inputs[0].len()];

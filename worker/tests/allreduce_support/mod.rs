@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_worker::allreduce::{Mailbox, Ring, RingConfig, WireDtype, ring_service, tune_server};
+use rand::{RngExt, SeedableRng};
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
 
@@ -112,4 +113,18 @@ pub fn all_reduce_as(
         .zip(peers)
         .map(|(h, p)| p.rt.block_on(h).unwrap())
         .collect()
+}
+
+/// Integer-valued input of `rank`, in -50..=50: sums stay exact in f32, and in bf16 up to 5
+/// ranks (|sum| < 256).
+pub fn integer_input(rank: usize, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| ((i * 7 + rank * 13) % 101) as f32 - 50.0)
+        .collect()
+}
+
+/// Uniform input in [-1, 1) of `rank`, reproducible from `seed`.
+pub fn random_input(rank: usize, len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed * 1000 + rank as u64);
+    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
 }
