@@ -3,7 +3,8 @@
  * worker/src/model/onednn.rs for the safe wrapper, the primitive cache and why.
  *
  * One primitive computes C[m, n] = alpha * A[m, k] B[k, n] + beta * C with any (positive)
- * element strides for A, B and C, A and B both f32 or both bf16, C f32:
+ * element strides for A, B and C, A and B both f32 or both bf16, C f32, or the same for a
+ * batch of such products (up to two leading batch dimensions: attention's [batch, heads]):
  *   - alpha is oneDNN's output scale, beta a "sum" post-op (dst = alpha*AB + beta*dst).
  *   - The scratchpad is in user mode: each call allocates its own, so one primitive may be run
  *     from several threads at once (oneDNN's library scratchpad is shared state otherwise).
@@ -43,27 +44,33 @@ static void keel_make_engine(void) {
     } while (0)
 
 /* Creates the primitive. bf16 != 0: A and B are bf16 (uint16 bit patterns); else f32.
- * Strides are in elements: row stride, then column stride. On success *out owns it, and
+ * ndims (2 to 4) dimensions each: A [..., m, k], B [..., k, n], C [..., m, n], where the
+ * leading (batch) dimensions of A and B are C's or 1 (broadcast); dims and strides (in
+ * elements, outermost first) as oneDNN's matmul takes them. On success *out owns it, and
  * impl (impl_len bytes, NUL-terminated) names the implementation oneDNN chose. */
-int keel_dnnl_matmul_create(int bf16, int64_t m, int64_t k, int64_t n, int64_t a_rs,
-                            int64_t a_cs, int64_t b_rs, int64_t b_cs, int64_t c_rs,
-                            int64_t c_cs, float alpha, float beta, struct keel_matmul **out,
-                            char *impl, size_t impl_len) {
+int keel_dnnl_matmul_create(int bf16, int ndims, const int64_t *a_dims, const int64_t *a_str,
+                            const int64_t *b_dims, const int64_t *b_str, const int64_t *c_dims,
+                            const int64_t *c_str, float alpha, float beta,
+                            struct keel_matmul **out, char *impl, size_t impl_len) {
     dnnl_status_t status = dnnl_success;
     dnnl_primitive_attr_t attr = NULL;
     dnnl_post_ops_t post_ops = NULL;
     dnnl_primitive_desc_t pd = NULL;
     struct keel_matmul *mm = NULL;
+    if (ndims < 2 || ndims > 4) return dnnl_invalid_arguments;
     pthread_once(&keel_engine_once, keel_make_engine);
     if (keel_engine_status != dnnl_success) return keel_engine_status;
     mm = calloc(1, sizeof *mm);
     if (!mm) return dnnl_out_of_memory;
     dnnl_data_type_t in = bf16 ? dnnl_bf16 : dnnl_f32;
-    dnnl_dims_t a_dims = {m, k}, b_dims = {k, n}, c_dims = {m, n};
-    dnnl_dims_t a_str = {a_rs, a_cs}, b_str = {b_rs, b_cs}, c_str = {c_rs, c_cs};
-    CHECK(dnnl_memory_desc_init_by_strides(&mm->a_md, 2, a_dims, in, a_str));
-    CHECK(dnnl_memory_desc_init_by_strides(&mm->b_md, 2, b_dims, in, b_str));
-    CHECK(dnnl_memory_desc_init_by_strides(&mm->c_md, 2, c_dims, dnnl_f32, c_str));
+    dnnl_dims_t ad, as, bd, bs, cd, cs;
+    for (int i = 0; i < ndims; i++) {
+        ad[i] = a_dims[i], as[i] = a_str[i], bd[i] = b_dims[i], bs[i] = b_str[i];
+        cd[i] = c_dims[i], cs[i] = c_str[i];
+    }
+    CHECK(dnnl_memory_desc_init_by_strides(&mm->a_md, ndims, ad, in, as));
+    CHECK(dnnl_memory_desc_init_by_strides(&mm->b_md, ndims, bd, in, bs));
+    CHECK(dnnl_memory_desc_init_by_strides(&mm->c_md, ndims, cd, dnnl_f32, cs));
     dnnl_matmul_desc_t desc;
     CHECK(dnnl_matmul_desc_init(&desc, &mm->a_md, &mm->b_md, NULL, &mm->c_md));
     CHECK(dnnl_primitive_attr_create(&attr));

@@ -55,13 +55,13 @@ impl<'a> AttentionDims<'a> {
         self.h * self.d
     }
 
-    fn mask_of(&self, bi: usize) -> Option<Mask> {
+    pub(super) fn mask_of(&self, bi: usize) -> Option<Mask> {
         self.dropout
             .map(|(key, ids, layer, p)| Mask::new(key, ids[bi], layer, Site::AttentionProbs, p))
     }
 
     /// Applies the attention-probs dropout of sequence `bi`, head `j` to a `[t, t]` block.
-    fn drop_block<A: Element>(&self, mask: &Mask, j: usize, block: &mut [A]) {
+    pub(super) fn drop_block<A: Element>(&self, mask: &Mask, j: usize, block: &mut [A]) {
         let (t, pmax) = (self.t as u64, self.max_positions as u64);
         for (q, row) in block.chunks_exact_mut(self.t).enumerate() {
             mask.apply(row, (j as u64 * pmax + q as u64) * pmax);
@@ -89,8 +89,28 @@ fn head_mut<'a, A>(
         .slice_move(s![bi * t..(bi + 1) * t, j * d..(j + 1) * d])
 }
 
+/// Whether this thread's GEMMs take the batched route (`super::attention_batched`): bf16
+/// precision with native bf16 GEMMs, in f32.
+fn batched<A: Element>() -> bool {
+    std::any::TypeId::of::<A>() == std::any::TypeId::of::<f32>()
+        && super::bf16::current() == keel_proto::precision::Precision::Bf16
+        && super::bf16::support().native
+}
+
+/// Scratch elements per part of at most `seqs` sequences: `blocks` `[t, t]` blocks for the
+/// per-(sequence, head) loop, or as many per (sequence, head) for the batched route.
+fn scratch_per_part(dims: &AttentionDims<'_>, seqs: usize, blocks: usize, batched: bool) -> usize {
+    let tt = dims.t * dims.t;
+    if batched {
+        blocks * seqs * dims.h * tt
+    } else {
+        blocks * tt
+    }
+}
+
 /// Fills `probs` `[b, h, t, t]` (before dropout) and `ctx` `[n, c]`, the sequences split
-/// among the model's threads. `scratch` grows to `threads * t * t`.
+/// among the model's threads. `scratch` grows to `threads * t * t` (the batched route:
+/// `b * h * t * t`).
 pub(crate) fn forward<A: Element>(
     ctx: &mut [A],
     probs: &mut [A],
@@ -102,7 +122,10 @@ pub(crate) fn forward<A: Element>(
 ) {
     let (t, c, h) = (dims.t, dims.c(), dims.h);
     let parts = parallel::split(dims.b, parallel::available_threads());
-    let scratch = grow(scratch, parts.len() * t * t);
+    let batched = batched::<A>();
+    let most = parts.iter().map(|r| r.len()).max().unwrap_or(0);
+    let per_part = scratch_per_part(dims, most, 1, batched);
+    let scratch = grow(scratch, parts.len() * per_part);
     let mut work = Vec::with_capacity(parts.len());
     let (mut ctx, mut probs, mut scratch) = (
         &mut ctx[..dims.b * t * c],
@@ -112,14 +135,19 @@ pub(crate) fn forward<A: Element>(
     for r in parts {
         let (ctx_part, ctx_rest) = ctx.split_at_mut(r.len() * t * c);
         let (probs_part, probs_rest) = probs.split_at_mut(r.len() * h * t * t);
-        let (scratch_part, scratch_rest) = scratch.split_at_mut(t * t);
+        let (scratch_part, scratch_rest) = scratch.split_at_mut(per_part);
         (ctx, probs, scratch) = (ctx_rest, probs_rest, scratch_rest);
         work.push((r, ctx_part, probs_part, scratch_part));
     }
     parallel::run_parts(work, |(r, ctx, probs, scratch)| {
         let rows = r.start * t * c..r.end * t * c;
         let local = dims.part(&r);
-        forward_seqs(
+        let seqs = if batched {
+            super::attention_batched::forward_seqs
+        } else {
+            forward_seqs
+        };
+        seqs(
             ctx,
             probs,
             scratch,
@@ -131,7 +159,7 @@ pub(crate) fn forward<A: Element>(
     });
 }
 
-fn forward_seqs<A: Element>(
+pub(super) fn forward_seqs<A: Element>(
     ctx: &mut [A],
     probs: &mut [A],
     scratch: &mut [A],
@@ -185,7 +213,7 @@ fn forward_seqs<A: Element>(
 /// The key mask one sequence's softmax rows use: `None` when every key counts (no padding, or
 /// no real key at all, where HF's additive mask shifts every score alike). Decided once per
 /// sequence rather than once per row.
-fn softmax_keys(keys: &[u8]) -> Option<&[u8]> {
+pub(super) fn softmax_keys(keys: &[u8]) -> Option<&[u8]> {
     let all_real = keys.iter().all(|&m| m != 0);
     let any_real = keys.iter().any(|&m| m != 0);
     if all_real || !any_real {
@@ -197,7 +225,7 @@ fn softmax_keys(keys: &[u8]) -> Option<&[u8]> {
 
 /// Softmax over the keys with `keys[k] != 0` (all keys for `None`, see [`softmax_keys`]);
 /// padded keys get exactly 0 (HF adds `finfo.min`, whose `exp` underflows to 0).
-fn masked_softmax<A: Element>(row: &mut [A], keys: Option<&[u8]>) {
+pub(super) fn masked_softmax<A: Element>(row: &mut [A], keys: Option<&[u8]>) {
     let Some(keys) = keys else {
         let max = A::max_of(row);
         let inv = A::one() / A::exp_shifted_sum(row, max);
@@ -223,7 +251,8 @@ fn masked_softmax<A: Element>(row: &mut [A], keys: Option<&[u8]>) {
 }
 
 /// Given `dctx` `[n, c]`: writes `dq`, `dk`, `dv` `[n, c]`, the sequences split among the
-/// model's threads. `scratch` grows to `threads * 2 * t * t`.
+/// model's threads. `scratch` grows to `threads * 2 * t * t` (the batched route:
+/// `2 * b * h * t * t`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<A: Element>(
     dq: &mut [A],
@@ -239,7 +268,10 @@ pub(crate) fn backward<A: Element>(
 ) {
     let (t, c, h) = (dims.t, dims.c(), dims.h);
     let parts = parallel::split(dims.b, parallel::available_threads());
-    let scratch = grow(scratch, parts.len() * 2 * t * t);
+    let batched = batched::<A>();
+    let most = parts.iter().map(|r| r.len()).max().unwrap_or(0);
+    let per_part = scratch_per_part(dims, most, 2, batched);
+    let scratch = grow(scratch, parts.len() * per_part);
     let mut work = Vec::with_capacity(parts.len());
     let n = dims.b * t * c;
     let (mut dq, mut dk, mut dv, mut scratch) = (&mut dq[..n], &mut dk[..n], &mut dv[..n], scratch);
@@ -248,7 +280,7 @@ pub(crate) fn backward<A: Element>(
         let (dq_part, dq_rest) = dq.split_at_mut(len);
         let (dk_part, dk_rest) = dk.split_at_mut(len);
         let (dv_part, dv_rest) = dv.split_at_mut(len);
-        let (scratch_part, scratch_rest) = scratch.split_at_mut(2 * t * t);
+        let (scratch_part, scratch_rest) = scratch.split_at_mut(per_part);
         (dq, dk, dv, scratch) = (dq_rest, dk_rest, dv_rest, scratch_rest);
         work.push((r, dq_part, dk_part, dv_part, scratch_part));
     }
@@ -256,7 +288,12 @@ pub(crate) fn backward<A: Element>(
         let rows = r.start * t * c..r.end * t * c;
         let local = dims.part(&r);
         let p = &probs[r.start * h * t * t..r.end * h * t * t];
-        backward_seqs(
+        let seqs = if batched {
+            super::attention_batched::backward_seqs
+        } else {
+            backward_seqs
+        };
+        seqs(
             dq,
             dk,
             dv,
@@ -272,7 +309,7 @@ pub(crate) fn backward<A: Element>(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn backward_seqs<A: Element>(
+pub(super) fn backward_seqs<A: Element>(
     dq: &mut [A],
     dk: &mut [A],
     dv: &mut [A],

@@ -34,7 +34,7 @@ use keel_proto::precision::Precision;
 use ndarray::{ArrayView2, ArrayViewMut2, ShapeBuilder};
 
 use super::Element;
-use super::onednn::{self, InputType};
+use super::onednn::{self, InputType, Strided4};
 
 thread_local! {
     /// The precision of GEMMs started on this thread.
@@ -260,6 +260,57 @@ pub(crate) fn native_gemm_f32(
             }
         });
     });
+    true
+}
+
+/// The native route for a batch of f32 products (see `super::gemm::gemm_batched`): both
+/// operands' slices to bf16 bit patterns, whole, then one oneDNN call. Returns false (nothing
+/// done) when this process has no native bf16.
+///
+/// Panics if oneDNN fails after the startup probe succeeded (as [`native_gemm_f32`]) or the
+/// operands do not fit their slices (a caller's bug).
+pub(crate) fn native_batched_f32(
+    alpha: f32,
+    (a, a16, sa): (&[f32], Option<&[u16]>, Strided4),
+    (b, b16, sb): (&[f32], Option<&[u16]>, Strided4),
+    beta: f32,
+    (c, sc): (&mut [f32], Strided4),
+) -> bool {
+    if !support().native {
+        return false;
+    }
+    with_scratch::<u16, _>(|ba, bb| {
+        let a16 = a16.unwrap_or_else(|| {
+            ba.clear();
+            extend_converted(ba, &a[..sa.extent().min(a.len())], bf16_bits);
+            ba
+        });
+        let b16 = b16.unwrap_or_else(|| {
+            bb.clear();
+            extend_converted(bb, &b[..sb.extent().min(b.len())], bf16_bits);
+            bb
+        });
+        if let Err(e) =
+            onednn::batched_matmul(InputType::Bf16, alpha, (a16, sa), (b16, sb), beta, (c, sc))
+        {
+            panic!("oneDNN batched bf16 matmul failed after the startup probe succeeded: {e}");
+        }
+    });
+    true
+}
+
+/// `x` as bf16 bit patterns in `out` (cleared first), for an operand several native GEMMs
+/// share: converted once instead of once per GEMM. False (nothing done) unless `A` is f32
+/// and bf16 GEMMs run natively in this thread's precision.
+pub(crate) fn native_copy<A: 'static>(x: &[A], out: &mut Vec<u16>) -> bool {
+    if TypeId::of::<A>() != TypeId::of::<f32>() || current() != Precision::Bf16 || !support().native
+    {
+        return false;
+    }
+    // SAFETY: `A` is f32 (checked above): same size, alignment and validity.
+    let x = unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) };
+    out.clear();
+    extend_converted(out, x, bf16_bits);
     true
 }
 

@@ -54,6 +54,19 @@ pub trait Element:
         false
     }
 
+    /// A batch of bf16 products by one native call (`super::bf16::native_batched_f32`; an
+    /// operand may come with its bf16 copy already made); false (nothing done) for types or
+    /// CPUs without one.
+    fn gemm_batched_bf16_native(
+        _alpha: Self,
+        _a: (&[Self], Option<&[u16]>, super::onednn::Strided4),
+        _b: (&[Self], Option<&[u16]>, super::onednn::Strided4),
+        _beta: Self,
+        _c: (&mut [Self], super::onednn::Strided4),
+    ) -> bool {
+        false
+    }
+
     /// `y = x * Phi(x)`, exact GELU (Hendrycks & Gimpel 2016, eq. 1).
     fn gelu_forward(y: &mut [Self], x: &[Self]) {
         let (half, s) = (Self::of(0.5), Self::of(std::f64::consts::FRAC_1_SQRT_2));
@@ -126,6 +139,16 @@ impl Element for f32 {
         parts: usize,
     ) -> bool {
         super::bf16::native_gemm_f32(alpha, a, b, beta, c, parts)
+    }
+
+    fn gemm_batched_bf16_native(
+        alpha: f32,
+        a: (&[f32], Option<&[u16]>, super::onednn::Strided4),
+        b: (&[f32], Option<&[u16]>, super::onednn::Strided4),
+        beta: f32,
+        c: (&mut [f32], super::onednn::Strided4),
+    ) -> bool {
+        super::bf16::native_batched_f32(alpha, a, b, beta, c)
     }
 }
 

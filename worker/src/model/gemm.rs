@@ -19,12 +19,13 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use ndarray::{ArrayView2, ArrayViewMut2, Axis, s};
+use ndarray::{ArrayView2, ArrayViewMut2, Axis, ShapeBuilder, s};
 
 use keel_proto::precision::Precision;
 
 use super::Element;
 use super::bf16::{self, Bf16Backend};
+use super::onednn::Strided4;
 use super::parallel;
 
 /// Smallest GEMM worth cutting among threads (flops): below it, starting a thread (~20 us)
@@ -121,7 +122,8 @@ fn class_of(file: &str) -> usize {
         .rsplit(['/', '\\'])
         .next()
         .unwrap_or(file)
-        .trim_end_matches(".rs");
+        .trim_end_matches(".rs")
+        .trim_end_matches("_batched");
     CLASSES[..3].iter().position(|c| *c == stem).unwrap_or(3)
 }
 
@@ -158,7 +160,21 @@ pub(crate) fn gemm<A: Element>(
         .min(extent / MIN_SPLIT_EXTENT)
         .max(1);
     let class = class_of(std::panic::Location::caller().file());
-    let backend = match bf16::current() {
+    let backend = block(alpha, a, b, beta, c, parts);
+    count(class, backend, flops, start);
+}
+
+/// One product in this thread's precision on `parts` threads; returns the backend's index in
+/// [`BACKENDS`].
+fn block<A: Element>(
+    alpha: A,
+    a: &ArrayView2<'_, A>,
+    b: &ArrayView2<'_, A>,
+    beta: A,
+    c: &mut ArrayViewMut2<'_, A>,
+    parts: usize,
+) -> usize {
+    match bf16::current() {
         Precision::Fp32 => {
             multiply(alpha, a, b, beta, c, parts);
             0
@@ -167,13 +183,93 @@ pub(crate) fn gemm<A: Element>(
             Bf16Backend::Emulated => 1,
             Bf16Backend::Native => 2,
         },
-    };
+    }
+}
+
+/// Adds one call of `flops` started at `start` to the stats.
+fn count(class: usize, backend: usize, flops: usize, start: Instant) {
     CLASS_FLOPS[class][backend].fetch_add(flops as u64, Ordering::Relaxed);
     let nanos = start.elapsed().as_nanos() as u64;
     CLASS_NANOS[class].fetch_add(nanos, Ordering::Relaxed);
     GEMM_NANOS.fetch_add(nanos, Ordering::Relaxed);
     GEMM_FLOPS.fetch_add(flops as u64, Ordering::Relaxed);
     GEMM_CALLS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// `c = alpha * a b + beta * c` for each matrix of a batch on this thread: `a` `[b, h, m, k]`,
+/// `b` `[b, h, k, n]`, `c` `[b, h, m, n]`, each a [`Strided4`] over its slice (attention's
+/// per-(sequence, head) blocks). Where bf16 GEMMs run natively, one oneDNN call for the whole
+/// batch; elsewhere one [`gemm`]-equivalent call per matrix (the same arithmetic as calling
+/// it per block). An operand may carry its bf16 bit patterns, made once by
+/// `super::bf16::native_copy` for several GEMMs; the native route then uses them (they must
+/// be that operand's slice converted), the others ignore them. Counted in the stats as one
+/// call of the caller's class.
+///
+/// Panics if an operand reaches past its slice or the shapes do not chain (a caller's bug).
+#[track_caller]
+pub(crate) fn gemm_batched<A: Element>(
+    alpha: A,
+    (a, a16, sa): (&[A], Option<&[u16]>, Strided4),
+    (b, b16, sb): (&[A], Option<&[u16]>, Strided4),
+    beta: A,
+    (c, sc): (&mut [A], Strided4),
+) {
+    let [bb, h, m, k] = sa.dims;
+    let n = sb.dims[3];
+    assert!(
+        sb.dims == [bb, h, k, n] && sc.dims == [bb, h, m, n],
+        "batched GEMM shapes {:?} x {:?} -> {:?}",
+        sa.dims,
+        sb.dims,
+        sc.dims
+    );
+    assert!(
+        sa.extent() <= a.len() && sb.extent() <= b.len() && sc.extent() <= c.len(),
+        "batched GEMM operand past its slice"
+    );
+    if sc.extent() == 0 {
+        return;
+    }
+    let start = Instant::now();
+    let class = class_of(std::panic::Location::caller().file());
+    let flops = 2 * bb * h * m * n * k;
+    if k > 0
+        && bf16::current() == Precision::Bf16
+        && A::gemm_batched_bf16_native(alpha, (a, a16, sa), (b, b16, sb), beta, (&mut *c, sc))
+    {
+        count(class, 2, flops, start);
+        return;
+    }
+    fn view<A>(x: &[A], s: Strided4, i: usize, j: usize) -> ArrayView2<'_, A> {
+        ArrayView2::from_shape(
+            (s.dims[2], s.dims[3]).strides((s.strides[2], s.strides[3])),
+            &x[s.offset(i, j)..],
+        )
+        .expect("a Strided4 within its slice (checked above)")
+    }
+    let mut backend = 0;
+    for i in 0..bb {
+        for j in 0..h {
+            let (av, bv) = (view(a, sa, i, j), view(b, sb, i, j));
+            let mut cv = ArrayViewMut2::from_shape(
+                (m, n).strides((sc.strides[2], sc.strides[3])),
+                &mut c[sc.offset(i, j)..],
+            )
+            .expect("a Strided4 within its slice (checked above)");
+            if k == 0 {
+                cv.map_inplace(|x| {
+                    *x = if beta == A::zero() {
+                        A::zero()
+                    } else {
+                        *x * beta
+                    }
+                });
+            } else {
+                backend = block(alpha, &av, &bv, beta, &mut cv, 1);
+            }
+        }
+    }
+    count(class, backend, flops, start);
 }
 
 /// `c = alpha * a b + beta * c` by OpenBLAS on `parts` threads (see [`split_among`]).

@@ -22,6 +22,7 @@
 
 mod activation;
 mod attention;
+mod attention_batched;
 mod bert;
 pub mod bf16;
 mod bf16_cpu;
@@ -50,6 +51,7 @@ pub use dropout::DropoutKey;
 pub use element::Element;
 pub use init::init_params;
 pub use lookup_grads::LookupGrads;
+pub use onednn::Strided4;
 
 /// Errors of running the model on a batch.
 #[derive(Debug, thiserror::Error)]

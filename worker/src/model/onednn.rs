@@ -30,15 +30,13 @@ struct RawMatmul {
 unsafe extern "C" {
     fn keel_dnnl_matmul_create(
         bf16: c_int,
-        m: i64,
-        k: i64,
-        n: i64,
-        a_rs: i64,
-        a_cs: i64,
-        b_rs: i64,
-        b_cs: i64,
-        c_rs: i64,
-        c_cs: i64,
+        ndims: c_int,
+        a_dims: *const i64,
+        a_strides: *const i64,
+        b_dims: *const i64,
+        b_strides: *const i64,
+        c_dims: *const i64,
+        c_strides: *const i64,
         alpha: f32,
         beta: f32,
         out: *mut *mut RawMatmul,
@@ -80,6 +78,10 @@ pub(crate) enum DnnlError {
     /// A view with a negative stride (ndarray allows them; oneDNN does not).
     #[error("oneDNN matmul needs non-negative strides, got {0:?}")]
     NegativeStride([isize; 2]),
+    /// A batched operand whose dimensions and strides reach past its slice, or whose shapes
+    /// do not chain (`[.., m, k] x [.., k, n] -> [.., m, n]`).
+    #[error("oneDNN batched matmul: {0}")]
+    BadOperand(String),
 }
 
 fn status_name(status: i32) -> &'static str {
@@ -94,14 +96,37 @@ fn status_name(status: i32) -> &'static str {
     }
 }
 
-/// What identifies a primitive: everything it was created with.
+/// What identifies a primitive: everything it was created with. `dims` and `strides` are
+/// A's, B's and C's, the first `ndims` entries of each used (outermost first).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Key {
     input: InputType,
-    mkn: [usize; 3],
-    strides: [i64; 6],
+    ndims: usize,
+    dims: [[i64; 4]; 3],
+    strides: [[i64; 4]; 3],
     alpha: u32,
     beta: u32,
+}
+
+impl Key {
+    /// The key of a plain `[m, k] x [k, n]` product with these (row, column) strides of A,
+    /// B and C.
+    fn plain(input: InputType, [m, k, n]: [usize; 3], s: [i64; 6], alpha: f32, beta: f32) -> Key {
+        let (m, k, n) = (m as i64, k as i64, n as i64);
+        Key {
+            input,
+            ndims: 2,
+            dims: [[m, k, 0, 0], [k, n, 0, 0], [m, n, 0, 0]],
+            strides: [[s[0], s[1], 0, 0], [s[2], s[3], 0, 0], [s[4], s[5], 0, 0]],
+            alpha: alpha.to_bits(),
+            beta: beta.to_bits(),
+        }
+    }
+
+    fn describe(&self) -> String {
+        let d = |i: usize| format!("{:?}", &self.dims[i][..self.ndims]);
+        format!("{:?} {} x {} matmul", self.input, d(0), d(1))
+    }
 }
 
 /// A created primitive. oneDNN primitives are immutable once created and may be executed
@@ -156,23 +181,20 @@ fn primitive(key: Key) -> Result<Arc<Matmul>, DnnlError> {
     if let Some(p) = cache().lock().ok().and_then(|c| c.get(&key).cloned()) {
         return Ok(p);
     }
-    let [m, k, n] = key.mkn;
-    let s = key.strides;
     let mut raw = std::ptr::null_mut();
     let mut name = [0 as c_char; 128];
-    // SAFETY: plain integers in; `raw` and `name` are valid out-pointers of the given sizes.
+    // SAFETY: plain integers in (`ndims` <= 4 entries of each array are read); `raw` and
+    // `name` are valid out-pointers of the given sizes.
     let status = unsafe {
         keel_dnnl_matmul_create(
             c_int::from(key.input == InputType::Bf16),
-            m as i64,
-            k as i64,
-            n as i64,
-            s[0],
-            s[1],
-            s[2],
-            s[3],
-            s[4],
-            s[5],
+            key.ndims as c_int,
+            key.dims[0].as_ptr(),
+            key.strides[0].as_ptr(),
+            key.dims[1].as_ptr(),
+            key.strides[1].as_ptr(),
+            key.dims[2].as_ptr(),
+            key.strides[2].as_ptr(),
             f32::from_bits(key.alpha),
             f32::from_bits(key.beta),
             &mut raw,
@@ -182,7 +204,7 @@ fn primitive(key: Key) -> Result<Arc<Matmul>, DnnlError> {
     };
     if status != 0 || raw.is_null() {
         return Err(DnnlError::Status {
-            what: format!("creating a {:?} [{m}, {k}] x [{k}, {n}] matmul", key.input),
+            what: format!("creating a {}", key.describe()),
             status,
         });
     }
@@ -194,7 +216,7 @@ fn primitive(key: Key) -> Result<Arc<Matmul>, DnnlError> {
         // The reference kernels are scalar loops, 100x slower or more: a layout the fast
         // kernels do not take reached oneDNN. Said once per shape (the primitive is cached).
         tracing::warn!(
-            m, k, n, strides = ?s, %implementation,
+            matmul = %key.describe(), strides = ?key.strides, %implementation,
             "oneDNN chose its reference matmul for this shape and layout: slow"
         );
     }
@@ -242,13 +264,13 @@ pub(crate) fn matmul<T: Copy>(
     let [a_rs, a_cs] = strides_of(a)?;
     let [b_rs, b_cs] = strides_of(b)?;
     let [c_rs, c_cs] = strides_of(&c.view())?;
-    let p = primitive(Key {
+    let p = primitive(Key::plain(
         input,
-        mkn: [m, k, n],
-        strides: [a_rs, a_cs, b_rs, b_cs, c_rs, c_cs],
-        alpha: alpha.to_bits(),
-        beta: beta.to_bits(),
-    })?;
+        [m, k, n],
+        [a_rs, a_cs, b_rs, b_cs, c_rs, c_cs],
+        alpha,
+        beta,
+    ))?;
     // SAFETY: the primitive was created for exactly these shapes and strides; the pointers
     // are the views' first elements, valid for those strides; `c` is borrowed mutably.
     let status = unsafe {
@@ -260,6 +282,132 @@ pub(crate) fn matmul<T: Copy>(
     if status != 0 {
         return Err(DnnlError::Status {
             what: format!("running a {input:?} [{m}, {k}] x [{k}, {n}] matmul"),
+            status,
+        });
+    }
+    Ok(p.implementation.clone())
+}
+
+/// A batch of matrices `[batch, heads, rows, cols]` over a slice, with element strides
+/// (outermost first): attention's per-(sequence, head) blocks of a `[tokens, hidden]` buffer,
+/// or a dense `[batch, heads, t, t]` one, without copying them out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Strided4 {
+    /// `[batch, heads, rows, cols]`.
+    pub dims: [usize; 4],
+    /// Element strides of the four dimensions.
+    pub strides: [usize; 4],
+}
+
+impl Strided4 {
+    /// A dense row-major `[batch, heads, rows, cols]`.
+    pub fn dense(dims: [usize; 4]) -> Strided4 {
+        let [_, h, r, c] = dims;
+        Strided4 {
+            dims,
+            strides: [h * r * c, r * c, c, 1],
+        }
+    }
+
+    /// The same matrices transposed (rows and columns swapped; no data moves).
+    pub fn t(self) -> Strided4 {
+        let [b, h, r, c] = self.dims;
+        let [sb, sh, sr, sc] = self.strides;
+        Strided4 {
+            dims: [b, h, c, r],
+            strides: [sb, sh, sc, sr],
+        }
+    }
+
+    /// One past the largest element offset it reaches (0 when it has no elements).
+    pub fn extent(&self) -> usize {
+        if self.dims.contains(&0) {
+            return 0;
+        }
+        1 + self
+            .dims
+            .iter()
+            .zip(&self.strides)
+            .map(|(d, s)| (d - 1) * s)
+            .sum::<usize>()
+    }
+
+    /// Element offset of matrix `(i, j)`'s first element.
+    pub fn offset(&self, i: usize, j: usize) -> usize {
+        i * self.strides[0] + j * self.strides[1]
+    }
+}
+
+/// `c = alpha * a b + beta * c` for every matrix of a batch, by one oneDNN call on this
+/// thread: `a` `[b, h, m, k]`, `b` `[b, h, k, n]` of `T` (f32 or bf16 bit patterns, as in
+/// [`matmul`]), `c` `[b, h, m, n]` f32, each a [`Strided4`] over its slice. One call instead
+/// of `b * h` saves oneDNN's per-call overhead, which at attention's `[128, 64]` blocks is
+/// larger than the arithmetic. Returns the implementation's name.
+///
+/// Errors: [`DnnlError::BadOperand`] when the shapes do not chain or an operand reaches past
+/// its slice; [`DnnlError::Status`] as for [`matmul`].
+pub(crate) fn batched_matmul<T: Copy>(
+    input: InputType,
+    alpha: f32,
+    (a, sa): (&[T], Strided4),
+    (b, sb): (&[T], Strided4),
+    beta: f32,
+    (c, sc): (&mut [f32], Strided4),
+) -> Result<String, DnnlError> {
+    let expected = match input {
+        InputType::F32 => std::mem::size_of::<f32>(),
+        InputType::Bf16 => std::mem::size_of::<u16>(),
+    };
+    assert_eq!(
+        std::mem::size_of::<T>(),
+        expected,
+        "element size of {input:?}"
+    );
+    let [bb, h, m, k] = sa.dims;
+    let n = sb.dims[3];
+    if sb.dims != [bb, h, k, n] || sc.dims != [bb, h, m, n] {
+        return Err(DnnlError::BadOperand(format!(
+            "shapes {:?} x {:?} -> {:?} do not chain",
+            sa.dims, sb.dims, sc.dims
+        )));
+    }
+    for (what, extent, len) in [
+        ("a", sa.extent(), a.len()),
+        ("b", sb.extent(), b.len()),
+        ("c", sc.extent(), c.len()),
+    ] {
+        if extent > len {
+            return Err(DnnlError::BadOperand(format!(
+                "{what} reaches element {extent} of a slice of {len}"
+            )));
+        }
+    }
+    if sc.extent() == 0 {
+        return Ok(String::new());
+    }
+    let i64s = |x: [usize; 4]| x.map(|v| v as i64);
+    let p = primitive(Key {
+        input,
+        ndims: 4,
+        dims: [i64s(sa.dims), i64s(sb.dims), i64s(sc.dims)],
+        strides: [i64s(sa.strides), i64s(sb.strides), i64s(sc.strides)],
+        alpha: alpha.to_bits(),
+        beta: beta.to_bits(),
+    })?;
+    // SAFETY: the primitive was created for exactly these dims and strides, and every offset
+    // they reach lies inside the slices (checked above); `c` is borrowed mutably.
+    let status = unsafe {
+        keel_dnnl_matmul_run(p.raw, a.as_ptr().cast(), b.as_ptr().cast(), c.as_mut_ptr())
+    };
+    if input == InputType::Bf16 && p.implementation.starts_with("ref") {
+        REFERENCE_BF16_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    if status != 0 {
+        return Err(DnnlError::Status {
+            what: format!(
+                "running a batched {input:?} {:?} x {:?} matmul",
+                sa.dims, sb.dims
+            ),
             status,
         });
     }
@@ -348,13 +496,7 @@ mod tests {
     /// A second request for the same shape, strides, alpha and beta gets the cached primitive.
     #[test]
     fn primitives_are_cached_per_key() {
-        let key = Key {
-            input: InputType::F32,
-            mkn: [17, 9, 5],
-            strides: [9, 1, 1, 9, 5, 1],
-            alpha: 1f32.to_bits(),
-            beta: 0f32.to_bits(),
-        };
+        let key = Key::plain(InputType::F32, [17, 9, 5], [9, 1, 1, 9, 5, 1], 1.0, 0.0);
         let first = primitive(key).expect("oneDNN creates an f32 matmul on any x86-64 CPU");
         let again = primitive(key).expect("cached");
         assert!(std::sync::Arc::ptr_eq(&first, &again));
