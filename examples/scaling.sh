@@ -8,13 +8,15 @@
 # PyTorch DDP on the same configuration: scripts/peer/ddp_scaling.py.
 # Needs at least 2 free cores to mean anything.
 # Usage: examples/scaling.sh [STEPS [ROUNDS]]   (defaults 100 and 3; env KEEL_BIN: folder of the
-# keel binaries; KEEL_PRECISION: train.precision, auto (the default), bf16 or fp32)
+# keel binaries; KEEL_PRECISION: train.precision, auto (the default), bf16 or fp32;
+# KEEL_ALLREDUCE_DTYPE: train.allreduce_dtype, fp32 (the default) or bf16)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/corpora.sh >/dev/null
 steps=${1:-100}
 rounds=${2:-3}
 precision=${KEEL_PRECISION:-auto}
+wire=${KEEL_ALLREDUCE_DTYPE:-fp32}
 bin=${KEEL_BIN:-target/release}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -34,6 +36,7 @@ warmup_steps = 4
 checkpoint_every = 0
 eval_every = 0
 precision = "$precision"
+allreduce_dtype = "$wire"
 TOML
 run() {
   "$bin/keel" local --workers "$1" --threads 1 --quiet "$work/job.toml" --out "$work/out-$1" --work-dir "$work/w$1" |
@@ -52,6 +55,6 @@ for ((r = 1; r <= rounds; r++)); do
 done
 m1=$(printf '%s\n' "${ones[@]}" | median)
 m2=$(printf '%s\n' "${twos[@]}" | median)
-echo "train.precision = $precision"
+echo "train.precision = $precision, train.allreduce_dtype = $wire"
 echo "median over $rounds rounds: 1 worker: $m1 tok/s; 2 workers: $m2 tok/s"
 awk -v a="$m1" -v b="$m2" 'BEGIN { printf "scaling efficiency throughput_2 / (2 x throughput_1) = %.3f\n", b / (2 * a) }'

@@ -250,6 +250,17 @@ pub(super) fn masked_softmax<A: Element>(row: &mut [A], keys: Option<&[u8]>) {
     row.iter_mut().for_each(|s| *s *= inv);
 }
 
+/// Softmax backward on `[t, t]` blocks, in place: `dp` (the gradient of the probabilities)
+/// becomes `dS = P * (dP - sum_k dP * P)` row by row, `p` the probabilities.
+pub(super) fn softmax_backward<A: Element>(dp: &mut [A], p: &[A], t: usize) {
+    for (dp_row, p_row) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+        let dot: A = dp_row.iter().zip(p_row).map(|(&a, &b)| a * b).sum();
+        for (g, &pv) in dp_row.iter_mut().zip(p_row) {
+            *g = pv * (*g - dot);
+        }
+    }
+}
+
 /// Given `dctx` `[n, c]`: writes `dq`, `dk`, `dv` `[n, c]`, the sequences split among the
 /// model's threads. `scratch` grows to `threads * 2 * t * t` (the batched route:
 /// `2 * b * h * t * t`).
@@ -357,13 +368,7 @@ pub(super) fn backward_seqs<A: Element>(
             if let Some(m) = &mask {
                 dims.drop_block(m, j, dp);
             }
-            // Softmax backward: dS = P * (dP - sum_k dP * P).
-            for (dp_row, p_row) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
-                let dot: A = dp_row.iter().zip(p_row).map(|(&a, &b)| a * b).sum();
-                for (g, &pv) in dp_row.iter_mut().zip(p_row) {
-                    *g = pv * (*g - dot);
-                }
-            }
+            softmax_backward(dp, p, t);
             let ds = super::gemm::mat(dp, t, t);
             // dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d)
             gemm(

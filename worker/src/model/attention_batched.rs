@@ -16,7 +16,7 @@
 use std::cell::RefCell;
 
 use super::Element;
-use super::attention::{AttentionDims, masked_softmax, softmax_keys};
+use super::attention::{AttentionDims, masked_softmax, softmax_backward, softmax_keys};
 use super::bf16::native_copy;
 use super::gemm::gemm_batched;
 use super::onednn::Strided4;
@@ -135,8 +135,7 @@ pub(crate) fn backward_seqs<A: Element>(
             A::zero(),
             (dv, hv),
         );
-        // dP' = dctx V^T, then dP through the same dropout mask, then the softmax backward:
-        // dS = P * (dP - sum_k dP * P).
+        // dP' = dctx V^T, then dP through the same dropout mask, then the softmax backward.
         gemm_batched(
             A::one(),
             (dctx, dctx16, hv),
@@ -152,15 +151,7 @@ pub(crate) fn backward_seqs<A: Element>(
                 if let Some(m) = &mask {
                     dims.drop_block(m, j, block);
                 }
-                for (dp_row, p_row) in block
-                    .chunks_exact_mut(t)
-                    .zip(probs[at..at + tt].chunks_exact(t))
-                {
-                    let dot: A = dp_row.iter().zip(p_row).map(|(&a, &b)| a * b).sum();
-                    for (g, &pv) in dp_row.iter_mut().zip(p_row) {
-                        *g = pv * (*g - dot);
-                    }
-                }
+                softmax_backward(block, &probs[at..at + tt], t);
             }
         }
         // dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d).
