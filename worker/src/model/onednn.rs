@@ -233,6 +233,45 @@ fn primitive(key: Key) -> Result<Arc<Matmul>, DnnlError> {
     Ok(p)
 }
 
+impl InputType {
+    /// Panics unless `T` has this input type's element size (f32: 4 bytes, bf16: 2).
+    fn check_element<T>(self) {
+        let expected = match self {
+            InputType::F32 => std::mem::size_of::<f32>(),
+            InputType::Bf16 => std::mem::size_of::<u16>(),
+        };
+        assert_eq!(
+            std::mem::size_of::<T>(),
+            expected,
+            "element size of {self:?}"
+        );
+    }
+}
+
+/// Runs `p` on this thread and counts a bf16 call that ran on a reference kernel; returns the
+/// implementation's name, or oneDNN's status.
+///
+/// # Safety
+/// `a`, `b` and `c` must be valid for every offset the dims and strides `p` was created with
+/// reach, of `p`'s input type (`c` f32, not aliased).
+unsafe fn execute(
+    p: &Matmul,
+    input: InputType,
+    a: *const c_void,
+    b: *const c_void,
+    c: *mut f32,
+) -> Result<String, i32> {
+    // SAFETY: per the function's contract.
+    let status = unsafe { keel_dnnl_matmul_run(p.raw, a, b, c) };
+    if input == InputType::Bf16 && p.implementation.starts_with("ref") {
+        REFERENCE_BF16_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    if status != 0 {
+        return Err(status);
+    }
+    Ok(p.implementation.clone())
+}
+
 /// `c = alpha * a b + beta * c` by oneDNN on this thread: `a` `[m, k]`, `b` `[k, n]` of `T`
 /// (`f32` with [`InputType::F32`], bf16 bit patterns `u16` with [`InputType::Bf16`]), `c`
 /// `[m, n]` f32; any non-negative strides (transposed and row-strided views included).
@@ -248,15 +287,7 @@ pub(crate) fn matmul<T: Copy>(
     beta: f32,
     c: &mut ArrayViewMut2<'_, f32>,
 ) -> Result<String, DnnlError> {
-    let expected = match input {
-        InputType::F32 => std::mem::size_of::<f32>(),
-        InputType::Bf16 => std::mem::size_of::<u16>(),
-    };
-    assert_eq!(
-        std::mem::size_of::<T>(),
-        expected,
-        "element size of {input:?}"
-    );
+    input.check_element::<T>();
     let (m, k) = a.dim();
     let n = b.ncols();
     assert_eq!(b.nrows(), k, "inner dimensions");
@@ -273,19 +304,19 @@ pub(crate) fn matmul<T: Copy>(
     ))?;
     // SAFETY: the primitive was created for exactly these shapes and strides; the pointers
     // are the views' first elements, valid for those strides; `c` is borrowed mutably.
-    let status = unsafe {
-        keel_dnnl_matmul_run(p.raw, a.as_ptr().cast(), b.as_ptr().cast(), c.as_mut_ptr())
-    };
-    if input == InputType::Bf16 && p.implementation.starts_with("ref") {
-        REFERENCE_BF16_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    unsafe {
+        execute(
+            &p,
+            input,
+            a.as_ptr().cast(),
+            b.as_ptr().cast(),
+            c.as_mut_ptr(),
+        )
     }
-    if status != 0 {
-        return Err(DnnlError::Status {
-            what: format!("running a {input:?} [{m}, {k}] x [{k}, {n}] matmul"),
-            status,
-        });
-    }
-    Ok(p.implementation.clone())
+    .map_err(|status| DnnlError::Status {
+        what: format!("running a {input:?} [{m}, {k}] x [{k}, {n}] matmul"),
+        status,
+    })
 }
 
 /// A batch of matrices `[batch, heads, rows, cols]` over a slice, with element strides
@@ -354,15 +385,7 @@ pub(crate) fn batched_matmul<T: Copy>(
     beta: f32,
     (c, sc): (&mut [f32], Strided4),
 ) -> Result<String, DnnlError> {
-    let expected = match input {
-        InputType::F32 => std::mem::size_of::<f32>(),
-        InputType::Bf16 => std::mem::size_of::<u16>(),
-    };
-    assert_eq!(
-        std::mem::size_of::<T>(),
-        expected,
-        "element size of {input:?}"
-    );
+    input.check_element::<T>();
     let [bb, h, m, k] = sa.dims;
     let n = sb.dims[3];
     if sb.dims != [bb, h, k, n] || sc.dims != [bb, h, m, n] {
@@ -396,22 +419,22 @@ pub(crate) fn batched_matmul<T: Copy>(
     })?;
     // SAFETY: the primitive was created for exactly these dims and strides, and every offset
     // they reach lies inside the slices (checked above); `c` is borrowed mutably.
-    let status = unsafe {
-        keel_dnnl_matmul_run(p.raw, a.as_ptr().cast(), b.as_ptr().cast(), c.as_mut_ptr())
-    };
-    if input == InputType::Bf16 && p.implementation.starts_with("ref") {
-        REFERENCE_BF16_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    unsafe {
+        execute(
+            &p,
+            input,
+            a.as_ptr().cast(),
+            b.as_ptr().cast(),
+            c.as_mut_ptr(),
+        )
     }
-    if status != 0 {
-        return Err(DnnlError::Status {
-            what: format!(
-                "running a batched {input:?} {:?} x {:?} matmul",
-                sa.dims, sb.dims
-            ),
-            status,
-        });
-    }
-    Ok(p.implementation.clone())
+    .map_err(|status| DnnlError::Status {
+        what: format!(
+            "running a batched {input:?} {:?} x {:?} matmul",
+            sa.dims, sb.dims
+        ),
+        status,
+    })
 }
 
 #[cfg(test)]
