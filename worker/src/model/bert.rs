@@ -296,6 +296,8 @@ impl<A: Element> Bert<A> {
         let _precision = super::bf16::enter(self.precision);
         self.check_buffer("params", params.len())?;
         self.check_buffer("grads", grads.len())?;
+        // Every weight feeds a GEMM in forward and another in backward: round them once.
+        let _params16 = super::bf16_shared::share(params);
         self.check_batch(batch, opts.dropout.is_some())?;
         let tok = self.tokens(batch)?;
         if let Some(lookup) = lookup.as_deref() {

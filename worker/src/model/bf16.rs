@@ -20,10 +20,11 @@
 //! The precision is scoped per thread ([`with_precision`]) and carried into the model's worker
 //! threads by `super::parallel`, so two models in one process (tests) do not see each other's.
 //!
-//! Conversions: this first version rounds both operands on every call into buffers reused per
-//! thread (no allocation once they have grown, except on the short-lived threads that attention
-//! spawns per call). Rounding each weight once per step and each activation in the op that
-//! produces it would save those passes; `keel-worker bench` shows what they cost.
+//! Conversions: an operand is rounded into a buffer reused per thread on every call, unless it
+//! lies inside a slice the model shared for several GEMMs (`super::bf16_shared`: the
+//! parameters once per micro-batch, a layer's input for its query, key and value projections,
+//! a `dy` for both of its Linear's gradients), or comes with its bf16 copy (attention's
+//! batched GEMMs, `native_copy`).
 
 use std::any::{Any, TypeId};
 use std::cell::{Cell, RefCell};
@@ -34,6 +35,7 @@ use keel_proto::precision::Precision;
 use ndarray::{ArrayView2, ArrayViewMut2, ShapeBuilder};
 
 use super::Element;
+use super::bf16_shared;
 use super::onednn::{self, InputType, Strided4};
 
 thread_local! {
@@ -251,16 +253,34 @@ pub(crate) fn native_gemm_f32(
     if !support().native {
         return false;
     }
+    // An operand inside a slice shared by `super::bf16_shared::share` is read from its
+    // copy, rounded once; the others are rounded here.
     with_scratch::<u16, _>(|ba, bb| {
-        let a16 = converted(a, ba, bf16_bits);
-        let b16 = converted(b, bb, bf16_bits);
-        super::gemm::split_keeping_c_layout(&a16, &b16, c, parts, &|a, b, c| {
-            if let Err(e) = onednn::matmul(InputType::Bf16, alpha, a, b, beta, c) {
-                panic!("oneDNN bf16 matmul failed after the startup probe succeeded: {e}");
-            }
-        });
+        bf16_shared::with_view(a, |a_shared| {
+            bf16_shared::with_view(b, |b_shared| {
+                let a16 = match a_shared {
+                    Some(v) => v.reborrow(),
+                    None => converted(a, ba, bf16_bits),
+                };
+                let b16 = match b_shared {
+                    Some(v) => v.reborrow(),
+                    None => converted(b, bb, bf16_bits),
+                };
+                super::gemm::split_keeping_c_layout(&a16, &b16, c, parts, &|a, b, c| {
+                    if let Err(e) = onednn::matmul(InputType::Bf16, alpha, a, b, beta, c) {
+                        panic!("oneDNN bf16 matmul failed after the startup probe succeeded: {e}");
+                    }
+                });
+            })
+        })
     });
     true
+}
+
+/// Appends the bf16 bit patterns of `x` to `out` (round to nearest even; the AVX-512 loop
+/// where the CPU has it).
+pub(crate) fn extend_bits(out: &mut Vec<u16>, x: &[f32]) {
+    extend_converted(out, x, bf16_bits);
 }
 
 /// The native route for a batch of f32 products (see `super::gemm::gemm_batched`): both

@@ -17,6 +17,7 @@ use keel_proto::params::ParamLayout;
 use super::Element;
 use super::activation;
 use super::attention::{self, AttentionDims};
+use super::bf16_shared;
 use super::dropout::{self, DropoutKey, Site};
 use super::element::grow;
 use super::layernorm::LayerNorm;
@@ -159,12 +160,14 @@ impl EncoderLayer {
         let (b, t) = (inputs.b, inputs.t);
         let (n, c, f, h) = (b * t, self.query.out, self.intermediate.out, self.heads);
         let x = &x[..n * c];
+        let x16 = bf16_shared::share(x);
         let q = grow(&mut cache.q, n * c);
         self.query.forward(q, x, params, n);
         let k = grow(&mut cache.k, n * c);
         self.key.forward(k, x, params, n);
         let v = grow(&mut cache.v, n * c);
         self.value.forward(v, x, params, n);
+        drop(x16);
         let ctx = grow(&mut cache.ctx, n * c);
         let probs = grow(&mut cache.probs, b * h * t * t);
         attention::forward(
@@ -271,6 +274,7 @@ impl EncoderLayer {
             &cache.v,
             &self.dims(inputs),
         );
+        let _x16 = bf16_shared::share(x);
         self.query
             .backward(Some((&mut *dx, true)), dq, x, params, grads, n);
         self.key

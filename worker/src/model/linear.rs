@@ -65,6 +65,9 @@ impl Linear {
         grads: &mut [A],
         n: usize,
     ) {
+        let dy = &dy[..n * self.out];
+        // `dy` feeds both GEMMs: round it once.
+        let _dy16 = super::bf16_shared::share(dy);
         let dy_m = mat(dy, n, self.out);
         {
             let mut dw = mat_mut(

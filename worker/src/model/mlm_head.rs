@@ -125,6 +125,8 @@ impl MlmHead {
                 *g += d;
             }
         }
+        // `d logits` feeds both GEMMs: round it once.
+        let _dlogits16 = super::bf16_shared::share(dlogits);
         let dlogits = mat(dlogits, m, v);
         gemm(
             A::one(),

@@ -10,8 +10,10 @@
 //! # Layout
 //! - `element`: the scalar trait ([`Element`], implemented for f32 and f64).
 //! - `gemm`: the one matrix-multiply entry point (OpenBLAS through ndarray), timed for the bench.
-//! - `bf16`, `bf16_cpu`, `onednn`: the bf16 precision of that entry point (inputs rounded to
-//!   bf16, fp32 accumulation), the probe for native bf16 (AMX, or AVX512_BF16 raced against fp32), and oneDNN's matmul behind a C shim.
+//! - `bf16`, `bf16_cpu`, `bf16_shared`, `onednn`: the bf16 precision of that entry point
+//!   (inputs rounded to bf16, fp32 accumulation), the probe for native bf16 (AMX, or
+//!   AVX512_BF16 raced against fp32), operands rounded once for several GEMMs, and oneDNN's
+//!   matmul behind a C shim.
 //! - One file per layer, each a forward/backward pair side by side: `linear`, `layernorm`,
 //!   `activation` (GELU, tanh-GELU, ReLU), `dropout`, `attention`, `embeddings`,
 //!   `encoder_layer`, `mlm_head`, `nsp_head`, `loss` (cross-entropy).
@@ -28,6 +30,7 @@ pub mod bf16;
 mod bf16_cpu;
 #[cfg(test)]
 mod bf16_gemm_tests;
+mod bf16_shared;
 mod dropout;
 mod element;
 mod embeddings;
