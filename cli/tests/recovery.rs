@@ -54,6 +54,8 @@ struct Cluster {
     corpus: PathBuf,
     /// `train.precision` of the jobs submitted.
     precision: &'static str,
+    /// The `[diloco]` section of the jobs submitted (none: synchronous).
+    diloco: Option<&'static str>,
 }
 
 impl Cluster {
@@ -73,6 +75,7 @@ impl Cluster {
             started: 0,
             corpus,
             precision,
+            diloco: None,
         };
         for _ in 0..workers {
             c.add_worker();
@@ -129,6 +132,9 @@ impl Cluster {
         job.eval_every = 0;
         job.peer_timeout_seconds = 10.0;
         job.cluster_extra = format!("min_workers = {min_workers}\nmax_recoveries = 8");
+        if let Some(diloco) = self.diloco {
+            job.cluster_extra += &format!("\n[diloco]\n{diloco}");
+        }
         if min_workers < job.workers {
             // A smaller world sums in another order; its 1e-3 bound below is fp32's (bf16's
             // 8-bit rounding of every GEMM input amplifies a reordering: see equivalence.rs).
@@ -464,5 +470,52 @@ fn eight_workers_lose_two_at_once_and_take_a_newcomer() {
     assert!(
         losses.iter().all(|l| l.is_finite()) && losses.last() < losses.first(),
         "losses {losses:?}"
+    );
+}
+
+/// DiLoCo (issue 17) through a worker's death inside a round: the replacement receives the
+/// root's replica with the outer state (anchor and momentum) by broadcast, the round goes on,
+/// and the job completes every step. The result is not bit-identical to an uninterrupted run
+/// (the survivors go on from the root's local weights, not each from its own), so it is
+/// compared by its held-out loss.
+#[test]
+fn a_diloco_job_survives_a_worker_killed_inside_a_round() {
+    let mut cluster = Cluster::new(3);
+    cluster.diloco = Some("inner_steps = 10\nouter_momentum = 0.5");
+    let limit = Duration::from_secs(600);
+    let reference = cluster.submit_sized("diloco-reference", 3, 3, Some("precision = \"fp32\""));
+    cluster.wait(&reference, "the reference to complete", limit, |s| {
+        s["state"] == "completed"
+    });
+    let expected = cluster.pull(&reference, "diloco-reference-checkpoint");
+    let job = cluster.submit_sized("diloco-killed", 3, 3, Some("precision = \"fp32\""));
+    // Inside the second round (steps 10..20), past its first local step.
+    let s = cluster.wait(&job, "the job to reach step 13", limit, |s| {
+        s["state"] == "running" && s["step"].as_u64().unwrap_or(0) >= 13
+    });
+    let addr = cluster.kill(1);
+    println!("killed {addr} at step >= {} ({s})", s["step"]);
+    cluster.wait(&job, "the job to notice the loss", limit, |s| {
+        s["recoveries"].as_u64() == Some(1)
+    });
+    cluster.add_worker();
+    let done = cluster.wait(&job, "the job to complete", limit, |s| {
+        s["state"] == "completed"
+    });
+    assert_eq!(done["step"], 40, "{done}");
+    let got = cluster.pull(&job, "diloco-killed-checkpoint");
+    let last_loss = |dir: &Path| -> f64 {
+        let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+        text.lines()
+            .rev()
+            .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["loss"].as_f64())
+            .expect("step lines")
+    };
+    let (want, have) = (last_loss(&expected), last_loss(&got));
+    let d = max_relative_difference(&got, &expected);
+    println!("last training loss: uninterrupted {want:.4}, killed {have:.4}; weights {d:.2e}");
+    assert!(
+        have.is_finite() && (have - want).abs() <= 0.1 * want,
+        "{have} vs {want}"
     );
 }

@@ -1,6 +1,7 @@
 //! The job file: what a user submits (`keel submit JOB.toml`, `keel local JOB.toml`).
 //!
-//! A job file is TOML with four tables, `[data]`, `[model]`, `[train]` and `[cluster]`; names
+//! A job file is TOML with four tables, `[data]`, `[model]`, `[train]` and `[cluster]` (and an
+//! optional `[diloco]`); names
 //! follow BERT's `run_pretraining.py` / `create_pretraining_data.py` and Hugging Face. Unknown
 //! keys and bad values are errors that name the key and say what is allowed. Paths in the job
 //! are paths on the coordinator's machine; `keel submit` makes relative ones absolute against
@@ -27,6 +28,8 @@
 //! [cluster]
 //! min_workers = 2
 //! max_workers = 2
+//! [diloco]                                # optional: low-communication training
+//! inner_steps = 50                        # see crate::diloco
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -81,6 +84,9 @@ pub struct JobSpec {
     /// How many workers the job runs on.
     #[serde(default)]
     pub cluster: ClusterSpec,
+    /// Low-communication training (DiLoCo); absent: synchronous data parallelism.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diloco: Option<crate::diloco::DilocoSpec>,
 }
 
 /// Training objective (BERT paper, section 3.1).
@@ -650,6 +656,12 @@ impl JobSpec {
                 t.bucket_mib.to_string(),
                 "1 to 1024 MiB",
             ));
+        }
+
+        if let Some(diloco) = &self.diloco {
+            diloco
+                .check(t.max_steps, t.eval_every, t.checkpoint_every)
+                .map_err(|(key, value, expected)| bad(key, value, &expected))?;
         }
 
         let c = &self.cluster;

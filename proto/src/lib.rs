@@ -42,6 +42,7 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("keel
 pub mod atomic;
 pub mod checkpoint;
 pub mod config;
+pub mod diloco;
 pub mod host;
 pub mod jobspec;
 pub mod limits;

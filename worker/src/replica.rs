@@ -2,7 +2,9 @@
 //! when the ring breaks, the worker keeps it in memory, and the next generation goes on from
 //! it. Every replica of a job holds the same state after the same step, so any rank that holds
 //! the newest step can give it to the ranks that do not (a new worker, or one that was a step
-//! behind when the ring broke) by [`broadcast`].
+//! behind when the ring broke) by [`broadcast`]. With DiLoCo (`crate::optim::Diloco`) that
+//! holds only at the end of a round; inside one, the broadcast gives every rank the root's
+//! local weights and inner moments, and the round goes on from there.
 
 use crate::buckets::{BUCKET_ELEMS, SpecialBucket};
 use crate::optim::Optimizer;

@@ -9,14 +9,17 @@
 //! - `lamb`: LAMB (You et al. 2019, Algorithm 2).
 //! - `schedule`: warmup then linear / polynomial / constant learning rate.
 //! - `clip`: global-norm gradient clipping, as `torch.nn.utils.clip_grad_norm_`.
+//! - `diloco`: DiLoCo's outer step around either (Douillard et al. 2023).
 
 mod adamw;
 mod clip;
+mod diloco;
 mod lamb;
 mod schedule;
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use clip::{clip_grad_norm, global_norm};
+pub use diloco::{Diloco, DilocoConfig};
 pub use lamb::{Lamb, LambConfig};
 pub use schedule::{LrSchedule, ScheduleKind};
 
@@ -53,6 +56,10 @@ pub trait Optimizer<A = f32>: Send {
     ///
     /// Errors: [`OptimError::MissingState`], [`OptimError::LengthMismatch`].
     fn load_state(&mut self, steps_taken: u64, state: &[(&str, &[A])]) -> Result<(), OptimError>;
+    /// The DiLoCo outer optimizer when this is one (the trainer drives its outer steps).
+    fn diloco(&mut self) -> Option<&mut Diloco> {
+        None
+    }
 }
 
 /// Copies state buffer `name` from `state` into `dst`.

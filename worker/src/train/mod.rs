@@ -9,6 +9,7 @@
 //! - `checkpoint`: staging a checkpoint folder for upload.
 //! - `eval`: the held-out evaluation.
 //! - `optimizer`: the optimizer and learning-rate schedule from the spec.
+//! - `outer`: DiLoCo's outer step at the end of each round (jobs with `[diloco]`).
 //! - `trainer`: [`Trainer`], whose `step()` is the step, a few calls long.
 //! - `setup`, `error`: what the loop is given ([`TrainSetup`]), tells ([`Event`]) and fails
 //!   with ([`TrainError`]).
@@ -23,6 +24,7 @@ pub mod collectives;
 pub mod error;
 pub mod eval;
 pub mod optimizer;
+pub mod outer;
 pub mod pipeline;
 pub mod setup;
 pub mod start;

@@ -1,12 +1,31 @@
 //! The job's optimizer and learning-rate schedule, from the spec's `[train]` section.
 
-use crate::optim::{AdamW, AdamWConfig, Lamb, LambConfig, LrSchedule, Optimizer, ScheduleKind};
-use keel_proto::jobspec::{OptimizerKind, TrainSpec};
+use crate::optim::{
+    AdamW, AdamWConfig, Diloco, DilocoConfig, Lamb, LambConfig, LrSchedule, Optimizer, ScheduleKind,
+};
+use keel_proto::jobspec::{JobSpec, OptimizerKind, TrainSpec};
 use keel_proto::params::ParamLayout;
 
 /// The job's optimizer over `layout` (moments `[P]` each, hyper-parameters from `[train]`:
-/// `adam_beta1`, `adam_beta2`, `adam_epsilon`, `weight_decay`; AdamW with bias correction).
-pub fn optimizer_for(t: &TrainSpec, layout: &ParamLayout) -> Box<dyn Optimizer> {
+/// `adam_beta1`, `adam_beta2`, `adam_epsilon`, `weight_decay`; AdamW with bias correction),
+/// inside DiLoCo's outer optimizer when the job has a `[diloco]` section.
+pub fn optimizer_for(spec: &JobSpec, layout: &ParamLayout) -> Box<dyn Optimizer> {
+    let inner = inner_optimizer(&spec.train, layout);
+    match &spec.diloco {
+        None => inner,
+        Some(d) => Box::new(Diloco::new(
+            inner,
+            layout.total_len(),
+            DilocoConfig {
+                outer_lr: d.outer_learning_rate as f32,
+                outer_momentum: d.outer_momentum as f32,
+            },
+        )),
+    }
+}
+
+/// The `[train]` optimizer alone.
+fn inner_optimizer(t: &TrainSpec, layout: &ParamLayout) -> Box<dyn Optimizer> {
     match t.optimizer {
         OptimizerKind::Adamw => Box::new(AdamW::<f32>::new(
             layout,
@@ -58,14 +77,16 @@ pub fn schedule_for(t: &TrainSpec) -> LrSchedule {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use keel_proto::jobspec::JobSpec;
 
     fn spec(train: &str) -> JobSpec {
-        let text = format!(
+        JobSpec::from_toml_str(&spec_text(train), "job.toml").unwrap()
+    }
+
+    fn spec_text(train: &str) -> String {
+        format!(
             "[data]\ncorpus = [\"/corpus.txt\"]\nvocab_size = 1000\nmax_seq_length = 128\n\
              [model]\npreset = \"tiny\"\n[train]\nmicro_batch_size = 8\nmax_steps = 100\n{train}"
-        );
-        JobSpec::from_toml_str(&text, "job.toml").unwrap()
+        )
     }
 
     #[test]
@@ -93,14 +114,26 @@ mod tests {
             ("adamw", OptimizerKind::Adamw),
             ("lamb", OptimizerKind::Lamb),
         ] {
-            let t = spec(&format!("optimizer = \"{name}\"\n")).train;
+            let job = spec(&format!("optimizer = \"{name}\"\n"));
+            let t = &job.train;
             assert_eq!(t.optimizer, kind);
             assert_eq!(optimizer_name(&t.optimizer), name);
-            let opt = optimizer_for(&t, &layout);
+            let mut opt = optimizer_for(&job, &layout);
+            assert!(opt.diloco().is_none());
             assert_eq!(opt.steps_taken(), 0);
             for (_, state) in opt.state() {
                 assert_eq!(state.len(), layout.total_len());
             }
         }
+        // With [diloco], the same optimizer inside the outer one.
+        let text = format!(
+            "{}\n[diloco]\ninner_steps = 10\n",
+            spec_text("optimizer = \"lamb\"\n")
+        );
+        let job = JobSpec::from_toml_str(&text, "job.toml").unwrap();
+        let mut opt = optimizer_for(&job, &layout);
+        assert!(opt.diloco().is_some());
+        let names: Vec<&str> = opt.state().iter().map(|(n, _)| *n).collect();
+        assert_eq!(names.last(), Some(&"diloco_velocity"));
     }
 }

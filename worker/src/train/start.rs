@@ -54,7 +54,7 @@ pub fn starting_replica(
     let t = &setup.spec.train;
     let step = setup.start_step;
     let io = io_err(step);
-    let fresh_optimizer = || optimizer_for(t, layout);
+    let fresh_optimizer = || optimizer_for(&setup.spec, layout);
     match initial {
         InitialState::Init { weights } => {
             let params = match &weights {

@@ -6,17 +6,23 @@
 //! update (every rank holds the same sums, so every rank applies the same update); report;
 //! evaluate and stage a checkpoint when due.
 //!
+//! With `[diloco]` a step is local: the loss is this rank's mean, no gradient is all-reduced,
+//! the update uses this rank's gradient, and every `inner_steps` steps the round ends with
+//! DiLoCo's outer step (`super::outer`). Only the counts and loss sums (a few floats, for the
+//! report) cross the ring on the other steps.
+//!
 //! Shape legend: `b` micro-batch size (sequences), `k` gradient accumulation steps, `W` world
 //! size, `P` parameters (flat buffer length), `v` vocabulary, `c` hidden size.
 
 use super::checkpoint::stage_checkpoint;
 use super::collectives::{
-    LossSums, StepCounts, all_reduce_counts, all_reduce_loss, lookup_rows, split_pays,
-    submit_lookup_rows,
+    LossSums, StepCounts, all_reduce_counts, all_reduce_loss, local_counts, lookup_rows,
+    split_pays, submit_lookup_rows,
 };
 use super::error::{TrainError, data_err, model_err, ring_err};
 use super::eval::Evaluator;
 use super::optimizer::schedule_for;
+use super::outer::{Snapshot, outer_step};
 use super::pipeline::Pipeline;
 use super::setup::{Event, TrainSetup};
 use crate::batch::Batch;
@@ -26,6 +32,7 @@ use crate::model::{Bert, DropoutKey, LookupGrads, StepOptions};
 use crate::optim::{LrSchedule, clip_grad_norm, global_norm};
 use crate::replica::Replica;
 use crate::ringlink::RingLink;
+use keel_proto::diloco::DilocoSpec;
 use keel_proto::jobspec::Objective;
 use keel_proto::params::ParamLayout;
 use keel_proto::rpc::{EvalReport, StepReport, TrainingKey};
@@ -70,6 +77,8 @@ pub struct Trainer<'a> {
     split_lookup: bool,
     /// Whether the last step sent the word embeddings' gradient in two parts (logged on change).
     last_split: Option<bool>,
+    /// DiLoCo's settings: local steps, an outer step every `inner_steps` (`None`: synchronous).
+    diloco: Option<DilocoSpec>,
     links: Links<'a>,
 }
 
@@ -116,8 +125,10 @@ impl<'a> Trainer<'a> {
         let pipeline = Pipeline::open(&setup, global_batch, step)?;
         let heldout = ShardReader::open(&setup.heldout)
             .map_err(|e| err(format!("{}: {e}", setup.heldout.display())))?;
-        // One rank has nothing to overlap: the word embeddings keep their whole gradient.
-        let split_lookup = setup.world_size > 1;
+        // One rank has nothing to overlap, nor has DiLoCo (no gradient all-reduce): the word
+        // embeddings keep their whole gradient.
+        let diloco = setup.spec.diloco.clone();
+        let split_lookup = setup.world_size > 1 && diloco.is_none();
         let wire = setup.spec.train.allreduce_dtype.wire();
         // `bucket_mib` MiB of f32 (validated: 1 to 1024).
         let bucket_elems = setup.spec.train.bucket_mib.clamp(1, 1024) << 18;
@@ -138,6 +149,7 @@ impl<'a> Trainer<'a> {
             global_batch,
             split_lookup,
             last_split: None,
+            diloco,
             links,
         })
     }
@@ -184,13 +196,33 @@ impl<'a> Trainer<'a> {
             .map_err(ring_err(step))?;
         let mut lookup = self.lookup_rows(step, &counts);
         let compute_started = Instant::now();
-        let sums = self.forward_backward(replica, step, &batches, &counts, lookup.as_mut())?;
+        // The loss is averaged over the global batch, or over this rank's with DiLoCo.
+        let (masked, nsp) = match self.diloco {
+            None => (counts.masked(), counts.nsp()),
+            Some(_) => {
+                let local = local_counts(&batches, self.nsp, None);
+                (local[0], local[1])
+            }
+        };
+        let sums = self.forward_backward(replica, step, &batches, masked, nsp, lookup.as_mut())?;
         let compute_done = Instant::now();
-        self.reduce_gradients(step, lookup.as_mut())?;
+        if self.diloco.is_none() {
+            self.reduce_gradients(step, lookup.as_mut())?;
+        }
         let loss = all_reduce_loss(&self.links.ring, step, sums).map_err(ring_err(step))?;
         let allreduce_wait = compute_done.elapsed();
         let update_started = Instant::now();
+        let ends_round = self.diloco.as_ref().is_some_and(|d| d.ends_round(step + 1));
+        let before = ends_round.then(|| Snapshot::of(replica));
         let update = self.update(replica, step, &loss)?;
+        if let Some(before) = before {
+            let dtype = self.buckets.dtype();
+            let world = self.setup.world_size;
+            if let Err(e) = outer_step(&self.links.ring, step, world, dtype, replica) {
+                before.restore(replica);
+                return Err(ring_err(step)(e));
+            }
+        }
         let optimizer = update_started.elapsed();
         replica.step = step + 1;
         self.links.progress.store(replica.step, Ordering::SeqCst);
@@ -242,34 +274,28 @@ impl<'a> Trainer<'a> {
         split.then_some(rows)
     }
 
-    /// Zeroes the gradient and runs forward/backward over `batches`, each finished gradient
-    /// range going to its bucket; returns this rank's `[mlm loss sum, mlm correct, nsp loss
-    /// sum, nsp correct]`.
+    /// Zeroes the gradient and runs forward/backward over `batches`, the losses scaled by
+    /// `1 / masked` and `1 / nsp` (the masked tokens and NSP labels they are averaged over),
+    /// each finished gradient range going to its bucket (none with DiLoCo); returns this
+    /// rank's `[mlm loss sum, mlm correct, nsp loss sum, nsp correct]`.
     fn forward_backward(
         &mut self,
         replica: &Replica,
         step: u64,
         batches: &[Batch],
-        counts: &StepCounts,
+        masked: f32,
+        nsp: f32,
         mut lookup: Option<&mut LookupGrads<f32>>,
     ) -> Result<[f64; 4], TrainError> {
-        let (global_masked, global_nsp) = (counts.masked(), counts.nsp());
+        let synchronous = self.diloco.is_none();
         let opts_for = |last: bool| StepOptions {
-            mlm_scale: if global_masked > 0.0 {
-                1.0 / global_masked
-            } else {
-                0.0
-            },
-            nsp_scale: if global_nsp > 0.0 {
-                1.0 / global_nsp
-            } else {
-                0.0
-            },
+            mlm_scale: if masked > 0.0 { 1.0 / masked } else { 0.0 },
+            nsp_scale: if nsp > 0.0 { 1.0 / nsp } else { 0.0 },
             dropout: Some(DropoutKey {
                 seed: self.setup.spec.train.seed,
                 step,
             }),
-            report_ready: last,
+            report_ready: last && synchronous,
         };
         self.grads.fill(0.0);
         self.buckets.begin();

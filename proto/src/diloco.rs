@@ -1,0 +1,143 @@
+//! Low-communication training, the `[diloco]` section of a job file (DiLoCo: Douillard et
+//! al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models", Algorithm 1).
+//!
+//! ```toml
+//! [diloco]
+//! inner_steps = 50             # H: local AdamW/LAMB steps per worker between outer steps
+//! outer_learning_rate = 0.7    # the paper's outer SGD learning rate
+//! outer_momentum = 0.9         # its Nesterov momentum
+//! ```
+//!
+//! Without the section a job trains synchronously (every step all-reduces the gradient).
+
+use serde::{Deserialize, Serialize};
+
+/// DiLoCo's settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DilocoSpec {
+    /// H, local optimizer steps per outer step (>= 1). The paper uses 500 for 150M-400M
+    /// models; the gradient all-reduce of every step is replaced by one all-reduce of the
+    /// parameter change every H steps.
+    pub inner_steps: u64,
+    /// Outer learning rate (the paper: 0.7).
+    #[serde(default = "default_outer_learning_rate")]
+    pub outer_learning_rate: f64,
+    /// Outer Nesterov momentum, in `[0, 1)` (the paper: 0.9).
+    #[serde(default = "default_outer_momentum")]
+    pub outer_momentum: f64,
+}
+
+fn default_outer_learning_rate() -> f64 {
+    0.7
+}
+
+fn default_outer_momentum() -> f64 {
+    0.9
+}
+
+/// A setting of `[diloco]` that does not fit: `(dotted key, value given, what is allowed)`.
+pub type DilocoProblem = (&'static str, String, String);
+
+impl DilocoSpec {
+    /// Checks the settings, and that the job's step counts fall on outer steps: only there
+    /// do all workers hold the same weights, so `train.max_steps`, `train.eval_every` and
+    /// `train.checkpoint_every` must be multiples of `inner_steps`.
+    ///
+    /// Errors: the first [`DilocoProblem`].
+    pub fn check(
+        &self,
+        max_steps: u64,
+        eval_every: u64,
+        checkpoint_every: u64,
+    ) -> Result<(), DilocoProblem> {
+        let h = self.inner_steps;
+        if h == 0 {
+            return Err(("diloco.inner_steps", "0".into(), "at least 1".into()));
+        }
+        if !(self.outer_learning_rate.is_finite() && self.outer_learning_rate > 0.0) {
+            return Err((
+                "diloco.outer_learning_rate",
+                self.outer_learning_rate.to_string(),
+                "a positive number".into(),
+            ));
+        }
+        if !(0.0..1.0).contains(&self.outer_momentum) {
+            return Err((
+                "diloco.outer_momentum",
+                self.outer_momentum.to_string(),
+                "a number in [0, 1)".into(),
+            ));
+        }
+        for (key, value) in [
+            ("train.max_steps", max_steps),
+            ("train.eval_every", eval_every),
+            ("train.checkpoint_every", checkpoint_every),
+        ] {
+            if !value.is_multiple_of(h) {
+                return Err((
+                    key,
+                    value.to_string(),
+                    format!("a multiple of diloco.inner_steps = {h} (weights agree only there)"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the step after `step` steps is an outer step's (the last of a round).
+    pub fn ends_round(&self, steps_done: u64) -> bool {
+        steps_done.is_multiple_of(self.inner_steps.max(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(h: u64) -> DilocoSpec {
+        DilocoSpec {
+            inner_steps: h,
+            outer_learning_rate: 0.7,
+            outer_momentum: 0.9,
+        }
+    }
+
+    #[test]
+    fn step_counts_must_fall_on_outer_steps() {
+        assert!(spec(10).check(100, 50, 0).is_ok());
+        let (key, value, expected) = spec(10).check(100, 55, 0).unwrap_err();
+        assert_eq!((key, value.as_str()), ("train.eval_every", "55"));
+        assert!(expected.contains("inner_steps = 10"), "{expected}");
+        assert_eq!(spec(10).check(105, 0, 0).unwrap_err().0, "train.max_steps");
+        assert_eq!(
+            spec(10).check(100, 0, 15).unwrap_err().0,
+            "train.checkpoint_every"
+        );
+        assert_eq!(
+            spec(0).check(100, 0, 0).unwrap_err().0,
+            "diloco.inner_steps"
+        );
+    }
+
+    #[test]
+    fn outer_settings_are_checked() {
+        let mut s = spec(5);
+        s.outer_momentum = 1.0;
+        assert_eq!(s.check(10, 0, 0).unwrap_err().0, "diloco.outer_momentum");
+        s.outer_momentum = 0.0;
+        s.outer_learning_rate = 0.0;
+        assert_eq!(
+            s.check(10, 0, 0).unwrap_err().0,
+            "diloco.outer_learning_rate"
+        );
+    }
+
+    #[test]
+    fn defaults_are_the_papers() {
+        let s: DilocoSpec = toml::from_str("inner_steps = 50").unwrap();
+        assert_eq!(s, spec(50));
+        assert!(toml::from_str::<DilocoSpec>("inner_steps = 5\nlr = 1").is_err());
+        assert!(s.ends_round(100) && !s.ends_round(101));
+    }
+}
