@@ -25,7 +25,9 @@
 # the shaped links with --netem) a job of 120 steps (min_workers = N - 2) runs while the workers
 # on w2 and w3 are killed (kill -9, back to back): the job must go on with N - 2 workers, take a newcomer (a fresh worker process with
 # an empty cache on w2's host) in a new generation, and complete every step. --allreduce-dtype
-# bf16 sends the gradients as bf16 on the ring in every job. --plumbing-only stops after the network checks and
+# bf16 sends the gradients as bf16 on the ring in every job. --rate R shapes to R instead of 1gbit
+# (tc's units: 100mbit, 1gbit). --diloco H trains every job with DiLoCo, H local steps per outer
+# step (outer momentum $KEEL_MH_DILOCO_MOMENTUM, default 0.5; --steps must be a multiple of H). --plumbing-only stops after the network checks and
 # needs no binaries. With --slurm, deploy/slurm/keel.sbatch then runs the same job on the three
 # worker hosts: on a real Slurm cluster when slurmctld, slurmd, munged and sbatch are installed
 # (Debian: slurmctld slurmd slurm-client munge; this script starts private daemons in the
@@ -35,6 +37,7 @@
 # Usage (as root):
 #   scripts/multihost-test.sh [--netem] [--link-cut] [--kill-two] [--slurm] [--plumbing-only] [--keep]
 #                             [--steps N] [--workers N] [--allreduce-dtype fp32|bf16]
+#                             [--rate R] [--diloco H]
 #                             [--bin-dir DIR] [--corpus PATH] [BIN_DIR [CORPUS]]
 #   BIN_DIR  directory holding keel, keel-coordinator, keel-worker
 #            (default: $CARGO_TARGET_DIR/release, else target/release)
@@ -59,6 +62,8 @@ ALLREDUCE_DTYPE=fp32
 PLUMBING_ONLY=0
 KEEP=0
 STEPS=30
+RATE=1gbit
+DILOCO=0
 BIN_DIR=""
 CORPUS=""
 JOB_TIMEOUT="${KEEL_MH_JOB_TIMEOUT:-900}"
@@ -79,6 +84,8 @@ while [ $# -gt 0 ]; do
     --plumbing-only) PLUMBING_ONLY=1 ;;
     --keep) KEEP=1 ;;
     --steps) STEPS="${2:?--steps needs a number}"; shift ;;
+    --rate) RATE="${2:?--rate needs a tc rate such as 100mbit}"; shift ;;
+    --diloco) DILOCO="${2:?--diloco needs H}"; shift ;;
     --bin-dir) BIN_DIR="${2:?--bin-dir needs a directory}"; shift ;;
     --corpus) CORPUS="${2:?--corpus needs a path}"; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -99,6 +106,11 @@ if [ -z "$BIN_DIR" ]; then
 fi
 if [ -z "$CORPUS" ]; then "$REPO/scripts/corpora.sh" >/dev/null; CORPUS="$REPO/corpora/en-kjv"; fi
 case "$STEPS" in ''|*[!0-9]*) echo "multihost: --steps must be a positive integer, got '$STEPS'" >&2; exit 2 ;; esac
+[[ "$RATE" =~ ^[0-9]+(kbit|mbit|gbit)$ ]] || { echo "multihost: --rate must look like 100mbit or 1gbit, got '$RATE'" >&2; exit 2; }
+[[ "$DILOCO" =~ ^[0-9]+$ ]] && { [ "$DILOCO" = 0 ] || [ $((STEPS % DILOCO)) = 0 ]; } \
+  || { echo "multihost: --diloco H needs a number that divides --steps ($STEPS), got '$DILOCO'" >&2; exit 2; }
+# The rate in Gbit/s, for checking that the shaping shows.
+RATE_GBIT="$(python3 -c 'import re,sys; n,u=re.match(r"(\d+)(\w+)",sys.argv[1]).groups(); print(int(n)*{"kbit":1e-6,"mbit":1e-3,"gbit":1}[u])' "$RATE")"
 
 log() { printf '[multihost %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 die() { printf '[multihost] FAIL: %s\n' "$*" >&2; exit 1; }
@@ -288,11 +300,11 @@ sys.exit(1 if bad else 0)' "${urls[@]}")" || die "host $node (${ADDR[$node]}) ca
 SHAPING=""
 detect_shaping() {
   local probe; probe="$(ns_of user)"
-  if ip netns exec "$probe" tc qdisc replace dev eth0 root netem delay 1ms rate 1gbit 2>/dev/null; then
-    SHAPING="netem delay 1ms rate 1gbit"
-  elif ip netns exec "$probe" tc qdisc replace dev eth0 root tbf rate 1gbit burst 256kb latency 20ms 2>/dev/null; then
-    SHAPING="tbf rate 1gbit burst 256kb latency 20ms"
-    log "netem: this kernel has no sch_netem qdisc; using tbf (1 Gbit/s limit, NO added 1 ms delay)"
+  if ip netns exec "$probe" tc qdisc replace dev eth0 root netem delay 1ms rate "$RATE" 2>/dev/null; then
+    SHAPING="netem delay 1ms rate $RATE"
+  elif ip netns exec "$probe" tc qdisc replace dev eth0 root tbf rate "$RATE" burst 256kb latency 20ms 2>/dev/null; then
+    SHAPING="tbf rate $RATE burst 256kb latency 20ms"
+    log "netem: this kernel has no sch_netem qdisc; using tbf ($RATE limit, NO added 1 ms delay)"
   else
     die "--netem: neither the netem nor the tbf qdisc is available in this kernel"
   fi
@@ -399,6 +411,9 @@ allreduce_dtype = "$ALLREDUCE_DTYPE"
 min_workers = $N_WORKERS
 max_workers = $N_WORKERS
 EOF
+  if [ "$DILOCO" != 0 ]; then
+    printf '\n[diloco]\ninner_steps = %s\nouter_momentum = %s\n' "$DILOCO" "${KEEL_MH_DILOCO_MOMENTUM:-0.5}" >>"$1"
+  fi
 }
 
 keel_user() { # keel CLI from the user's host, bounded
@@ -527,6 +542,11 @@ run_job() { # run_job TAG: start a cluster, run the job from the user's host, pu
   STEP_RESULT="$(awk -v a="$t0" -v b="$t1" -v n="$STEPS" \
     'BEGIN { printf "job %.1f s for %d steps (submit to end, data preparation included)", b - a, n }')"
   [ -n "$ms" ] && STEP_RESULT="median step ${ms} ms; $STEP_RESULT"
+  local heldout
+  heldout="$(find "$WORK/$tag/pulled" -name metrics.jsonl -type f -exec python3 -c 'import json,sys
+e=[json.loads(l)["eval_loss"] for l in open(sys.argv[1]) if "eval_loss" in l]
+print(f"{e[-1]:.4f}" if e else "")' {} \; | head -n 1)"
+  [ -n "$heldout" ] && STEP_RESULT="$STEP_RESULT; held-out loss $heldout"
   log "[$tag] $STEP_RESULT"
   stop_cluster
 }
@@ -864,9 +884,9 @@ if [ "$NETEM" = 1 ]; then
   read -r rtt_shaped gbit_shaped <<<"$(probe_link)"
   log "link user->coordinator: connect ${rtt_plain} ms, ${gbit_plain} Gbit/s plain;" \
     "connect ${rtt_shaped} ms, ${gbit_shaped} Gbit/s under '$SHAPING'"
-  # The shaping must show: at most ~1 Gbit/s (tbf and netem), and >= 2 ms round trip (netem).
-  python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) <= 1.2 else 1)' "$gbit_shaped" \
-    || die "shaping applied but throughput is ${gbit_shaped} Gbit/s (expected <= 1 Gbit/s)"
+  # The shaping must show: at most ~the rate (tbf and netem), and >= 2 ms round trip (netem).
+  python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) <= 1.2 * float(sys.argv[2]) else 1)' "$gbit_shaped" "$RATE_GBIT" \
+    || die "shaping applied but throughput is ${gbit_shaped} Gbit/s (expected <= $RATE_GBIT Gbit/s)"
   if [[ "$SHAPING" == netem* ]]; then
     python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) >= 1.5 else 1)' "$rtt_shaped" \
       || die "netem applied but connect time is ${rtt_shaped} ms (expected >= 2 ms round trip)"
