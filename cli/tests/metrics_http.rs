@@ -202,8 +202,17 @@ fn metrics_and_the_dashboard_api_agree_with_status_and_the_step_log() {
     })
     .expect("both workers' step times in /api/workers");
     for w in &workers {
-        // The step as last heartbeated: the job may have ended between two heartbeats.
-        assert!((1..=24).contains(&w["step"].as_u64().unwrap()), "{w}");
+        // The step as last heartbeated: the job may have ended between two heartbeats. A
+        // worker that has gone idle since reports no job, its last step times, and step 0 or
+        // the last step it held (both seen on a 2-core Zen 4 EPYC: `"state":"idle","step":0`
+        // in CI, `"step":24` in a rerun).
+        let step = w["step"].as_u64().unwrap();
+        if w["job"].is_null() {
+            assert_eq!(w["state"], "idle", "{w}");
+            assert!(step <= 24, "{w}");
+        } else {
+            assert!((1..=24).contains(&step), "{w}");
+        }
         assert!(w["ring_wait_seconds"].as_f64().unwrap() >= 0.0, "{w}");
     }
 
