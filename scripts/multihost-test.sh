@@ -107,8 +107,9 @@ fi
 if [ -z "$CORPUS" ]; then "$REPO/scripts/corpora.sh" >/dev/null; CORPUS="$REPO/corpora/en-kjv"; fi
 case "$STEPS" in ''|*[!0-9]*) echo "multihost: --steps must be a positive integer, got '$STEPS'" >&2; exit 2 ;; esac
 [[ "$RATE" =~ ^[0-9]+(kbit|mbit|gbit)$ ]] || { echo "multihost: --rate must look like 100mbit or 1gbit, got '$RATE'" >&2; exit 2; }
-[[ "$DILOCO" =~ ^[0-9]+$ ]] && { [ "$DILOCO" = 0 ] || [ $((STEPS % DILOCO)) = 0 ]; } \
-  || { echo "multihost: --diloco H needs a number that divides --steps ($STEPS), got '$DILOCO'" >&2; exit 2; }
+if ! [[ "$DILOCO" =~ ^[0-9]+$ ]] || { [ "$DILOCO" != 0 ] && [ $((STEPS % DILOCO)) != 0 ]; }; then
+  echo "multihost: --diloco H needs a number that divides --steps ($STEPS), got '$DILOCO'" >&2; exit 2
+fi
 # The rate in Gbit/s, for checking that the shaping shows.
 RATE_GBIT="$(python3 -c 'import re,sys; n,u=re.match(r"(\d+)(\w+)",sys.argv[1]).groups(); print(int(n)*{"kbit":1e-6,"mbit":1e-3,"gbit":1}[u])' "$RATE")"
 

@@ -85,7 +85,8 @@ impl DilocoSpec {
         Ok(())
     }
 
-    /// Whether the step after `step` steps is an outer step's (the last of a round).
+    /// Whether a round ends once `steps_done` steps are done: the step that completes them
+    /// ends with the outer step.
     pub fn ends_round(&self, steps_done: u64) -> bool {
         steps_done.is_multiple_of(self.inner_steps.max(1))
     }
