@@ -10,6 +10,7 @@
 //! - `prepared`: [`PreparedData`], a prepared folder opened for training.
 //! - `worker_shard`: [`build_worker_shard`], one rank's sequences as a shard.
 
+pub mod build_instances;
 pub mod corpus;
 pub mod error;
 pub mod instance;

@@ -8,8 +8,9 @@
 //!    tokenise to nothing; errors on invalid UTF-8 or bad JSON lines).
 //! 4. Build instances (MLM packing or BERT's NSP builder) in corpus order into a second spill.
 //! 5. Shuffle the instances with the seed; the first `round(S * heldout_fraction)` of the
-//!    shuffled order form `heldout.keel`, the rest are the training sequences `0..N` in that
-//!    order, cut into `--shards` contiguous ranges of about equal token count.
+//!    shuffled order form `heldout.keel` (with `heldout_by_document`: the instances of the
+//!    held-out documents, `super::build_instances`), the rest are the training sequences
+//!    `0..N` in that order, cut into `--shards` contiguous ranges of about equal token count.
 //! 6. Save the tokenizer files and `manifest.json` (last, so a folder with a manifest is
 //!    complete).
 //!
@@ -32,14 +33,13 @@ use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 
+use super::build_instances::{build_instances, heldout_documents};
 use super::corpus::{CorpusError, DocumentReader, resolve_inputs};
 use super::instance::Instance;
-use super::instances_mlm::MlmPacker;
-use super::instances_nsp::{NspSettings, create_nsp_instances};
 use super::manifest::{
     CorpusStats, MANIFEST_VERSION, Objective, PrepareTimings, PreparedManifest, ShardEntry,
 };
-use super::spill::{Spill, SpillWriter, words_to_doc};
+use super::spill::Spill;
 use super::tokenize::tokenize_corpus;
 
 /// Where the vocabulary comes from.
@@ -80,6 +80,9 @@ pub struct PrepareOptions {
     pub out_dir: PathBuf,
     /// Fraction of sequences held out for evaluation, in `[0, 0.5]`.
     pub heldout_fraction: f64,
+    /// Hold out that fraction of the documents, whole, instead of the instances (the same
+    /// text at every `max_seq_length`: a job with phases; `super::build_instances`).
+    pub heldout_by_document: bool,
     /// Tokeniser threads (at least 1; the reader and writer run beside them).
     pub threads: usize,
     /// Skip lines of invalid UTF-8 (counted) instead of failing.
@@ -110,6 +113,7 @@ impl PrepareOptions {
             seed: 12345,
             out_dir,
             heldout_fraction: 0.01,
+            heldout_by_document: false,
             threads: 1,
             skip_invalid_lines: false,
             short_seq_prob: 0.1,
@@ -295,65 +299,6 @@ fn rng_for(seed: u64, stream: u64) -> ChaCha8Rng {
 const STREAM_NSP: u64 = 1;
 const STREAM_SHUFFLE: u64 = 2;
 
-fn build_instances(
-    docs: &Spill,
-    options: &PrepareOptions,
-    tokenizer: &KeelTokenizer,
-) -> Result<(Spill, Vec<u32>), PrepareError> {
-    let special = tokenizer.special();
-    let mut out = SpillWriter::new(&options.out_dir)?;
-    let mut lengths: Vec<u32> = Vec::new();
-    let mut emit = |inst: Instance, out: &mut SpillWriter| -> Result<(), PrepareError> {
-        lengths.push(inst.ids.len() as u32);
-        out.push(&inst.to_words())?;
-        Ok(())
-    };
-    match options.objective {
-        Objective::Mlm => {
-            let mut packer = MlmPacker::new(options.max_seq_length, special.cls, special.sep);
-            for d in 0..docs.len() {
-                let doc = words_to_doc(&docs.read(d)?);
-                for inst in packer.push_document(&doc) {
-                    emit(inst, &mut out)?;
-                }
-            }
-            for inst in packer.finish() {
-                emit(inst, &mut out)?;
-            }
-        }
-        Objective::MlmNsp => {
-            if docs.len() < 2 {
-                return Err(PrepareError::TooSmall {
-                    reason: format!(
-                        "the mlm+nsp objective needs at least 2 documents (random next \
-                         segments come from another document), the corpus has {}; use \
-                         --objective mlm or add documents",
-                        docs.len()
-                    ),
-                });
-            }
-            let settings = NspSettings {
-                max_seq_length: options.max_seq_length,
-                short_seq_prob: options.short_seq_prob,
-                cls: special.cls,
-                sep: special.sep,
-            };
-            let mut rng = rng_for(options.seed, STREAM_NSP);
-            for d in 0..docs.len() {
-                let doc = words_to_doc(&docs.read(d)?);
-                let instances =
-                    create_nsp_instances(d, &doc, docs.len(), &settings, &mut rng, |o| {
-                        docs.read(o).map(|w| words_to_doc(&w))
-                    })?;
-                for inst in instances {
-                    emit(inst, &mut out)?;
-                }
-            }
-        }
-    }
-    Ok((out.finish()?, lengths))
-}
-
 /// Start index of each shard over `lengths` (token counts in training order), so that each
 /// shard holds about `total / shards` tokens and at least one sequence.
 fn shard_starts(lengths: &[u64], shards: usize) -> Vec<usize> {
@@ -501,16 +446,33 @@ pub fn prepare(options: &PrepareOptions) -> Result<PreparedManifest, PrepareErro
     }
 
     let t2 = Instant::now();
-    let (instances, lengths) = build_instances(&docs, options, &tokenizer)?;
+    let held_docs = if options.heldout_by_document {
+        let min_docs = match options.objective {
+            Objective::Mlm => 1,
+            Objective::MlmNsp => 2,
+        };
+        heldout_documents(docs.len(), options.heldout_fraction, options.seed, min_docs)?
+    } else {
+        Vec::new()
+    };
+    let mut nsp_rng = rng_for(options.seed, STREAM_NSP);
+    let (instances, lengths, held_flags) =
+        build_instances(&docs, options, &tokenizer, &held_docs, &mut nsp_rng)?;
     drop(docs);
     let s = instances.len() as u64;
     let mut order: Vec<u64> = (0..s).collect();
     order.shuffle(&mut rng_for(options.seed, STREAM_SHUFFLE));
-    let mut heldout = (s as f64 * options.heldout_fraction).round() as u64;
-    if options.heldout_fraction > 0.0 {
-        heldout = heldout.max(1);
-    }
-    let n = s.saturating_sub(heldout);
+    let (held, train): (Vec<u64>, Vec<u64>) = if options.heldout_by_document {
+        order.iter().partition(|&&i| held_flags[i as usize])
+    } else {
+        let mut heldout = (s as f64 * options.heldout_fraction).round() as u64;
+        if options.heldout_fraction > 0.0 {
+            heldout = heldout.max(1);
+        }
+        let (held, train) = order.split_at(heldout.min(s) as usize);
+        (held.to_vec(), train.to_vec())
+    };
+    let (heldout, n) = (held.len(), train.len() as u64);
     if n < options.shards as u64 {
         return Err(PrepareError::TooSmall {
             reason: format!(
@@ -520,7 +482,6 @@ pub fn prepare(options: &PrepareOptions) -> Result<PreparedManifest, PrepareErro
             ),
         });
     }
-    let (held, train) = order.split_at(heldout as usize);
     let train_lengths: Vec<u64> = train
         .iter()
         .map(|&i| u64::from(lengths[i as usize]))
@@ -542,7 +503,7 @@ pub fn prepare(options: &PrepareOptions) -> Result<PreparedManifest, PrepareErro
         &options.out_dir.join(HELDOUT_FILE),
         &tokenizer,
         &instances,
-        held,
+        &held,
         0,
     )?;
     drop(instances);

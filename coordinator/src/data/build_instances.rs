@@ -1,0 +1,171 @@
+//! Documents -> instances (step 4 of `super::prepare`), and which documents are held out when
+//! the held-out set is chosen by document ([`heldout_documents`]).
+//!
+//! By default the held-out set is a fraction of the shuffled instances. A job with several
+//! phases (`keel_proto::phases`) prepares the corpus once per sequence length; instances of
+//! different lengths cut the text differently, so a split by instance would let one phase
+//! train on text another phase holds out. Held out by document, the same documents are held
+//! out at every length, whatever the phase.
+
+use super::instance::Instance;
+use super::instances_mlm::MlmPacker;
+use super::instances_nsp::{NspSettings, create_nsp_instances};
+use super::manifest::Objective;
+use super::prepare::{PrepareError, PrepareOptions};
+use super::spill::{Spill, SpillWriter, words_to_doc};
+use keel_proto::tokenizer::KeelTokenizer;
+use rand_chacha::ChaCha8Rng;
+
+/// Which of `num_docs` documents are held out: the `round(num_docs * fraction)` (at least
+/// `min_docs` when `fraction > 0`, and leaving at least `min_docs` to train on) whose hash of
+/// `(seed, index)` is smallest. Deterministic in its arguments; `[num_docs]` flags.
+///
+/// Errors: [`PrepareError::TooSmall`] when the corpus has fewer than `2 * min_docs`
+/// documents to split.
+pub fn heldout_documents(
+    num_docs: usize,
+    fraction: f64,
+    seed: u64,
+    min_docs: usize,
+) -> Result<Vec<bool>, PrepareError> {
+    let mut flags = vec![false; num_docs];
+    if fraction <= 0.0 {
+        return Ok(flags);
+    }
+    if num_docs < 2 * min_docs {
+        return Err(PrepareError::TooSmall {
+            reason: format!(
+                "holding out whole documents needs at least {} documents, the corpus has \
+                 {num_docs}",
+                2 * min_docs
+            ),
+        });
+    }
+    let k = ((num_docs as f64 * fraction).round() as usize).clamp(min_docs, num_docs - min_docs);
+    let mut ranked: Vec<(u64, usize)> = (0..num_docs)
+        .map(|d| (splitmix64(seed ^ splitmix64(d as u64)), d))
+        .collect();
+    ranked.sort_unstable();
+    for &(_, d) in &ranked[..k] {
+        flags[d] = true;
+    }
+    Ok(flags)
+}
+
+/// SplitMix64's finaliser: a well-mixed 64-bit hash of `x`.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Builds the instances of `docs` in corpus order into a spill: MLM packing, or BERT's NSP
+/// pairs with `nsp_rng`. `held_docs` (`[num_docs]`, or empty: none) splits the documents in
+/// two groups built apart: a packed sequence or an NSP pair (its random next segment
+/// included) never mixes them. Returns the spill, each instance's length in tokens and
+/// whether it comes from held-out documents (`[instances]`).
+///
+/// Errors: `TooSmall` (NSP with fewer than 2 documents in a group), `Spill`, `Io`.
+pub fn build_instances(
+    docs: &Spill,
+    options: &PrepareOptions,
+    tokenizer: &KeelTokenizer,
+    held_docs: &[bool],
+    nsp_rng: &mut ChaCha8Rng,
+) -> Result<(Spill, Vec<u32>, Vec<bool>), PrepareError> {
+    let special = tokenizer.special();
+    let mut out = SpillWriter::new(&options.out_dir)?;
+    let mut lengths: Vec<u32> = Vec::new();
+    let mut held: Vec<bool> = Vec::new();
+    let mut emit = |inst: Instance, h: bool, out: &mut SpillWriter| -> Result<(), PrepareError> {
+        lengths.push(inst.ids.len() as u32);
+        held.push(h);
+        out.push(&inst.to_words())?;
+        Ok(())
+    };
+    let group_of = |d: usize| usize::from(held_docs.get(d).copied().unwrap_or(false));
+    match options.objective {
+        Objective::Mlm => {
+            let mut packers =
+                [0, 1].map(|_| MlmPacker::new(options.max_seq_length, special.cls, special.sep));
+            for d in 0..docs.len() {
+                let g = group_of(d);
+                let doc = words_to_doc(&docs.read(d)?);
+                for inst in packers[g].push_document(&doc) {
+                    emit(inst, g == 1, &mut out)?;
+                }
+            }
+            for (g, packer) in packers.into_iter().enumerate() {
+                for inst in packer.finish() {
+                    emit(inst, g == 1, &mut out)?;
+                }
+            }
+        }
+        Objective::MlmNsp => {
+            // Each group's documents in corpus order, and each document's place in its group.
+            let mut groups: [Vec<usize>; 2] = [Vec::new(), Vec::new()];
+            let mut place = Vec::with_capacity(docs.len());
+            for d in 0..docs.len() {
+                let g = group_of(d);
+                place.push(groups[g].len());
+                groups[g].push(d);
+            }
+            for group in &groups {
+                if !group.is_empty() && group.len() < 2 {
+                    return Err(PrepareError::TooSmall {
+                        reason: format!(
+                            "the mlm+nsp objective needs at least 2 documents (random next \
+                             segments come from another document), the corpus has {}; use \
+                             --objective mlm or add documents",
+                            group.len()
+                        ),
+                    });
+                }
+            }
+            let settings = NspSettings {
+                max_seq_length: options.max_seq_length,
+                short_seq_prob: options.short_seq_prob,
+                cls: special.cls,
+                sep: special.sep,
+            };
+            for (d, &at) in place.iter().enumerate() {
+                let g = group_of(d);
+                let group = &groups[g];
+                let doc = words_to_doc(&docs.read(d)?);
+                let instances =
+                    create_nsp_instances(at, &doc, group.len(), &settings, nsp_rng, |o| {
+                        docs.read(group[o]).map(|w| words_to_doc(&w))
+                    })?;
+                for inst in instances {
+                    emit(inst, g == 1, &mut out)?;
+                }
+            }
+        }
+    }
+    Ok((out.finish()?, lengths, held))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heldout_documents_are_a_fixed_fraction_chosen_by_seed() {
+        let a = heldout_documents(1000, 0.05, 7, 1).unwrap();
+        assert_eq!(a.iter().filter(|&&h| h).count(), 50);
+        assert_eq!(a, heldout_documents(1000, 0.05, 7, 1).unwrap());
+        assert_ne!(a, heldout_documents(1000, 0.05, 8, 1).unwrap());
+        // At least `min_docs` each side, and none without a fraction.
+        assert_eq!(
+            heldout_documents(10, 0.01, 7, 2)
+                .unwrap()
+                .iter()
+                .filter(|&&h| h)
+                .count(),
+            2
+        );
+        assert!(!heldout_documents(10, 0.0, 7, 2).unwrap().contains(&true));
+        assert!(heldout_documents(3, 0.5, 7, 2).is_err());
+    }
+}
