@@ -17,7 +17,8 @@ use keel_proto::config::BertConfig;
 use keel_proto::jobspec::JobSpec;
 use keel_proto::memory::{MemoryEstimate, estimate, format_bytes};
 
-/// The estimate for `config` with the spec's micro-batch at its `max_seq_length`.
+/// The estimate for `config` with the spec's micro-batch at its `max_seq_length`: the largest
+/// over the job's phases.
 ///
 /// Errors: [`CoordinatorError::BadRequest`] naming the field that is over its cap or
 /// overflows, prefixed by `origin` (where the config came from).
@@ -26,16 +27,26 @@ pub fn estimate_for(
     spec: &JobSpec,
     origin: &str,
 ) -> Result<MemoryEstimate, CoordinatorError> {
-    config
-        .validate()
-        .and_then(|()| {
-            estimate(
-                config,
-                spec.train.micro_batch_size,
-                spec.data.max_seq_length,
-            )
-        })
-        .map_err(|e| CoordinatorError::BadRequest(format!("{origin}: {e}")))
+    let bad =
+        |e: keel_proto::config::ConfigError| CoordinatorError::BadRequest(format!("{origin}: {e}"));
+    config.validate().map_err(bad)?;
+    // The largest over the phases (`[[phase]]`): a later phase may have longer sequences.
+    let mut largest: Option<MemoryEstimate> = None;
+    for view in spec.phase_views() {
+        let e = estimate(
+            config,
+            view.train.micro_batch_size,
+            view.data.max_seq_length,
+        )
+        .map_err(bad)?;
+        if largest
+            .as_ref()
+            .is_none_or(|l| e.total_bytes > l.total_bytes)
+        {
+            largest = Some(e);
+        }
+    }
+    largest.ok_or_else(|| CoordinatorError::BadRequest(format!("{origin}: no phase")))
 }
 
 /// Submit-time check: when the spec's model config is known before preparation (a

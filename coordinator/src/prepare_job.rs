@@ -27,10 +27,52 @@ pub struct PreparedJob {
     pub model_config_json: String,
     /// `(role, path)` of files every rank fetches (heldout, vocab, tokenizer, init weights).
     pub shared_files: Vec<(String, PathBuf)>,
-    /// Estimated bytes to train the model on one rank (`keel_proto::memory::estimate`):
-    /// only workers whose memory limit holds it are given the job.
+    /// Estimated bytes to train the model on one rank (`keel_proto::memory::estimate`, the
+    /// largest over the job's phases): only workers whose memory limit holds it are given
+    /// the job.
     pub memory_bytes: u64,
+    /// The data of each phase after the first (`[[phase]]`, `keel_proto::phases`), in order:
+    /// `data` again where the phase keeps phase 1's `max_seq_length`, else `data-seq-L`.
+    pub later_phases: Vec<PhaseData>,
 }
+
+/// One later phase's prepared data.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PhaseData {
+    /// Its prepared data folder (shards and `heldout.keel`, tokenised with phase 1's
+    /// vocabulary).
+    pub data_dir: PathBuf,
+    /// Training sequences in its whole set.
+    pub total_sequences: u64,
+}
+
+impl PreparedJob {
+    /// The data folder and training sequences of phase `p` (0-based; phase 1's for a phase
+    /// the job does not have).
+    pub fn phase_data(&self, p: usize) -> (&Path, u64) {
+        match p.checked_sub(1).and_then(|i| self.later_phases.get(i)) {
+            Some(d) => (&d.data_dir, d.total_sequences),
+            None => (&self.data_dir, self.total_sequences),
+        }
+    }
+}
+
+/// The data folder of a later phase with `max_seq_length` tokens per sequence: phase 1's
+/// `data` when the length is phase 1's (the data do not depend on the batch), else
+/// `data-seq-L`.
+pub fn phase_data_dir(job_dir: &Path, spec: &JobSpec, max_seq_length: usize) -> PathBuf {
+    if max_seq_length == spec.data.max_seq_length {
+        job_dir.join("data")
+    } else {
+        job_dir.join(format!("data-seq-{max_seq_length}"))
+    }
+}
+
+/// Role of phase `n`'s shard (`n` >= 2, 1-based), followed by `n`: `shard_phase2`.
+pub const SHARD_PHASE_ROLE: &str = keel_proto::phases::SHARD_PHASE_ROLE;
+
+/// Role of phase `n`'s held-out set when it has data of its own: `heldout_phase2`.
+pub const HELDOUT_PHASE_ROLE: &str = keel_proto::phases::HELDOUT_PHASE_ROLE;
 
 /// File name of the model config kept in the job folder (copied into every checkpoint).
 pub const JOB_CONFIG_FILE: &str = "config.json";
@@ -134,9 +176,75 @@ pub fn prepare(
     options.shards = spec.data.shards.max(1);
     options.seed = spec.train.seed;
     options.heldout_fraction = spec.data.heldout_fraction;
+    // With phases the corpus is cut at several lengths: hold out the same documents in each.
+    options.heldout_by_document = !spec.phases.is_empty();
     options.threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let manifest = crate::data::prepare(&options).map_err(|e| fail(format!("data: {e}")))?;
-    finish(job_id, spec, job_dir, manifest.total_sequences)
+    let total_sequences = match open_complete(&data_dir) {
+        Some(Ok(total)) => total,
+        _ => {
+            crate::data::prepare(&options)
+                .map_err(|e| fail(format!("data: {e}")))?
+                .total_sequences
+        }
+    };
+    let later_phases = prepare_later_phases(job_id, spec, job_dir, &options)?;
+    finish(job_id, spec, job_dir, total_sequences, later_phases)
+}
+
+/// Training sequences of the prepared data in `dir` when it is complete (has its manifest);
+/// `None` when it has none.
+fn open_complete(dir: &Path) -> Option<Result<u64, String>> {
+    if !dir.join(crate::data::prepare::MANIFEST_FILE).is_file() {
+        return None;
+    }
+    Some(
+        crate::data::PreparedData::open(dir)
+            .map(|d| d.total_sequences())
+            .map_err(|e| format!("{}: {e}", dir.display())),
+    )
+}
+
+/// Prepares the data of every later phase whose `max_seq_length` differs from phase 1's, each
+/// length once, with phase 1's tokenizer (`data/tokenizer.json`: the same vocabulary and
+/// normaliser) and phase 1's other settings (`options`); a folder an earlier run completed is
+/// reused.
+///
+/// Errors: [`CoordinatorError::Prepare`] naming the phase and what failed.
+fn prepare_later_phases(
+    job_id: &str,
+    spec: &JobSpec,
+    job_dir: &Path,
+    options: &PrepareOptions,
+) -> Result<Vec<PhaseData>, CoordinatorError> {
+    let mut out = Vec::with_capacity(spec.phases.len());
+    for p in 1..spec.phase_count() {
+        let length = spec.phase_view(p).data.max_seq_length;
+        let dir = phase_data_dir(job_dir, spec, length);
+        let fail = |message: String| CoordinatorError::Prepare {
+            job_id: job_id.to_string(),
+            message: format!("phase {} (max_seq_length {length}): {message}", p + 1),
+        };
+        let total_sequences = match open_complete(&dir) {
+            Some(Ok(total)) => total,
+            _ => {
+                let mut phase = options.clone();
+                phase.vocab = VocabSource::File {
+                    path: job_dir.join("data").join("tokenizer.json"),
+                    lowercase: spec.data.lowercase,
+                };
+                phase.max_seq_length = length;
+                phase.out_dir = dir.clone();
+                crate::data::prepare(&phase)
+                    .map_err(|e| fail(format!("data: {e}")))?
+                    .total_sequences
+            }
+        };
+        out.push(PhaseData {
+            data_dir: dir,
+            total_sequences,
+        });
+    }
+    Ok(out)
 }
 
 /// The job's preparation from its existing `job_dir/data` when that folder is complete (its
@@ -150,16 +258,26 @@ pub fn reuse(
     spec: &JobSpec,
     job_dir: &Path,
 ) -> Result<Option<PreparedJob>, CoordinatorError> {
-    let data_dir = job_dir.join("data");
-    if !data_dir.join(crate::data::prepare::MANIFEST_FILE).is_file() {
+    let fail = |message: String| CoordinatorError::Prepare {
+        job_id: job_id.to_string(),
+        message,
+    };
+    let Some(total_sequences) = open_complete(&job_dir.join("data")) else {
         return Ok(None);
+    };
+    let total_sequences = total_sequences.map_err(fail)?;
+    let mut later_phases = Vec::with_capacity(spec.phases.len());
+    for p in 1..spec.phase_count() {
+        let dir = phase_data_dir(job_dir, spec, spec.phase_view(p).data.max_seq_length);
+        let Some(total) = open_complete(&dir) else {
+            return Ok(None);
+        };
+        later_phases.push(PhaseData {
+            data_dir: dir,
+            total_sequences: total.map_err(fail)?,
+        });
     }
-    let data =
-        crate::data::PreparedData::open(&data_dir).map_err(|e| CoordinatorError::Prepare {
-            job_id: job_id.to_string(),
-            message: format!("{}: {e}", data_dir.display()),
-        })?;
-    finish(job_id, spec, job_dir, data.total_sequences()).map(Some)
+    finish(job_id, spec, job_dir, total_sequences, later_phases).map(Some)
 }
 
 /// What follows the data: the model config (written to `job_dir/config.json`) and the files
@@ -169,6 +287,7 @@ fn finish(
     spec: &JobSpec,
     job_dir: &Path,
     total_sequences: u64,
+    later_phases: Vec<PhaseData>,
 ) -> Result<PreparedJob, CoordinatorError> {
     let fail = |message: String| CoordinatorError::Prepare {
         job_id: job_id.to_string(),
@@ -190,6 +309,13 @@ fn finish(
         ("vocab".to_string(), vocab_path.clone()),
         ("tokenizer".to_string(), tokenizer_path),
     ];
+    // A later phase with data of its own evaluates on its own held-out set.
+    for (i, phase) in later_phases.iter().enumerate() {
+        if phase.data_dir != data_dir {
+            let role = format!("{}{}", HELDOUT_PHASE_ROLE, i + 2);
+            shared_files.push((role, phase.data_dir.join("heldout.keel")));
+        }
+    }
     let mut config = if let Some(preset) = &spec.model.preset {
         BertConfig::preset(preset, vocab_size).map_err(|e| fail(format!("model.preset: {e}")))?
     } else if let Some(path) = &spec.model.config {
@@ -216,11 +342,16 @@ fn finish(
             )));
         }
     }
-    if config.max_position_embeddings < spec.data.max_seq_length {
-        return Err(fail(format!(
-            "data.max_seq_length {} exceeds the model's max_position_embeddings {}",
-            spec.data.max_seq_length, config.max_position_embeddings
-        )));
+    for (p, view) in spec.phase_views().iter().enumerate() {
+        if config.max_position_embeddings < view.data.max_seq_length {
+            let key = if p == 0 { "data" } else { "phase" };
+            return Err(fail(format!(
+                "{key}.max_seq_length {} (phase {}) exceeds the model's max_position_embeddings {}",
+                view.data.max_seq_length,
+                p + 1,
+                config.max_position_embeddings
+            )));
+        }
     }
     if let Some(p) = spec.model.dropout {
         config.hidden_dropout_prob = p;
@@ -244,6 +375,7 @@ fn finish(
         model_config_json,
         shared_files,
         memory_bytes,
+        later_phases,
     })
 }
 
@@ -281,22 +413,43 @@ pub fn rank_files(
         job_id: job_id.to_string(),
         message,
     };
-    let data = crate::data::PreparedData::open(&prepared.data_dir)
-        .map_err(|e| fail(format!("{}: {e}", prepared.data_dir.display())))?;
-    let plan = WorkerPlan::with_global_batch(
-        prepared.total_sequences,
-        global_batch,
-        world_size as u32,
-        rank as u32,
-        spec.train.micro_batch_size as u32,
-    )
-    .map_err(|e| fail(format!("data plan for rank {rank} of {world_size}: {e}")))?;
     let ranks_dir = job_dir.join("ranks");
     std::fs::create_dir_all(&ranks_dir).map_err(CoordinatorError::io(&ranks_dir))?;
-    let shard_path = ranks_dir.join(format!("rank-{rank}-of-{world_size}.keel"));
-    crate::data::build_worker_shard(&data, &plan, &shard_path)
-        .map_err(|e| fail(format!("shard for rank {rank}: {e}")))?;
-    let mut files = vec![("shard".to_string(), shard_path)];
+    let mut files = Vec::with_capacity(spec.phase_count() + prepared.shared_files.len());
+    // One shard per phase: each phase has its own data and global batch, so its own plan.
+    for p in 0..spec.phase_count() {
+        let (data_dir, total_sequences) = prepared.phase_data(p);
+        let data = crate::data::PreparedData::open(data_dir)
+            .map_err(|e| fail(format!("{}: {e}", data_dir.display())))?;
+        let view = spec.phase_view(p);
+        let plan = WorkerPlan::with_global_batch(
+            total_sequences,
+            spec.phase_global_batch(p, global_batch),
+            world_size as u32,
+            rank as u32,
+            view.train.micro_batch_size as u32,
+        )
+        .map_err(|e| {
+            fail(format!(
+                "data plan of phase {} for rank {rank} of {world_size}: {e}",
+                p + 1
+            ))
+        })?;
+        let (name, role) = match p {
+            0 => (
+                format!("rank-{rank}-of-{world_size}.keel"),
+                "shard".to_string(),
+            ),
+            _ => (
+                format!("rank-{rank}-of-{world_size}-phase-{}.keel", p + 1),
+                format!("{SHARD_PHASE_ROLE}{}", p + 1),
+            ),
+        };
+        let shard_path = ranks_dir.join(name);
+        crate::data::build_worker_shard(&data, &plan, &shard_path)
+            .map_err(|e| fail(format!("shard of phase {} for rank {rank}: {e}", p + 1)))?;
+        files.push((role, shard_path));
+    }
     files.extend(prepared.shared_files.iter().cloned());
     files
         .into_iter()

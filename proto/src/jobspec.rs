@@ -30,6 +30,9 @@
 //! max_workers = 2
 //! [diloco]                                # optional: low-communication training
 //! inner_steps = 50                        # see crate::diloco
+//! [[phase]]                               # optional, repeatable: BERT's phase 2
+//! start_step = 900                        # see crate::phases
+//! max_seq_length = 512
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -87,6 +90,10 @@ pub struct JobSpec {
     /// Low-communication training (DiLoCo); absent: synchronous data parallelism.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub diloco: Option<crate::diloco::DilocoSpec>,
+    /// Later training phases (`[[phase]]`, BERT's phase 2: `crate::phases`); empty: the job
+    /// is one phase.
+    #[serde(default, rename = "phase", skip_serializing_if = "Vec::is_empty")]
+    pub phases: Vec<crate::phases::PhaseSpec>,
 }
 
 /// Training objective (BERT paper, section 3.1).
@@ -663,6 +670,8 @@ impl JobSpec {
                 .check(t.max_steps, t.eval_every, t.checkpoint_every)
                 .map_err(|(key, value, expected)| bad(key, value, &expected))?;
         }
+        self.check_phases()
+            .map_err(|(key, value, expected)| bad(key, value, &expected))?;
 
         let c = &self.cluster;
         if c.min_workers == 0 {

@@ -49,6 +49,7 @@ pub mod limits;
 pub mod memory;
 pub mod metrics;
 pub mod params;
+pub mod phases;
 pub mod precision;
 pub mod protocol;
 pub mod quote;

@@ -96,6 +96,10 @@ pub struct StepLine {
     /// Next-sentence loss, in nats (0 without NSP).
     #[serde(default = "nan", deserialize_with = "number_or_nan")]
     pub nsp_loss: f64,
+    /// The step's training phase, from 1, in a job with `[[phase]]` sections
+    /// (`crate::phases`); 0, and not written, in a job of one phase.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub phase: u32,
     /// Whether the update was skipped (non-finite loss or gradient).
     #[serde(default)]
     pub skipped: bool,
@@ -110,6 +114,10 @@ pub struct StepLine {
     /// Training throughput of the whole ring, tokens per second.
     #[serde(default = "nan", deserialize_with = "number_or_nan")]
     pub tokens_per_s: f64,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A held-out evaluation: `{"eval_accuracy":..,"eval_loss":..,"eval_masked_tokens":..,
@@ -412,6 +420,7 @@ mod tests {
             mlm_accuracy: 0.0,
             mlm_loss: f64::INFINITY,
             nsp_loss: 0.0,
+            phase: 0,
             skipped: true,
             step: 2,
             step_seconds: 0.25,

@@ -7,7 +7,7 @@ use crate::client::{TransferError, UPLOAD_FIRST_PAUSE, fetch_cached, upload_dir_
 use crate::control::JobControl;
 use crate::replica::Replica;
 use crate::ringlink::RingLink;
-use crate::train::{Event, InitialState, TrainError, TrainSetup};
+use crate::train::{Event, InitialState, PhaseInputs, TrainError, TrainSetup};
 use keel_net::auth::AuthChannel;
 use keel_proto::config::BertConfig;
 use keel_proto::jobspec::JobSpec;
@@ -109,6 +109,19 @@ fn check_fits(
     config
         .validate()
         .map_err(|e| JobError::Assignment(format!("model config: {e}")))?;
+    // Every phase (`[[phase]]`) must fit: a later one may have longer sequences.
+    for spec in spec.phase_views() {
+        check_phase_fits(config, &spec, memory_limit)?;
+    }
+    Ok(())
+}
+
+/// [`check_fits`] for one phase's view of the job.
+fn check_phase_fits(
+    config: &BertConfig,
+    spec: &JobSpec,
+    memory_limit: Option<u64>,
+) -> Result<(), JobError> {
     let estimate = keel_proto::memory::estimate(
         config,
         spec.train.micro_batch_size,
@@ -130,6 +143,42 @@ fn check_fits(
         )));
     }
     Ok(())
+}
+
+/// The files and sequence counts of the job's phases after the first, from the assignment:
+/// each phase's shard (`shard_phaseN`), its held-out set where it has its own
+/// (`heldout_phaseN`) and its training sequences (`StartJob.phase_sequences`).
+///
+/// Errors: [`JobError::Assignment`] naming a missing shard or count.
+fn later_phases(
+    spec: &JobSpec,
+    start: &StartJob,
+    paths: &std::collections::HashMap<String, PathBuf>,
+) -> Result<Vec<PhaseInputs>, JobError> {
+    use keel_proto::phases::{HELDOUT_PHASE_ROLE, SHARD_PHASE_ROLE};
+    if start.phase_sequences.len() != spec.phases.len() {
+        return Err(JobError::Assignment(format!(
+            "StartJob.phase_sequences has {} entries but the job has {} later phases",
+            start.phase_sequences.len(),
+            spec.phases.len()
+        )));
+    }
+    (2..=spec.phase_count())
+        .zip(&start.phase_sequences)
+        .map(|(n, &total_sequences)| {
+            let shard = paths
+                .get(&format!("{SHARD_PHASE_ROLE}{n}"))
+                .cloned()
+                .ok_or_else(|| {
+                    JobError::Assignment(format!("no {SHARD_PHASE_ROLE}{n} file in the assignment"))
+                })?;
+            Ok(PhaseInputs {
+                shard,
+                heldout: paths.get(&format!("{HELDOUT_PHASE_ROLE}{n}")).cloned(),
+                total_sequences,
+            })
+        })
+        .collect()
 }
 
 /// [`run_job`]'s body; errors before training starts hand the held replica back.
@@ -216,12 +265,13 @@ async fn prepare_and_train(
             ));
         }
     };
-    let shard = role("shard");
-    let heldout = role("heldout");
-    let tokenizer = role("tokenizer");
-    let (shard, heldout, tokenizer) = match (shard, heldout, tokenizer) {
-        (Ok(a), Ok(b), Ok(c)) => (a, b, c),
-        (Err(e), ..) | (_, Err(e), _) | (.., Err(e)) => {
+    let inputs = (|| {
+        let later = later_phases(&spec, &start, &paths)?;
+        Ok::<_, JobError>((role("shard")?, role("heldout")?, role("tokenizer")?, later))
+    })();
+    let (shard, heldout, tokenizer, later_phases) = match inputs {
+        Ok(inputs) => inputs,
+        Err(e) => {
             let back = match initial {
                 InitialState::Memory { held, .. } => held,
                 _ => None,
@@ -240,6 +290,7 @@ async fn prepare_and_train(
         shard,
         heldout,
         tokenizer,
+        later_phases,
         initial,
         start_step: start.start_step,
         global_batch_size: start.global_batch_size,

@@ -155,11 +155,9 @@ impl Machine {
             .iter()
             .filter(|id| {
                 self.jobs.get(*id).is_some_and(|j| {
-                    let cap = j
-                        .spec
-                        .cluster
-                        .max_workers
-                        .min(j.global_batch_size.max(1) as usize);
+                    // Every phase's global batch must leave each rank a row.
+                    let batch = j.spec.smallest_global_batch(j.global_batch_size.max(1));
+                    let cap = j.spec.cluster.max_workers.min(batch as usize);
                     matches!(&j.phase, Phase::Running(r) if r.workers.len() < cap)
                 })
             })
@@ -303,9 +301,13 @@ impl Machine {
         }
         let start_step = job.step;
         let ring_timeout_ms = (job.spec.cluster.peer_timeout_seconds * 1000.0) as u64;
-        let (model_config_json, total_sequences) = match &job.prepared {
-            Some(p) => (p.model_config_json.clone(), p.total_sequences),
-            None => (String::new(), 0),
+        let (model_config_json, total_sequences, phase_sequences) = match &job.prepared {
+            Some(p) => (
+                p.model_config_json.clone(),
+                p.total_sequences,
+                p.later_phases.iter().map(|d| d.total_sequences).collect(),
+            ),
+            None => (String::new(), 0, Vec::new()),
         };
         let global_batch = job.global_batch_size;
         let world = workers.len();
@@ -333,6 +335,7 @@ impl Machine {
                 global_batch_size: global_batch,
                 checkpoint_first: info.checkpoint_first && rank == 0,
                 precision: precision.as_str().to_string(),
+                phase_sequences: phase_sequences.clone(),
             };
             if !self.send(wid, worker_command::Command::Start(start)) {
                 failed = Some((

@@ -343,7 +343,9 @@ impl Machine {
         } else {
             job.spec.global_batch(cluster.max_workers) as u64
         };
-        let cap = cluster.max_workers.min(global_batch as usize).max(1);
+        // Every phase's global batch must leave each rank a row.
+        let smallest = job.spec.smallest_global_batch(global_batch);
+        let cap = cluster.max_workers.min(smallest as usize).max(1);
         let mut chosen: Vec<String> = members.iter().map(|(w, _)| w.clone()).take(cap).collect();
         for w in idle {
             if chosen.len() >= cap {

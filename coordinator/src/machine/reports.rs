@@ -102,6 +102,7 @@ impl Machine {
             allreduce_seconds: r.allreduce_seconds,
             tokens: r.tokens,
             skipped: r.skipped,
+            phase: r.phase,
         });
         self.append_metrics(&id, line);
         tracing::info!(

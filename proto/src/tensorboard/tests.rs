@@ -45,6 +45,7 @@ fn step_line(step: u64, loss: f64) -> MetricsLine {
         step_seconds: 0.5,
         tokens: 1024,
         tokens_per_s: 2048.0,
+        phase: 0,
     })
 }
 

@@ -25,6 +25,7 @@ pub mod error;
 pub mod eval;
 pub mod optimizer;
 pub mod outer;
+pub mod phase;
 pub mod pipeline;
 pub mod setup;
 pub mod start;
@@ -32,7 +33,7 @@ pub mod trainer;
 
 pub use error::TrainError;
 pub use optimizer::{optimizer_for, schedule_for};
-pub use setup::{Event, TrainSetup};
+pub use setup::{Event, PhaseInputs, TrainSetup};
 pub use start::InitialState;
 pub use trainer::{Links, Trainer};
 

@@ -28,27 +28,36 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Opens the files of `setup` (tokenizer, then this rank's shard) and plans this rank's
-    /// share of `global_batch` sequences per step. `step` names the step in errors.
+    /// Opens the tokenizer of `setup`, then this rank's shard of phase `p` (0-based;
+    /// `keel_proto::phases`), and plans this rank's share of `global_batch` sequences per
+    /// step, masked and padded as the phase's view of the job says. `step` names the step in
+    /// errors.
     ///
     /// Errors: [`TrainError::Data`] naming an unreadable tokenizer or shard, or a plan that
     /// does not fit (`global_batch` not divisible by `W * b`, ...).
-    pub fn open(setup: &TrainSetup, global_batch: u64, step: u64) -> Result<Self, TrainError> {
+    pub fn open(
+        setup: &TrainSetup,
+        p: usize,
+        global_batch: u64,
+        step: u64,
+    ) -> Result<Self, TrainError> {
         let err = data_err(step);
+        let view = setup.spec.phase_view(p);
+        let (shard_path, _, total_sequences) = setup.phase_inputs(p);
         let tokenizer = KeelTokenizer::from_tokenizer_json(&setup.tokenizer)
             .map_err(|e| err(format!("{}: {e}", setup.tokenizer.display())))?;
-        let shard = ShardReader::open(&setup.shard)
-            .map_err(|e| err(format!("{}: {e}", setup.shard.display())))?;
+        let shard = ShardReader::open(shard_path)
+            .map_err(|e| err(format!("{}: {e}", shard_path.display())))?;
         let plan = WorkerPlan::with_global_batch(
-            setup.total_sequences,
+            total_sequences,
             global_batch,
             setup.world_size,
             setup.rank,
-            setup.spec.train.micro_batch_size as u32,
+            view.train.micro_batch_size as u32,
         )
         .map_err(|e| err(e.to_string()))?;
         Ok(Self::new(
-            &setup.spec,
+            &view,
             shard,
             plan,
             MaskingVocab::from_tokenizer(&tokenizer),

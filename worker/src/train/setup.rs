@@ -31,6 +31,8 @@ pub struct TrainSetup {
     pub heldout: PathBuf,
     /// The tokenizer (tokenizer.json), for the special ids and vocabulary of masking.
     pub tokenizer: PathBuf,
+    /// The inputs of the job's phases after the first (`[[phase]]`), in order.
+    pub later_phases: Vec<PhaseInputs>,
     /// Where the starting weights and optimizer state come from.
     pub initial: InitialState,
     /// Steps already completed: the loop runs `start_step..max_steps`.
@@ -55,6 +57,34 @@ impl TrainSetup {
         } else {
             self.spec.global_batch(self.world_size as usize) as u64
         }
+    }
+}
+
+/// One later phase's inputs (`keel_proto::phases`).
+#[derive(Debug, Clone)]
+pub struct PhaseInputs {
+    /// This rank's shard of the phase's data.
+    pub shard: PathBuf,
+    /// The phase's own held-out set; `None`: the previous phase's (same sequence length).
+    pub heldout: Option<PathBuf>,
+    /// Training sequences in the phase's whole set.
+    pub total_sequences: u64,
+}
+
+impl TrainSetup {
+    /// Phase `p`'s (0-based) shard, held-out set and training sequences.
+    pub fn phase_inputs(&self, p: usize) -> (&PathBuf, &PathBuf, u64) {
+        if p == 0 {
+            return (&self.shard, &self.heldout, self.total_sequences);
+        }
+        let Some(phase) = self.later_phases.get(p - 1) else {
+            return self.phase_inputs(0);
+        };
+        let heldout = match &phase.heldout {
+            Some(h) => h,
+            None => self.phase_inputs(p - 1).1,
+        };
+        (&phase.shard, heldout, phase.total_sequences)
     }
 }
 

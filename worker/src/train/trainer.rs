@@ -19,24 +19,21 @@ use super::collectives::{
     LossSums, StepCounts, all_reduce_counts, all_reduce_loss, local_counts, lookup_rows,
     split_pays, submit_lookup_rows,
 };
-use super::error::{TrainError, data_err, model_err, ring_err};
-use super::eval::Evaluator;
-use super::optimizer::schedule_for;
+use super::error::{TrainError, model_err, ring_err};
 use super::outer::{Snapshot, outer_step};
-use super::pipeline::Pipeline;
+use super::phase::PhaseState;
 use super::setup::{Event, TrainSetup};
 use crate::batch::Batch;
 use crate::buckets::Buckets;
 use crate::control::JobControl;
 use crate::model::{Bert, DropoutKey, LookupGrads, StepOptions};
-use crate::optim::{LrSchedule, clip_grad_norm, global_norm};
+use crate::optim::{clip_grad_norm, global_norm};
 use crate::replica::Replica;
 use crate::ringlink::RingLink;
 use keel_proto::diloco::DilocoSpec;
 use keel_proto::jobspec::Objective;
 use keel_proto::params::ParamLayout;
 use keel_proto::rpc::{EvalReport, StepReport, TrainingKey};
-use keel_proto::shard::ShardReader;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -63,14 +60,11 @@ pub struct Trainer<'a> {
     model: Bert<f32>,
     /// The step's gradient, `[P]`.
     grads: Vec<f32>,
-    schedule: LrSchedule,
-    pipeline: Pipeline,
-    eval: Evaluator,
+    /// The training phase the loop is in: its data, held-out set, schedule, global batch.
+    phase: PhaseState,
     buckets: Buckets,
     /// The word embeddings' range `[v * c]` of the flat buffers.
     word_range: Range<usize>,
-    /// Sequences per step `B`.
-    global_batch: u64,
     /// The objective has NSP.
     nsp: bool,
     /// Several ranks: the word embeddings' gradient may travel in two parts.
@@ -109,7 +103,6 @@ impl<'a> Trainer<'a> {
         step: u64,
         links: Links<'a>,
     ) -> Result<Self, TrainError> {
-        let err = data_err(step);
         let config = &setup.config;
         let mut model = Bert::<f32>::new(config, config.heads()).map_err(model_err(step))?;
         model.set_precision(setup.precision);
@@ -121,10 +114,7 @@ impl<'a> Trainer<'a> {
             "training GEMMs in {}",
             setup.precision
         );
-        let global_batch = setup.global_batch();
-        let pipeline = Pipeline::open(&setup, global_batch, step)?;
-        let heldout = ShardReader::open(&setup.heldout)
-            .map_err(|e| err(format!("{}: {e}", setup.heldout.display())))?;
+        let phase = PhaseState::open(&setup, step)?;
         // One rank has nothing to overlap, nor has DiLoCo (no gradient all-reduce): the word
         // embeddings keep their whole gradient.
         let diloco = setup.spec.diloco.clone();
@@ -134,19 +124,15 @@ impl<'a> Trainer<'a> {
         let bucket_elems = setup.spec.train.bucket_mib.clamp(1, 1024) << 18;
         let buckets = Buckets::new(&model.ready_ranges(split_lookup), bucket_elems, wire);
         let word_range = model.word_embeddings_range();
-        let t = &setup.spec.train;
         Ok(Self {
             grads: vec![0f32; layout.total_len()],
-            schedule: schedule_for(t),
-            eval: Evaluator::new(heldout, setup.rank, setup.world_size, t.micro_batch_size),
+            phase,
             nsp: setup.spec.data.objective == Objective::MlmNsp,
             setup,
             layout,
             model,
-            pipeline,
             buckets,
             word_range,
-            global_batch,
             split_lookup,
             last_split: None,
             diloco,
@@ -167,7 +153,7 @@ impl<'a> Trainer<'a> {
                 &self.layout,
                 replica,
                 f64::NAN,
-                self.global_batch,
+                self.phase.global_batch,
             )?;
             let _ = self.links.events.send(Event::Checkpoint {
                 step: replica.step,
@@ -189,8 +175,9 @@ impl<'a> Trainer<'a> {
     /// before the update.
     pub fn step(&mut self, replica: &mut Replica) -> Result<(), TrainError> {
         let step = replica.step;
+        self.enter_phase(step)?;
         let (started, busy_before) = (Instant::now(), self.ring_busy());
-        let batches = self.pipeline.micro_batches(step)?;
+        let batches = self.phase.pipeline.micro_batches(step)?;
         let presence = self.split_lookup.then_some(self.setup.config.vocab_size);
         let counts = all_reduce_counts(&self.links.ring, step, &batches, self.nsp, presence)
             .map_err(ring_err(step))?;
@@ -245,6 +232,33 @@ impl<'a> Trainer<'a> {
         );
         let mean_loss = self.report(replica, &counts, &loss, &update, &clock, allreduce_wait);
         self.evaluate_and_checkpoint(replica, mean_loss)
+    }
+
+    /// Opens the phase of `step` when the loop is not in it yet: on every rank at the same
+    /// step, the phase's first (`keel_proto::phases`).
+    ///
+    /// Errors: as [`PhaseState::open`].
+    fn enter_phase(&mut self, step: u64) -> Result<(), TrainError> {
+        if self.setup.spec.phase_at(step) == self.phase.index {
+            return Ok(());
+        }
+        self.phase = PhaseState::open(&self.setup, step)?;
+        let view = self.setup.spec.phase_view(self.phase.index);
+        tracing::info!(
+            job = %self.setup.job_id,
+            rank = self.setup.rank,
+            step,
+            "phase {} of {} begins: max_seq_length {}, max_predictions_per_seq {}, global batch {}, \
+             learning_rate {} after {} warmup steps",
+            self.phase.index + 1,
+            self.setup.spec.phase_count(),
+            view.data.max_seq_length,
+            view.data.max_predictions_per_seq,
+            self.phase.global_batch,
+            view.train.learning_rate,
+            view.train.warmup_steps
+        );
+        Ok(())
     }
 
     fn ring_busy(&self) -> u64 {
@@ -370,7 +384,7 @@ impl<'a> Trainer<'a> {
         let t = &self.setup.spec.train;
         let grad_norm = global_norm(&self.grads);
         let finite = grad_norm.is_finite() && loss.is_finite();
-        let lr = self.schedule.lr(step);
+        let lr = self.phase.lr(step);
         if finite {
             if t.max_grad_norm > 0.0 {
                 clip_grad_norm(&mut self.grads, t.max_grad_norm as f32);
@@ -436,6 +450,7 @@ impl<'a> Trainer<'a> {
             tokens: counts.tokens() as u64,
             skipped: !update.finite,
             skipped_steps: replica.skipped_steps,
+            phase: self.phase.reported(&self.setup),
         };
         tracing::info!(
             "step {} | loss {:.4} | lr {:.1e} | {:.0} ms | {:.1}k tok/s | setup {:.0} ms | compute {:.0} ms | allreduce {:.0} ms (waited {:.0} ms)",
@@ -464,10 +479,10 @@ impl<'a> Trainer<'a> {
         let done = replica.step;
         let last = done == t.max_steps;
         if (t.eval_every > 0 && done.is_multiple_of(t.eval_every)) || last {
-            let report = self.eval.evaluate(
+            let report = self.phase.eval.evaluate(
                 &mut self.model,
                 &replica.params,
-                &self.pipeline,
+                &self.phase.pipeline,
                 &self.links.ring,
                 done,
             )?;
@@ -492,7 +507,7 @@ impl<'a> Trainer<'a> {
                 &self.layout,
                 replica,
                 mean_loss,
-                self.global_batch,
+                self.phase.global_batch,
             )?;
             let _ = self
                 .links

@@ -43,6 +43,7 @@ pub(super) fn prepared() -> Arc<PreparedJob> {
         model_config_json: "{}".into(),
         shared_files: Vec::new(),
         memory_bytes: 1 << 20,
+        later_phases: Vec::new(),
     })
 }
 

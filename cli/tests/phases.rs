@@ -1,0 +1,239 @@
+//! BERT's two phases in one job (`[[phase]]`, issue 17) with real coordinator and worker
+//! processes on 127.0.0.1: 64-token sequences for steps 0..16, then 128-token sequences with
+//! another micro-batch, learning rate and warmup for steps 16..60, the switch at step 16
+//! without a restart. One run goes uninterrupted; another loses a worker inside phase 2 (kill
+//! -9, a replacement joins) and then its coordinator (kill -9, restarted on the same address
+//! and folder), and must end bit for bit where the uninterrupted run ended.
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The job's phase 2, appended to the job file.
+const PHASE_2: &str = "\n[[phase]]\nstart_step = 16\nmax_seq_length = 128\n\
+                       max_predictions_per_seq = 20\nmicro_batch_size = 4\n\
+                       learning_rate = 0.001\nwarmup_steps = 4\n";
+
+/// A coordinator and its workers.
+struct Cluster {
+    dir: tempfile::TempDir,
+    coordinator: Proc,
+    addr: String,
+    workers: Vec<Proc>,
+    started: usize,
+}
+
+impl Cluster {
+    fn new(workers: usize) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let (coordinator, addr) = start_coordinator(dir.path());
+        let mut c = Cluster {
+            dir,
+            coordinator,
+            addr,
+            workers: Vec::new(),
+            started: 0,
+        };
+        for _ in 0..workers {
+            c.add_worker();
+        }
+        c
+    }
+
+    fn root(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Starts a worker and waits until it has registered (a job submitted earlier would
+    /// start on fewer workers and sum in another order).
+    fn add_worker(&mut self) {
+        let (w, _) = start_worker(self.root(), &self.addr, self.started);
+        self.started += 1;
+        let registered = poll(Duration::from_secs(120), || {
+            w.log_text().contains("registered").then_some(())
+        });
+        assert!(registered.is_some(), "no registration:\n{}", w.log_text());
+        self.workers.push(w);
+    }
+
+    /// Submits the two-phase job (2 workers, fixed vocabulary: the same data every time).
+    fn submit(&self, name: &str, corpus: &Path) -> String {
+        let case = self.root().join(name);
+        std::fs::create_dir_all(&case).unwrap();
+        let mut job = JobFile::new(corpus.to_path_buf());
+        job.vocab = Some(fixture("wordpiece").join("vocab.txt"));
+        job.workers = 2;
+        job.micro_batch_size = 8;
+        job.max_steps = 60;
+        job.warmup_steps = 4;
+        job.checkpoint_every = 10;
+        job.eval_every = 8;
+        job.peer_timeout_seconds = 10.0;
+        job.cluster_extra = "max_recoveries = 4".into();
+        let path = job.write(&case);
+        let text = std::fs::read_to_string(&path).unwrap() + PHASE_2;
+        std::fs::write(&path, text).unwrap();
+        let out = run_keel(
+            &[
+                "submit",
+                path.to_str().unwrap(),
+                "--coordinator",
+                &self.addr,
+            ],
+            self.root(),
+        );
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    }
+
+    /// Waits until `f(status)` holds (the job must not fail meanwhile).
+    fn wait(&self, job: &str, what: &str, f: impl Fn(&serde_json::Value) -> bool) {
+        let limit = Duration::from_secs(600);
+        poll(limit, || {
+            let s = status(job, &self.addr, self.root());
+            assert_ne!(s["state"], "failed", "failed waiting for {what}: {s}");
+            f(&s).then_some(())
+        })
+        .unwrap_or_else(|| panic!("{what}: not within {limit:?}"));
+    }
+
+    fn step_at_least(&self, job: &str, step: u64) {
+        self.wait(job, &format!("step {step}"), |s| {
+            assert_ne!(
+                s["state"], "completed",
+                "the job ended before step {step}: {s}"
+            );
+            s["step"].as_u64().unwrap_or(0) >= step
+        });
+    }
+
+    fn completed(&self, job: &str) -> PathBuf {
+        self.wait(job, "completion", |s| s["state"] == "completed");
+        let out_dir = self.root().join(format!("{job}-checkpoint"));
+        let args = ["pull", job, "--out", out_dir.to_str().unwrap()];
+        let out = run_keel(
+            &[&args[..], &["--coordinator", &self.addr]].concat(),
+            self.root(),
+        );
+        assert!(out.status.success(), "{out:?}");
+        out_dir
+    }
+
+    /// kill -9 of the coordinator, then a new one on the same address and folder.
+    fn restart_coordinator(&mut self) {
+        self.coordinator.child.kill().unwrap();
+        self.coordinator.child.wait().unwrap();
+        self.coordinator = Proc::spawn(
+            "coordinator-2",
+            &sibling("keel-coordinator"),
+            &[
+                "--listen".into(),
+                self.addr.clone(),
+                "--data-dir".into(),
+                self.root().join("coordinator").display().to_string(),
+            ],
+            &self.root().join("logs"),
+        );
+    }
+}
+
+/// A step line's `(step, phase, lr, tokens)`.
+type StepFacts = (u64, u64, f64, u64);
+
+/// `(step, phase, lr, tokens)` of every step line, and `(step, eval loss)` of every eval.
+fn lines(out: &Path) -> (Vec<StepFacts>, Vec<(u64, f64)>) {
+    let all = metrics(&out.join("metrics.jsonl"));
+    let steps = all
+        .iter()
+        .filter(|l| l.get("loss").is_some())
+        .map(|l| {
+            let phase = l.get("phase").and_then(|p| p.as_u64()).unwrap_or(0);
+            let tokens = l["tokens"].as_u64().unwrap();
+            (
+                l["step"].as_u64().unwrap(),
+                phase,
+                l["lr"].as_f64().unwrap(),
+                tokens,
+            )
+        })
+        .collect();
+    let evals = all
+        .iter()
+        .filter_map(|l| Some((l.get("step")?.as_u64()?, l.get("eval_loss")?.as_f64()?)))
+        .collect();
+    (steps, evals)
+}
+
+#[test]
+fn two_phases_switch_at_their_step_and_survive_a_lost_worker_and_coordinator() {
+    let mut cluster = Cluster::new(2);
+    let corpus = kjv_lines(cluster.root(), 2000);
+
+    let reference = cluster.submit("reference", &corpus);
+    let expected = cluster.completed(&reference);
+    let (steps, evals) = lines(&expected);
+    assert_eq!(steps.len(), 60, "one line per step");
+    for &(step, phase, lr, tokens) in &steps {
+        // Lines count steps from 1: step 17 is the 0-based step 16, phase 2's first.
+        let want = if step <= 16 { 1 } else { 2 };
+        assert_eq!(phase, want, "step {step}: phase {phase}");
+        // Phase 2's warmup starts from 0 at its first step (HF's LambdaLR).
+        if step == 17 {
+            assert_eq!(lr, 0.0, "phase 2's first step");
+        }
+        if step == 21 {
+            assert!(
+                (lr - 0.001).abs() < 1e-9,
+                "phase 2's peak after its warmup: {lr}"
+            );
+        }
+        // A global batch of 16 sequences of at most 64 tokens, then 8 of at most 128.
+        let (rows, len) = if step <= 16 { (16, 64) } else { (8, 128) };
+        assert!(tokens <= rows * len, "step {step}: {tokens} tokens");
+        // Phase 2's 8 sequences average more than 64 tokens: none of phase 1's data could.
+        if step > 16 {
+            assert!(
+                tokens > 8 * 64,
+                "step {step}: {tokens} tokens in 8 sequences"
+            );
+        }
+    }
+    println!("held-out loss of the uninterrupted run: {evals:?}");
+    let eval_steps: Vec<u64> = evals.iter().map(|e| e.0).collect();
+    assert_eq!(eval_steps, [8, 16, 24, 32, 40, 48, 56, 60]);
+    assert!(evals.iter().all(|e| e.1.is_finite()));
+    assert!(evals[7].1 < evals[0].1, "it learns: {evals:?}");
+
+    // The same job, losing a worker and then the coordinator inside phase 2.
+    let job = cluster.submit("interrupted", &corpus);
+    cluster.step_at_least(&job, 20);
+    let mut victim = cluster.workers.remove(1);
+    victim.child.kill().unwrap();
+    victim.child.wait().unwrap();
+    println!("killed a worker at step >= 20");
+    cluster.wait(&job, "the loss to be noticed", |s| {
+        s["recoveries"].as_u64() == Some(1)
+    });
+    cluster.add_worker();
+    cluster.step_at_least(&job, 30);
+    cluster.restart_coordinator();
+    println!("killed and restarted the coordinator at step >= 30");
+    let got = cluster.completed(&job);
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        let same = std::fs::read(expected.join(f)).unwrap() == std::fs::read(got.join(f)).unwrap();
+        assert!(
+            same,
+            "{f} differs from the uninterrupted run (max relative difference {:e})",
+            max_relative_difference(&got, &expected)
+        );
+    }
+    let (steps, _) = lines(&got);
+    assert!(
+        steps
+            .iter()
+            .all(|&(s, p, ..)| p == if s <= 16 { 1 } else { 2 }),
+        "phases of the interrupted run"
+    );
+}
