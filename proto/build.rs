@@ -21,6 +21,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "#[serde(serialize_with = \"crate::status::serialize_state\")]",
         )
         .field_attribute(
+            ".keel.v1.JobStatus.phase",
+            "#[serde(skip_serializing_if = \"crate::status::is_zero\")]",
+        )
+        .field_attribute(
+            ".keel.v1.JobStatus.phases",
+            "#[serde(skip_serializing_if = \"crate::status::is_zero\")]",
+        )
+        .field_attribute(
             ".keel.v1.JobStatus.precision",
             "#[serde(serialize_with = \"crate::status::empty_as_null\")]",
         )

@@ -149,6 +149,9 @@ pub fn progress_text(status: &JobStatus, eta_seconds: Option<f64>) -> String {
         return state_name(status.state).to_string();
     }
     let mut m = String::new();
+    if status.phases > 1 {
+        m.push_str(&format!("phase {}/{} | ", status.phase, status.phases));
+    }
     if status.loss.is_finite() {
         m.push_str(&format!(
             "loss {:.4} | {:.1}k tok/s | {:.0} ms/step | ",
@@ -305,6 +308,18 @@ mod tests {
             "loss 6.5000 | 12.3k tok/s | 250 ms/step | ETA --"
         );
         assert!(progress_text(&first, Some(125.0)).ends_with("ETA 2m 05s"));
+    }
+
+    #[test]
+    fn a_job_with_phases_shows_the_phase_it_is_in() {
+        let mut s = status(JobState::Running, 1, 200, 6.5);
+        s.phase = 2;
+        s.phases = 2;
+        assert!(
+            progress_text(&s, None).starts_with("phase 2/2 | loss 6.5000"),
+            "{}",
+            progress_text(&s, None)
+        );
     }
 
     #[test]

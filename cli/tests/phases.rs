@@ -209,6 +209,12 @@ fn two_phases_switch_at_their_step_and_survive_a_lost_worker_and_coordinator() {
     // The same job, losing a worker and then the coordinator inside phase 2.
     let job = cluster.submit("interrupted", &corpus);
     cluster.step_at_least(&job, 20);
+    let s = status(&job, &cluster.addr, cluster.root());
+    assert_eq!(
+        (s["phase"].as_u64(), s["phases"].as_u64()),
+        (Some(2), Some(2)),
+        "{s}"
+    );
     let mut victim = cluster.workers.remove(1);
     victim.child.kill().unwrap();
     victim.child.wait().unwrap();

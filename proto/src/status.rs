@@ -32,6 +32,11 @@ pub fn serialize_state<S: serde::Serializer>(state: &i32, s: S) -> Result<S::Ok,
     s.serialize_str(state_name(*state))
 }
 
+/// Whether a count is 0 (the `phase` fields of a job of one phase stay out of its JSON).
+pub fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
 /// Serializes an empty string as `null` (a value not decided yet), any other as itself.
 ///
 /// Errors: the serializer's.
@@ -75,6 +80,8 @@ mod tests {
             recoveries: 1,
             skipped_steps: 0,
             precision: String::new(),
+            phase: 0,
+            phases: 0,
         };
         // What the cli's hand-written `json!` printed for it.
         let today = r#"{"checkpoints":[5,10],"elapsed_seconds":12.5,"error":"","eval_accuracy":null,"eval_loss":null,"generation":2,"job_id":"job-1","learning_rate":null,"loss":6.5,"max_steps":200,"precision":null,"recoveries":1,"skipped_steps":0,"state":"waiting-for-workers","step":10,"step_seconds":0.25,"tokens_per_second":1000.0,"workers":["w-1","w-2"]}"#;
@@ -87,6 +94,17 @@ mod tests {
         let v = status_json(&bf16);
         assert_eq!(v["precision"], "bf16");
         assert_eq!(v["state"], "unknown");
+        // A job with `[[phase]]` sections shows its phase; one of one phase does not (above).
+        let phased = JobStatus {
+            phase: 2,
+            phases: 2,
+            ..bf16
+        };
+        let v = status_json(&phased);
+        assert_eq!(
+            (v["phase"].as_u64(), v["phases"].as_u64()),
+            (Some(2), Some(2))
+        );
     }
 
     #[test]

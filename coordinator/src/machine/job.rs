@@ -204,6 +204,14 @@ impl Job {
             precision: self
                 .precision
                 .map_or_else(String::new, |p| p.as_str().to_string()),
+            phase: match self.spec.phases.is_empty() {
+                true => 0,
+                false => (self.spec.phase_at(self.step) + 1) as u32,
+            },
+            phases: match self.spec.phases.is_empty() {
+                true => 0,
+                false => self.spec.phase_count() as u32,
+            },
         }
     }
 
