@@ -60,20 +60,25 @@ impl Cluster {
 
     /// Submits the two-phase job (2 workers, fixed vocabulary: the same data every time).
     fn submit(&self, name: &str, corpus: &Path) -> String {
+        self.submit_phases(name, corpus, 60, PHASE_2)
+    }
+
+    /// Submits a job of `max_steps` steps whose later phases are `phases` (`[[phase]]` text).
+    fn submit_phases(&self, name: &str, corpus: &Path, max_steps: u64, phases: &str) -> String {
         let case = self.root().join(name);
         std::fs::create_dir_all(&case).unwrap();
         let mut job = JobFile::new(corpus.to_path_buf());
         job.vocab = Some(fixture("wordpiece").join("vocab.txt"));
         job.workers = 2;
         job.micro_batch_size = 8;
-        job.max_steps = 60;
+        job.max_steps = max_steps;
         job.warmup_steps = 4;
         job.checkpoint_every = 10;
         job.eval_every = 8;
         job.peer_timeout_seconds = 10.0;
         job.cluster_extra = "max_recoveries = 4".into();
         let path = job.write(&case);
-        let text = std::fs::read_to_string(&path).unwrap() + PHASE_2;
+        let text = std::fs::read_to_string(&path).unwrap() + phases;
         std::fs::write(&path, text).unwrap();
         let out = run_keel(
             &[
@@ -242,4 +247,36 @@ fn two_phases_switch_at_their_step_and_survive_a_lost_worker_and_coordinator() {
             .all(|&(s, p, ..)| p == if s <= 16 { 1 } else { 2 }),
         "phases of the interrupted run"
     );
+}
+
+/// 64 -> 128 -> 64: phase 3 has phase 1's data and must evaluate on phase 1's held-out set,
+/// not on phase 2's 128-token one (it did, and failed at its first eval: "sequence of 122
+/// tokens does not fit pad_to 64").
+#[test]
+fn a_phase_back_at_phase_1s_length_evaluates_on_phase_1s_heldout_set() {
+    let cluster = Cluster::new(2);
+    let corpus = kjv_lines(cluster.root(), 2000);
+    let phases = format!("{PHASE_2}\n[[phase]]\nstart_step = 20\nmax_seq_length = 64\n");
+    let job = cluster.submit_phases("back", &corpus, 24, &phases);
+    let out = cluster.completed(&job);
+    let (steps, evals) = lines(&out);
+    let phases: Vec<u64> = steps.iter().map(|s| s.1).collect();
+    let want: Vec<u64> = (1..=24)
+        .map(|s| match s {
+            ..=16 => 1,
+            17..=20 => 2,
+            _ => 3,
+        })
+        .collect();
+    assert_eq!(phases, want);
+    let eval_steps: Vec<u64> = evals.iter().map(|e| e.0).collect();
+    assert_eq!(eval_steps, [8, 16, 24], "phase 3 evaluates");
+    assert!(evals.iter().all(|e| e.1.is_finite()), "{evals:?}");
+    // The eval masks with a fixed seed: the same set gives the same count of masked tokens.
+    let masked: Vec<u64> = metrics(&out.join("metrics.jsonl"))
+        .iter()
+        .filter_map(|l| l.get("eval_masked_tokens")?.as_u64())
+        .collect();
+    assert_eq!(masked.len(), 3, "{masked:?}");
+    assert_eq!(masked[2], masked[0], "phase 3 reads phase 1's held-out set");
 }

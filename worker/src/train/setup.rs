@@ -65,7 +65,8 @@ impl TrainSetup {
 pub struct PhaseInputs {
     /// This rank's shard of the phase's data.
     pub shard: PathBuf,
-    /// The phase's own held-out set; `None`: the previous phase's (same sequence length).
+    /// The held-out set of the phase's data folder; `None`: the phase's data are phase 1's
+    /// (phase 1's `max_seq_length`), and so is its held-out set.
     pub heldout: Option<PathBuf>,
     /// Training sequences in the phase's whole set.
     pub total_sequences: u64,
@@ -80,10 +81,9 @@ impl TrainSetup {
         let Some(phase) = self.later_phases.get(p - 1) else {
             return self.phase_inputs(0);
         };
-        let heldout = match &phase.heldout {
-            Some(h) => h,
-            None => self.phase_inputs(p - 1).1,
-        };
+        // Not the previous phase's: after 64 -> 128 -> 64 that set holds 128-token sequences
+        // (a crash at phase 3's first eval, found by a fresh user's test).
+        let heldout = phase.heldout.as_ref().unwrap_or(&self.heldout);
         (&phase.shard, heldout, phase.total_sequences)
     }
 }
