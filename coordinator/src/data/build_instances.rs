@@ -16,18 +16,24 @@ use super::spill::{Spill, SpillWriter, words_to_doc};
 use keel_proto::tokenizer::KeelTokenizer;
 use rand_chacha::ChaCha8Rng;
 
-/// Which of `num_docs` documents are held out: the `round(num_docs * fraction)` (at least
-/// `min_docs` when `fraction > 0`, and leaving at least `min_docs` to train on) whose hash of
-/// `(seed, index)` is smallest. Deterministic in its arguments; `[num_docs]` flags.
+/// Which documents are held out, given each one's size in tokens (`doc_tokens`,
+/// `[num_docs]`): documents are taken in the order of their hash of `(seed, index)` until
+/// they hold `fraction` of all tokens. A document that would take the held-out share past
+/// twice `fraction` is passed over (one long book among short ones must not hold out most of
+/// the corpus); at least `min_docs` documents are held out (the smallest passed-over ones
+/// complete the count) and at least `min_docs` are left to train on. Deterministic in its
+/// arguments; returns `[num_docs]` flags.
 ///
 /// Errors: [`PrepareError::TooSmall`] when the corpus has fewer than `2 * min_docs`
-/// documents to split.
+/// documents to split, saying how to give it more (documents are separated by blank lines)
+/// or to hold out nothing.
 pub fn heldout_documents(
-    num_docs: usize,
+    doc_tokens: &[u64],
     fraction: f64,
     seed: u64,
     min_docs: usize,
 ) -> Result<Vec<bool>, PrepareError> {
+    let num_docs = doc_tokens.len();
     let mut flags = vec![false; num_docs];
     if fraction <= 0.0 {
         return Ok(flags);
@@ -35,19 +41,39 @@ pub fn heldout_documents(
     if num_docs < 2 * min_docs {
         return Err(PrepareError::TooSmall {
             reason: format!(
-                "holding out whole documents needs at least {} documents, the corpus has \
-                 {num_docs}",
+                "a job with [[phase]] sections holds out whole documents (the same text at \
+                 every max_seq_length), which needs at least {} documents; the corpus has \
+                 {num_docs}. Separate its documents with blank lines (or give one file per \
+                 document), or set data.heldout_fraction = 0",
                 2 * min_docs
             ),
         });
     }
-    let k = ((num_docs as f64 * fraction).round() as usize).clamp(min_docs, num_docs - min_docs);
+    let total: u64 = doc_tokens.iter().sum();
+    let target = fraction * total as f64;
+    let cap = 2.0 * target;
     let mut ranked: Vec<(u64, usize)> = (0..num_docs)
         .map(|d| (splitmix64(seed ^ splitmix64(d as u64)), d))
         .collect();
     ranked.sort_unstable();
-    for &(_, d) in &ranked[..k] {
-        flags[d] = true;
+    let (mut held, mut count) = (0u64, 0usize);
+    for &(_, d) in &ranked {
+        if held as f64 >= target || num_docs - count == min_docs {
+            break;
+        }
+        if (held + doc_tokens[d]) as f64 <= cap {
+            flags[d] = true;
+            held += doc_tokens[d];
+            count += 1;
+        }
+    }
+    // Too few fit under the cap: complete the count with the smallest of the others.
+    if count < min_docs {
+        let mut rest: Vec<usize> = (0..num_docs).filter(|&d| !flags[d]).collect();
+        rest.sort_by_key(|&d| (doc_tokens[d], d));
+        for &d in &rest[..min_docs - count] {
+            flags[d] = true;
+        }
     }
     Ok(flags)
 }
@@ -150,22 +176,49 @@ pub fn build_instances(
 mod tests {
     use super::*;
 
+    /// The share of `tokens` that `flags` hold out.
+    fn share(flags: &[bool], tokens: &[u64]) -> f64 {
+        let held: u64 = (0..tokens.len())
+            .filter(|&d| flags[d])
+            .map(|d| tokens[d])
+            .sum();
+        held as f64 / tokens.iter().sum::<u64>() as f64
+    }
+
     #[test]
-    fn heldout_documents_are_a_fixed_fraction_chosen_by_seed() {
-        let a = heldout_documents(1000, 0.05, 7, 1).unwrap();
+    fn heldout_documents_are_a_fraction_of_the_tokens_chosen_by_seed() {
+        let equal = vec![100u64; 1000];
+        let a = heldout_documents(&equal, 0.05, 7, 1).unwrap();
         assert_eq!(a.iter().filter(|&&h| h).count(), 50);
-        assert_eq!(a, heldout_documents(1000, 0.05, 7, 1).unwrap());
-        assert_ne!(a, heldout_documents(1000, 0.05, 8, 1).unwrap());
+        assert_eq!(a, heldout_documents(&equal, 0.05, 7, 1).unwrap());
+        assert_ne!(a, heldout_documents(&equal, 0.05, 8, 1).unwrap());
         // At least `min_docs` each side, and none without a fraction.
-        assert_eq!(
-            heldout_documents(10, 0.01, 7, 2)
-                .unwrap()
-                .iter()
-                .filter(|&&h| h)
-                .count(),
-            2
-        );
-        assert!(!heldout_documents(10, 0.0, 7, 2).unwrap().contains(&true));
-        assert!(heldout_documents(3, 0.5, 7, 2).is_err());
+        let ten = vec![100u64; 10];
+        let held = heldout_documents(&ten, 0.01, 7, 2).unwrap();
+        assert_eq!(held.iter().filter(|&&h| h).count(), 2);
+        assert!(!heldout_documents(&ten, 0.0, 7, 2).unwrap().contains(&true));
+        assert!(heldout_documents(&ten[..3], 0.5, 7, 2).is_err());
+        // Two documents: one held out, one left to train on, whatever their sizes.
+        for sizes in [[100, 100], [10, 100], [100, 10]] {
+            let f = heldout_documents(&sizes, 0.45, 7, 1).unwrap();
+            assert_eq!(f.iter().filter(|&&h| h).count(), 1, "{sizes:?}: {f:?}");
+        }
+    }
+
+    /// A fresh user's corpus: a few long books and many short texts; by count of documents
+    /// the books were held out and took 68% of the text.
+    #[test]
+    fn long_documents_do_not_take_the_heldout_share_past_twice_the_fraction() {
+        let mut tokens = vec![200_000u64; 3];
+        tokens.extend(std::iter::repeat_n(500u64, 200));
+        for seed in 0..20 {
+            let flags = heldout_documents(&tokens, 0.05, seed, 1).unwrap();
+            let s = share(&flags, &tokens);
+            assert!(s <= 0.10, "seed {seed}: {s} of the tokens held out");
+            assert!(s >= 0.04, "seed {seed}: only {s} of the tokens held out");
+        }
+        // Only long documents: the smallest completes the count of one.
+        let flags = heldout_documents(&[900, 1000, 800], 0.01, 3, 1).unwrap();
+        assert_eq!(flags, [false, false, true]);
     }
 }

@@ -451,7 +451,8 @@ pub fn prepare(options: &PrepareOptions) -> Result<PreparedManifest, PrepareErro
             Objective::Mlm => 1,
             Objective::MlmNsp => 2,
         };
-        heldout_documents(docs.len(), options.heldout_fraction, options.seed, min_docs)?
+        let sizes: Vec<u64> = (0..docs.len()).map(|d| docs.words(d)).collect();
+        heldout_documents(&sizes, options.heldout_fraction, options.seed, min_docs)?
     } else {
         Vec::new()
     };

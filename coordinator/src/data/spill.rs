@@ -114,6 +114,15 @@ impl Spill {
         self.len() == 0
     }
 
+    /// Size of record `i` in u32 words (0 past the end), without reading it: for a document,
+    /// its tokens plus one word per sentence and one for the count.
+    pub fn words(&self, i: usize) -> u64 {
+        match (self.offsets.get(i), self.offsets.get(i + 1)) {
+            (Some(&start), Some(&end)) => (end - start) / 4,
+            _ => 0,
+        }
+    }
+
     /// Record `i` as u32 words (`i < len()`, else an empty record). Errors: `SpillError`.
     pub fn read(&self, i: usize) -> Result<Vec<u32>, SpillError> {
         let (Some(&start), Some(&end)) = (self.offsets.get(i), self.offsets.get(i + 1)) else {
