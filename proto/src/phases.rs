@@ -157,6 +157,15 @@ impl JobSpec {
             .unwrap_or(first)
     }
 
+    /// The 1-based phase whose section set phase `p`'s (0-based) value of a setting (`set`
+    /// tells whether a `[[phase]]` section names it): 1 when none up to `p` does.
+    fn set_by(&self, p: usize, set: fn(&PhaseSpec) -> bool) -> usize {
+        (0..p.min(self.phases.len()))
+            .rev()
+            .find(|&i| set(&self.phases[i]))
+            .map_or(1, |i| i + 2)
+    }
+
     /// Checks the `[[phase]]` sections: start steps strictly increasing inside
     /// `1..train.max_steps`, each setting in the range its `[data]` or `[train]` key allows,
     /// warmups within their phase, and with `[diloco]` every start on an outer step.
@@ -195,7 +204,11 @@ impl JobSpec {
         for p in 0..self.phase_count() {
             let view = self.phase_view(p);
             let (d, t) = (&view.data, &view.train);
-            let at = |v: String| format!("phase {}: {v}", p + 1);
+            // The value, and where it came from when an earlier phase set it.
+            let at = |v: String, set: fn(&PhaseSpec) -> bool| match self.set_by(p, set) {
+                by if by == p + 1 => format!("phase {}: {v}", p + 1),
+                by => format!("phase {}: {v} (inherited from phase {by})", p + 1),
+            };
             let max_len = if self.model.preset.is_some() {
                 512
             } else {
@@ -204,35 +217,43 @@ impl JobSpec {
             if !(8..=max_len).contains(&d.max_seq_length) {
                 return Err((
                     "phase.max_seq_length",
-                    at(d.max_seq_length.to_string()),
+                    at(d.max_seq_length.to_string(), |ph| {
+                        ph.max_seq_length.is_some()
+                    }),
                     format!("between 8 and {max_len} tokens"),
                 ));
             }
             if d.max_predictions_per_seq == 0 || d.max_predictions_per_seq > d.max_seq_length {
                 return Err((
                     "phase.max_predictions_per_seq",
-                    at(d.max_predictions_per_seq.to_string()),
+                    at(d.max_predictions_per_seq.to_string(), |ph| {
+                        ph.max_predictions_per_seq.is_some()
+                    }),
                     "between 1 and the phase's max_seq_length".into(),
                 ));
             }
             if !(1..=65_536).contains(&t.micro_batch_size) {
                 return Err((
                     "phase.micro_batch_size",
-                    at(t.micro_batch_size.to_string()),
+                    at(t.micro_batch_size.to_string(), |ph| {
+                        ph.micro_batch_size.is_some()
+                    }),
                     "between 1 and 65536 sequences".into(),
                 ));
             }
             if !(1..=65_536).contains(&t.gradient_accumulation_steps) {
                 return Err((
                     "phase.gradient_accumulation_steps",
-                    at(t.gradient_accumulation_steps.to_string()),
+                    at(t.gradient_accumulation_steps.to_string(), |ph| {
+                        ph.gradient_accumulation_steps.is_some()
+                    }),
                     "between 1 and 65536".into(),
                 ));
             }
             if !(t.learning_rate.is_finite() && t.learning_rate > 0.0 && t.learning_rate < 10.0) {
                 return Err((
                     "phase.learning_rate",
-                    at(t.learning_rate.to_string()),
+                    at(t.learning_rate.to_string(), |ph| ph.learning_rate.is_some()),
                     "a positive number below 10".into(),
                 ));
             }
@@ -244,7 +265,7 @@ impl JobSpec {
                 };
                 return Err((
                     key,
-                    at(t.warmup_steps.to_string()),
+                    at(t.warmup_steps.to_string(), |ph| ph.warmup_steps.is_some()),
                     format!("at most the phase's {} steps", t.max_steps),
                 ));
             }
@@ -331,7 +352,17 @@ mod tests {
             (
                 "[[phase]]\nstart_step = 50\nmax_seq_length = 16\n",
                 "phase.max_predictions_per_seq",
-                "phase 2: 20",
+                "phase 2: 20 (inherited from phase 1)",
+            ),
+            (
+                "[[phase]]\nstart_step = 95\n",
+                "phase.warmup_steps",
+                "phase 2: 10 (inherited from phase 1)",
+            ),
+            (
+                "[[phase]]\nstart_step = 50\nwarmup_steps = 8\n[[phase]]\nstart_step = 95\n",
+                "phase.warmup_steps",
+                "phase 3: 8 (inherited from phase 2)",
             ),
             (
                 "[[phase]]\nstart_step = 95\nwarmup_steps = 6\n",
