@@ -330,13 +330,15 @@ impl Drop for KeptOnFailure {
     }
 }
 
-/// The last held-out evaluation (`eval` line) of a metrics.jsonl, if the job evaluated; lines
-/// this version cannot read are skipped (a summary, not a check).
+/// The last held-out evaluation (`eval` line) of a metrics.jsonl that masked at least one token,
+/// if the job evaluated; lines this version cannot read are skipped (a summary, not a check).
 pub fn last_eval(metrics: &Path) -> Option<EvalLine> {
     let text = std::fs::read_to_string(metrics).ok()?;
+    // An eval of 0 masked tokens measured nothing (no held-out set: data.heldout_fraction = 0);
+    // printed, it read "loss 0.0000, accuracy 0.0%".
     text.lines()
         .filter_map(|l| match MetricsLine::parse(l) {
-            Ok(MetricsLine::Eval(e)) => Some(e),
+            Ok(MetricsLine::Eval(e)) if e.eval_masked_tokens > 0 => Some(e),
             _ => None,
         })
         .max_by_key(|e| e.step)
@@ -378,6 +380,7 @@ mod tests {
             "not json",
             r#"{"eval_accuracy":0.3,"eval_loss":4.5,"eval_masked_tokens":120,"eval_perplexity":90.0,"step":400}"#,
             r#"{"eval_accuracy":0.1,"eval_loss":6.5,"eval_masked_tokens":90,"eval_perplexity":665.1,"step":100}"#,
+            r#"{"eval_accuracy":0.0,"eval_loss":0.0,"eval_masked_tokens":0,"eval_perplexity":1.0,"step":500}"#,
         ];
         std::fs::write(&path, lines.join("\n")).expect("write");
         let eval = last_eval(&path).expect("an eval line");
