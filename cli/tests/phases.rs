@@ -250,7 +250,7 @@ fn two_phases_switch_at_their_step_and_survive_a_lost_worker_and_coordinator() {
 }
 
 /// 64 -> 128 -> 64: phase 3 has phase 1's data and must evaluate on phase 1's held-out set,
-/// not on phase 2's 128-token one (it did, and failed at its first eval: "sequence of 122
+/// not on phase 2's 128-token one (it did, and failed at its first eval: "sequence of 118
 /// tokens does not fit pad_to 64").
 #[test]
 fn a_phase_back_at_phase_1s_length_evaluates_on_phase_1s_heldout_set() {
