@@ -813,6 +813,7 @@ fn frame(job: &str, generation: u64, data_len: usize, total_len: u64, offset: u6
         offset,
         data: vec![0u8; data_len].into(),
         dtype: 0,
+        collective: 0,
     }
 }
 

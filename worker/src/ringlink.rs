@@ -2,7 +2,7 @@
 //! thread submits buffers and later waits for their sums; one task on the runtime runs the
 //! all-reduces one after another in submission order, which is the same order on every rank.
 
-use crate::allreduce::{AllReduceError, Ring, WireDtype};
+use crate::allreduce::{AllReduceError, Collective, Ring, WireDtype};
 use crate::control::JobControl;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,6 +35,8 @@ struct Request {
     data: Vec<f32>,
     /// How the elements travel (f32, or bf16 for gradients).
     dtype: WireDtype,
+    /// All-reduce, reduce-scatter or all-gather.
+    collective: Collective,
     reply: oneshot::Sender<Result<(Vec<f32>, Duration), RingLinkError>>,
 }
 
@@ -109,7 +111,7 @@ impl RingLink {
                     Err(RingLinkError::Aborted)
                 } else {
                     tokio::select! {
-                        r = ring.all_reduce_sum_as(req.step, req.bucket, req.data, req.dtype) => {
+                        r = ring.collective(req.step, req.bucket, req.data, req.dtype, req.collective) => {
                             r.map_err(RingLinkError::from)
                         }
                         () = control.stopped() => Err(RingLinkError::Aborted),
@@ -135,6 +137,20 @@ impl RingLink {
     /// Queues `data` to be summed across ranks as (step, bucket), its elements sent as `dtype`
     /// (see [`Ring::all_reduce_sum_as`]: bf16 only for gradients).
     pub fn submit_as(&self, step: u64, bucket: u32, data: Vec<f32>, dtype: WireDtype) -> RingReply {
+        self.submit_collective(step, bucket, data, dtype, Collective::AllReduce)
+    }
+
+    /// Queues `collective` over `data` as (step, bucket), its elements sent as `dtype` (see
+    /// [`Ring::collective`]: after a reduce-scatter only this rank's chunk holds the sum; an
+    /// all-gather fills every chunk from its owner).
+    pub fn submit_collective(
+        &self,
+        step: u64,
+        bucket: u32,
+        data: Vec<f32>,
+        dtype: WireDtype,
+        collective: Collective,
+    ) -> RingReply {
         let (reply, rx) = oneshot::channel();
         // If the task is gone the reply sender is dropped and `wait` says Closed.
         let _ = self.tx.send(Request {
@@ -142,6 +158,7 @@ impl RingLink {
             bucket,
             data,
             dtype,
+            collective,
             reply,
         });
         RingReply { rx }

@@ -93,6 +93,7 @@ fn frame(job: &str, generation: u64, data: Bytes, total_len: u64, offset: u64) -
         offset,
         data,
         dtype: 0,
+        collective: 0,
     }
 }
 

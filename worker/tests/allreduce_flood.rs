@@ -33,6 +33,7 @@ fn junk(step: u64, bucket: u32, total_len: u64, offset: u64, bytes: usize) -> Ri
         offset,
         data: Bytes::from(vec![0u8; bytes]),
         dtype: 0,
+        collective: 0,
     }
 }
 

@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use keel_proto::ring_rpc::WireDtype;
+use keel_proto::ring_rpc::{Collective, WireDtype};
 
 use super::bf16_wire;
 use super::mailbox::InboundFrame;
@@ -54,6 +54,7 @@ pub(super) fn writes_readers(range: &Range<usize>, readers: &[Range<usize>]) -> 
 pub(super) fn absorb_or_defer(
     n: usize,
     dtype: WireDtype,
+    collective: Collective,
     buf: &Arc<SharedBuf>,
     frame: InboundFrame,
     range: Range<usize>,
@@ -67,7 +68,7 @@ pub(super) fn absorb_or_defer(
     }
     // SAFETY: no queued or unfinished send reads `range` (checked above), and the ring task
     // (the caller) is the buffer's only writer.
-    if let Some(out) = unsafe { absorb(n, dtype, buf, frame, range) } {
+    if let Some(out) = unsafe { absorb(n, dtype, collective, buf, frame, range) } {
         if let Payload::Buffer(r) = &out.payload {
             readers.push(r.clone());
         }
@@ -87,12 +88,16 @@ pub(super) fn absorb_or_defer(
 /// In bf16 (`dtype`) the partial sum goes out as an encoded copy, and the finished sum (step
 /// `n - 2`) is first rounded to bf16 in place, so this rank keeps what the others will decode.
 ///
+/// A reduce-scatter (`collective`) ends at step `n - 2`: the finished sum stays here. An
+/// all-gather's steps are the all-reduce's last `n - 1`, absorbed alike.
+///
 /// # Safety
 /// Nothing else reads or writes `range` of `buf` during the call, and no queued or unfinished
 /// send reads `range` (every step writes it).
 unsafe fn absorb(
     n: usize,
     dtype: WireDtype,
+    collective: Collective,
     buf: &SharedBuf,
     frame: InboundFrame,
     range: Range<usize>,
@@ -115,7 +120,8 @@ unsafe fn absorb(
                 Payload::Ready(bf16_wire::encode(local))
             }
         };
-        Some(Outgoing {
+        let finished = t + 2 == n && collective == Collective::ReduceScatter;
+        (!finished).then_some(Outgoing {
             ring_step: next,
             offset: range.start,
             payload,

@@ -175,6 +175,22 @@ pub enum FrameRejected {
         /// The frame's.
         got: keel_proto::ring_rpc::WireDtype,
     },
+    /// The frame belongs to another collective (`RingFrame.collective`) than the other frames
+    /// of its (step, bucket), or than this worker's once it started (`INVALID_ARGUMENT`): the
+    /// workers disagree on `train.shard_optimizer`.
+    #[error(
+        "collective mismatch for step {step} bucket {bucket}: this is {expected:?}, frame is {got:?}"
+    )]
+    CollectiveMismatch {
+        /// Step of the collective.
+        step: u64,
+        /// Bucket of the collective.
+        bucket: u32,
+        /// The collective running (or planned) here.
+        expected: keel_proto::ring_rpc::Collective,
+        /// The frame's.
+        got: keel_proto::ring_rpc::Collective,
+    },
     /// No all-reduce with this (step, bucket) runs here or can still start: a bucket unknown
     /// at a step already past, or a step too far ahead (`INVALID_ARGUMENT`).
     #[error(

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use keel_net::security::ClientSecurity;
-use keel_proto::ring_rpc::{RingFrame, WireDtype};
+use keel_proto::ring_rpc::{Collective, RingFrame, WireDtype};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 
 use super::bf16_wire::element_bytes;
@@ -167,6 +167,8 @@ pub(crate) struct InboundFrame {
     pub offset: u64,
     /// How `data` encodes the elements.
     pub dtype: WireDtype,
+    /// The collective the sender runs.
+    pub collective: Collective,
     /// The elements, little-endian in `dtype`; a whole number of them (checked on delivery).
     pub data: Bytes,
     /// This frame's share of the mailbox's byte budget, released when the frame is dropped.
@@ -294,6 +296,7 @@ impl Mailbox {
         frame: &RingFrame,
         elems: usize,
         dtype: WireDtype,
+        collective: Collective,
     ) -> Result<Admission, FrameRejected> {
         let m = st
             .membership
@@ -354,6 +357,14 @@ impl Mailbox {
                         got: dtype,
                     });
                 }
+                if slot.schedule.collective() != collective {
+                    return Err(FrameRejected::CollectiveMismatch {
+                        step,
+                        bucket,
+                        expected: slot.schedule.collective(),
+                        got: collective,
+                    });
+                }
                 None
             }
             None => {
@@ -370,7 +381,7 @@ impl Mailbox {
                 let len = usize::try_from(frame.total_len).map_err(|_| {
                     FrameRejected::Malformed(format!("a buffer of {} f32", frame.total_len))
                 })?;
-                Some(FrameSchedule::new(m.shape, len, dtype))
+                Some(FrameSchedule::new(m.shape, len, dtype, collective))
             }
         };
         let (schedule, ahead) = match (existing, &new_slot) {
@@ -381,11 +392,12 @@ impl Mailbox {
         let planned = schedule
             .locate(frame.ring_step, frame.offset, elems)
             .map_err(unplanned)?;
-        if ahead && frame.ring_step as usize >= schedule.reduce_scatter_steps() {
+        if ahead && frame.ring_step as usize >= schedule.early_steps_end() {
             return Err(unplanned(format!(
-                "ring step {} before this worker started the all-reduce: only the reduce-scatter's {} steps can come first",
+                "ring step {} before this worker started the {}: only ring steps below {} can come first",
                 frame.ring_step,
-                schedule.reduce_scatter_steps()
+                super::expect::collective_name(collective),
+                schedule.early_steps_end()
             )));
         }
         if existing.is_some_and(|s| s.seen.contains(&planned.index)) {
@@ -418,6 +430,12 @@ impl Mailbox {
                 frame.dtype
             ))
         })?;
+        let collective = Collective::try_from(frame.collective).map_err(|_| {
+            FrameRejected::Malformed(format!(
+                "collective {}: expected 0 (all-reduce), 1 (reduce-scatter) or 2 (all-gather)",
+                frame.collective
+            ))
+        })?;
         let size = element_bytes(dtype);
         let bytes = frame.data.len();
         if bytes == 0 || !bytes.is_multiple_of(size) || bytes > MAX_FRAME_BYTES {
@@ -442,7 +460,7 @@ impl Mailbox {
             // Registered before looking, so a start between the look and the wait is not missed.
             let mut changed = pin!(self.changed.notified());
             changed.as_mut().enable();
-            let ahead = Self::admit(&self.lock(), &frame, elems, dtype)?.ahead;
+            let ahead = Self::admit(&self.lock(), &frame, elems, dtype, collective)?.ahead;
             // Wait for room without holding the lock; a sender that gives up drops this future.
             let budget = if ahead { &self.ahead } else { &self.budget };
             tokio::select! {
@@ -455,7 +473,7 @@ impl Mailbox {
         };
         let mut st = self.lock();
         // Membership, the all-reduce or its frames may have moved on while we waited.
-        let admission = Self::admit(&st, &frame, elems, dtype)?;
+        let admission = Self::admit(&st, &frame, elems, dtype, collective)?;
         let slot = match st.slots.entry(admission.key) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => match admission.new_slot {
@@ -470,6 +488,7 @@ impl Mailbox {
             total_len: frame.total_len,
             offset: frame.offset,
             dtype,
+            collective,
             data: frame.data,
             _permit: permit,
         };
@@ -479,13 +498,14 @@ impl Mailbox {
         })
     }
 
-    /// Starts receiving for the local all-reduce (job, generation, step, bucket) of `total_len`
-    /// elements sent as `dtype`; frames buffered so far come first (if they were sent for
-    /// another length or dtype, the all-reduce finds them so and fails). Frames held ahead for steps this worker has now
+    /// Starts receiving for the local `collective` (job, generation, step, bucket) of
+    /// `total_len` elements sent as `dtype`; frames buffered so far come first (if they were
+    /// sent for another length, dtype or collective, the collective finds them so and fails). Frames held ahead for steps this worker has now
     /// moved past are dropped.
     ///
     /// Errors: [`AllReduceError::StaleGeneration`] if the mailbox serves another (job,
     /// generation); [`AllReduceError::Duplicate`] if this all-reduce is running or finished here.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn open(
         self: &Arc<Self>,
         job_id: &str,
@@ -494,6 +514,7 @@ impl Mailbox {
         bucket: u32,
         total_len: usize,
         dtype: WireDtype,
+        collective: Collective,
     ) -> Result<Inbox, AllReduceError> {
         let mut st = self.lock();
         let shape = match &st.membership {
@@ -535,7 +556,7 @@ impl Mailbox {
                 || (k.step.saturating_add(LATE_STEPS) >= newest
                     && k.step <= newest.saturating_add(EARLY_STEPS))
         });
-        let schedule = FrameSchedule::new(shape, total_len, dtype);
+        let schedule = FrameSchedule::new(shape, total_len, dtype, collective);
         let slot = st
             .slots
             .entry(key)
@@ -544,9 +565,12 @@ impl Mailbox {
             .rx
             .take()
             .ok_or(AllReduceError::Duplicate { step, bucket })?;
-        if slot.schedule.len() != total_len || slot.schedule.dtype() != dtype {
-            // Frames held for another length or dtype stay queued: the all-reduce reports the
-            // mismatch.
+        if slot.schedule.len() != total_len
+            || slot.schedule.dtype() != dtype
+            || slot.schedule.collective() != collective
+        {
+            // Frames held for another length, dtype or collective stay queued: the collective
+            // reports the mismatch.
             slot.seen.clear();
         }
         slot.schedule = schedule;

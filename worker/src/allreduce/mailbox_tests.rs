@@ -25,6 +25,7 @@ fn frame_at(step: u64, bucket: u32, ring_step: u32) -> RingFrame {
         offset: if ring_step == 0 { 4 } else { 0 },
         data: vec![0u8; 16].into(),
         dtype: WireDtype::F32.into(),
+        collective: 0,
     }
 }
 
@@ -39,7 +40,9 @@ async fn frames_of_an_all_reduce_that_cannot_exist_are_refused_not_buffered() {
     // Before the first local all-reduce any step may come first (a resumed job).
     mailbox.deliver(frame(40, 0)).await.unwrap();
     assert_eq!(mailbox.held_bytes(), 16);
-    let _inbox = mailbox.open("job-1", 1, 5, 0, 8, WireDtype::F32).unwrap();
+    let _inbox = mailbox
+        .open("job-1", 1, 5, 0, 8, WireDtype::F32, Collective::AllReduce)
+        .unwrap();
     // Step 40 is out of reach from step 5: what was held for it is gone.
     assert_eq!(mailbox.held_bytes(), 0);
     for (step, bucket) in [(3, 9), (1000, 0), (8, 0), (7, 0), (40, 0)] {
@@ -65,7 +68,9 @@ async fn frames_of_an_all_reduce_that_cannot_exist_are_refused_not_buffered() {
 async fn frames_the_plan_does_not_expect_are_refused_naming_why_and_hold_nothing() {
     let mailbox = Mailbox::new();
     mailbox.join("job-1", 1, SHAPE).unwrap();
-    let _running = mailbox.open("job-1", 1, 1, 0, 8, WireDtype::F32).unwrap();
+    let _running = mailbox
+        .open("job-1", 1, 1, 0, 8, WireDtype::F32, Collective::AllReduce)
+        .unwrap();
     let shifted = RingFrame {
         offset: 3,
         ..frame(1, 0)
@@ -143,7 +148,9 @@ async fn frames_of_another_dtype_or_an_unknown_one_are_refused() {
     mailbox.deliver(bf16(1, 0, 8)).await.unwrap();
     assert_eq!(mailbox.held_bytes(), 8);
     // The same all-reduce's next frame in f32 (16 bytes for 4 elements): the workers disagree.
-    let running = mailbox.open("job-1", 1, 1, 0, 8, WireDtype::Bf16).unwrap();
+    let running = mailbox
+        .open("job-1", 1, 1, 0, 8, WireDtype::Bf16, Collective::AllReduce)
+        .unwrap();
     let err = mailbox.deliver(frame_at(1, 0, 1)).await.unwrap_err();
     assert!(
         matches!(
@@ -203,7 +210,15 @@ async fn frames_held_ahead_are_bounded_apart_and_freed_when_the_step_moves_on() 
         ..frame(step, bucket)
     };
     let mut step1 = mailbox
-        .open("job-1", 1, 1, 0, len as usize, WireDtype::F32)
+        .open(
+            "job-1",
+            1,
+            1,
+            0,
+            len as usize,
+            WireDtype::F32,
+            Collective::AllReduce,
+        )
         .unwrap();
     // A bucket that never runs fills the ahead budget ...
     for k in 0..4 {
@@ -222,7 +237,15 @@ async fn frames_held_ahead_are_bounded_apart_and_freed_when_the_step_moves_on() 
     assert_eq!(mailbox.held_bytes(), 4 << 20);
     drop(step1);
     let mut step2 = mailbox
-        .open("job-1", 1, 2, 0, len as usize, WireDtype::F32)
+        .open(
+            "job-1",
+            1,
+            2,
+            0,
+            len as usize,
+            WireDtype::F32,
+            Collective::AllReduce,
+        )
         .unwrap();
     tokio::time::timeout(Duration::from_secs(5), waiting)
         .await
@@ -234,7 +257,15 @@ async fn frames_held_ahead_are_bounded_apart_and_freed_when_the_step_moves_on() 
     assert_eq!(mailbox.held_bytes(), 4 << 20);
     drop(step2);
     let _step3 = mailbox
-        .open("job-1", 1, 3, 0, len as usize, WireDtype::F32)
+        .open(
+            "job-1",
+            1,
+            3,
+            0,
+            len as usize,
+            WireDtype::F32,
+            Collective::AllReduce,
+        )
         .unwrap();
     assert_eq!(mailbox.held_bytes(), 0);
 }

@@ -76,9 +76,9 @@ mod shared_buf;
 mod wire;
 
 pub use error::{AllReduceError, FrameRejected};
-pub use keel_proto::ring_rpc::WireDtype;
+pub use keel_proto::ring_rpc::{Collective, WireDtype};
 pub use mailbox::{DEFAULT_CAPACITY_BYTES, MAX_FRAME_BYTES, Mailbox};
-pub use plan::{chunk_plan, frame_count, frame_plan, recv_chunk, send_chunk};
+pub use plan::{chunk_plan, frame_count, frame_plan, owned_chunk, recv_chunk, send_chunk};
 pub use ring::{Ring, RingConfig};
 pub use service::{AckStream, MAX_MESSAGE_BYTES, RingDataPlane, RingService, ring_service};
 

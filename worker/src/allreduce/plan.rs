@@ -28,6 +28,14 @@ pub fn chunk_plan(len: usize, world_size: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
+/// The chunk of a buffer of `len` elements that rank `rank` of `world_size` (>= 1) finishes
+/// in a reduce-scatter and starts from in an all-gather: chunk `(rank + 1) % world_size` of
+/// [`chunk_plan`] (ZeRO stage 1: the elements whose optimizer state the rank owns).
+pub fn owned_chunk(len: usize, world_size: usize, rank: usize) -> Range<usize> {
+    let n = world_size.max(1);
+    chunk_plan(len, n)[(rank + 1) % n].clone()
+}
+
 /// Cuts one chunk into frames of at most `frame_elems` elements (the last one may be shorter).
 ///
 /// Returns the frames' element ranges in order; an empty chunk has no frames. `frame_elems == 0`

@@ -20,7 +20,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use keel_proto::ring_rpc::{RingFrame, WireDtype};
+use keel_proto::ring_rpc::{Collective, RingFrame, WireDtype};
 
 use super::link::LinkStream;
 use backon::{ExponentialBuilder, Retryable};
@@ -218,6 +218,32 @@ impl Ring {
         data: Vec<f32>,
         dtype: WireDtype,
     ) -> Result<Vec<f32>, AllReduceError> {
+        self.collective(step, bucket, data, dtype, Collective::AllReduce)
+            .await
+    }
+
+    /// Runs `collective` over `data` (`[len]` f32, the same `len` on every rank), as
+    /// (step, bucket); every rank calls it with the same arguments but `data`.
+    /// - [`Collective::AllReduce`]: as [`Ring::all_reduce_sum_as`].
+    /// - [`Collective::ReduceScatter`]: the all-reduce's first `n - 1` ring steps. Only this
+    ///   rank's chunk, [`owned_chunk`](super::owned_chunk), of the returned vector holds the sum (bit-identical to
+    ///   the all-reduce's, in bf16 rounded as it rounds); the other chunks hold partial sums.
+    ///   Each rank sends and receives `(n - 1) / n * len` elements.
+    /// - [`Collective::AllGather`]: the all-reduce's last `n - 1` ring steps, each rank
+    ///   starting from its chunk [`owned_chunk`](super::owned_chunk) of `data`: every rank returns the owners'
+    ///   chunks, bit for bit (`dtype` must be `F32` for weights). The same traffic.
+    ///
+    /// World size 1 returns `data` at once.
+    ///
+    /// Errors: as [`Ring::all_reduce_sum`].
+    pub async fn collective(
+        &self,
+        step: u64,
+        bucket: u32,
+        data: Vec<f32>,
+        dtype: WireDtype,
+        collective: Collective,
+    ) -> Result<Vec<f32>, AllReduceError> {
         let n = self.cfg.world_size as usize;
         if n == 1 {
             return Ok(data);
@@ -227,8 +253,11 @@ impl Ring {
         let buf = Arc::new(SharedBuf::new(data));
         let chunks = chunk_plan(len, n);
         let frame_elems = self.cfg.frame_bytes / 4;
-        let schedule = FrameSchedule::new(shape(&self.cfg), len, dtype);
+        let schedule = FrameSchedule::new(shape(&self.cfg), len, dtype, collective);
         let expected = schedule.expected();
+        // The first ring step this rank sends at: the reduce-scatter's first, or the
+        // all-gather's (its own finished chunk).
+        let first_step = super::expect::ring_steps(collective, n).start;
         // One flag per expected incoming frame (the mailbox refuses copies already; a backstop).
         let mut seen = vec![false; expected];
         let mut received = 0usize;
@@ -240,11 +269,12 @@ impl Ring {
             bucket,
             len,
             dtype,
+            collective,
         )?;
         let mut outbox: VecDeque<Outgoing> =
-            frame_plan(chunks[send_chunk(rank, n, 0)].clone(), frame_elems)
+            frame_plan(chunks[send_chunk(rank, n, first_step)].clone(), frame_elems)
                 .map(|range| Outgoing {
-                    ring_step: 0,
+                    ring_step: first_step as u32,
                     offset: range.start,
                     payload: match dtype {
                         WireDtype::F32 => Payload::Buffer(range),
@@ -282,7 +312,15 @@ impl Ring {
                     }
                     Payload::Ready(bytes) => (None, bytes),
                 };
-                let send = self.send(step, bucket, out.ring_step, len, out.offset, dtype, payload);
+                let send = self.send(
+                    step,
+                    bucket,
+                    out.ring_step,
+                    len,
+                    out.offset,
+                    (dtype, collective),
+                    payload,
+                );
                 let wait_for_copies = self.cfg.timeout;
                 sends.push(async move {
                     let sent = send.await;
@@ -319,7 +357,7 @@ impl Ring {
                     // Frames that waited for that range may go on now.
                     for _ in 0..deferred.len() {
                         let Some((frame, range)) = deferred.pop_front() else { break };
-                        absorb_or_defer(n, dtype, &buf, frame, range, &mut outbox, &mut readers, &mut deferred);
+                        absorb_or_defer(n, dtype, collective, &buf, frame, range, &mut outbox, &mut readers, &mut deferred);
                     }
                 }
                 frame = inbox.recv(), if received < expected => {
@@ -336,7 +374,7 @@ impl Ring {
                     }
                     received += 1;
                     last_arrival = Instant::now();
-                    absorb_or_defer(n, dtype, &buf, frame, slot.range, &mut outbox, &mut readers, &mut deferred);
+                    absorb_or_defer(n, dtype, collective, &buf, frame, slot.range, &mut outbox, &mut readers, &mut deferred);
                 }
                 () = sleep_until(last_arrival + self.cfg.timeout), if received < expected => {
                     return Err(self.timeout_error(
@@ -409,6 +447,14 @@ impl Ring {
             );
             return Err(self.bad_frame(step, bucket, frame, reason));
         }
+        if frame.collective != schedule.collective() {
+            let reason = format!(
+                "it belongs to a {}, this is a {} (do the workers disagree on train.shard_optimizer?)",
+                super::expect::collective_name(frame.collective),
+                super::expect::collective_name(schedule.collective())
+            );
+            return Err(self.bad_frame(step, bucket, frame, reason));
+        }
         schedule
             .locate(
                 frame.ring_step,
@@ -452,7 +498,7 @@ impl Ring {
         ring_step: u32,
         total_len: usize,
         offset: usize,
-        dtype: WireDtype,
+        (dtype, collective): (WireDtype, Collective),
         data: Bytes,
     ) -> Result<bool, AllReduceError> {
         let stream = self.next_stream.fetch_add(1, Ordering::Relaxed) % self.right.len();
@@ -468,6 +514,7 @@ impl Ring {
             offset: offset as u64,
             data,
             dtype: dtype.into(),
+            collective: collective.into(),
         };
         let (rank, addr) = right_neighbour(&self.cfg);
         let deadline = Instant::now() + self.cfg.timeout;

@@ -194,6 +194,7 @@ impl From<FrameRejected> for Status {
             FrameRejected::Malformed(_)
             | FrameRejected::LengthMismatch { .. }
             | FrameRejected::DtypeMismatch { .. }
+            | FrameRejected::CollectiveMismatch { .. }
             | FrameRejected::UnknownAllReduce { .. }
             | FrameRejected::Unplanned { .. } => Status::invalid_argument(message),
             FrameRejected::Duplicate { .. } => Status::already_exists(message),

@@ -264,6 +264,7 @@ mod tests {
             offset: 4096,
             data: Bytes::from(data),
             dtype: 0,
+            collective: 0,
         }
     }
 

@@ -6,7 +6,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_worker::allreduce::{Mailbox, Ring, RingConfig, WireDtype, ring_service, tune_server};
+use keel_worker::allreduce::{
+    Collective, Mailbox, Ring, RingConfig, WireDtype, ring_service, tune_server,
+};
 use rand::{RngExt, SeedableRng};
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
@@ -117,6 +119,41 @@ pub fn all_reduce_as(
 
 /// Integer-valued input of `rank`, in -50..=50: sums stay exact in f32, and in bf16 up to 5
 /// ranks (|sum| < 256).
+/// Runs `collectives[rank % len]` over each rank's input on every rank concurrently, rank
+/// `delayed` (if any) starting `delay` after the others; returns each rank's buffer or error.
+pub fn run_collective(
+    peers: &[Peer],
+    rings: &[Arc<Ring>],
+    (step, bucket): (u64, u32),
+    inputs: Vec<Vec<f32>>,
+    dtype: WireDtype,
+    collectives: &[Collective],
+    delayed: Option<(usize, Duration)>,
+) -> Vec<Result<Vec<f32>, keel_worker::allreduce::AllReduceError>> {
+    let handles: Vec<_> = peers
+        .iter()
+        .zip(rings)
+        .zip(inputs)
+        .enumerate()
+        .map(|(rank, ((p, ring), data))| {
+            let ring = Arc::clone(ring);
+            let collective = collectives[rank % collectives.len()];
+            let wait = delayed
+                .filter(|(r, _)| *r == rank)
+                .map_or(Duration::ZERO, |(_, d)| d);
+            p.rt.spawn(async move {
+                tokio::time::sleep(wait).await;
+                ring.collective(step, bucket, data, dtype, collective).await
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .zip(peers)
+        .map(|(h, p)| p.rt.block_on(h).unwrap())
+        .collect()
+}
+
 pub fn integer_input(rank: usize, len: usize) -> Vec<f32> {
     (0..len)
         .map(|i| ((i * 7 + rank * 13) % 101) as f32 - 50.0)
