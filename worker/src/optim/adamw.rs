@@ -6,10 +6,14 @@
 //! m = b1 m + (1 - b1) g ;  v = b2 v + (1 - b2) g^2
 //! p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 //! ```
+//!
+//! The update is element-wise, so a sharded AdamW (ZeRO stage 1, Rajbhandari et al. 2020,
+//! section 5.1) is the same loop over its [`ShardPlan`]'s segments and needs no cross-rank
+//! sums. Shapes: params and grads `[P]`, moments `[L]` (`L = P` unsharded).
 
 use keel_proto::params::ParamLayout;
 
-use super::{OptimError, Optimizer, decay_ranges, restore};
+use super::{OptimError, Optimizer, ShardPlan, restore_shard};
 use crate::model::Element;
 
 /// AdamW hyper-parameters.
@@ -39,11 +43,13 @@ impl Default for AdamWConfig {
     }
 }
 
-/// AdamW state: moments `[total_len]` in the parameter layout.
+/// AdamW state: moments `[L]` in the compact order of its [`ShardPlan`] (`[P]` in the
+/// parameter layout when unsharded).
 #[derive(Debug, Clone)]
 pub struct AdamW<A = f32> {
     config: AdamWConfig,
-    decay: Vec<(std::ops::Range<usize>, bool)>,
+    /// The elements this optimizer owns and updates.
+    plan: ShardPlan,
     /// First moment `m` (`exp_avg`).
     exp_avg: Vec<A>,
     /// Second moment `v` (`exp_avg_sq`).
@@ -52,19 +58,25 @@ pub struct AdamW<A = f32> {
 }
 
 impl<A: Element> AdamW<A> {
-    /// Zero moments for `layout`.
+    /// Zero moments `[P]` for the whole of `layout` (unsharded).
     pub fn new(layout: &ParamLayout, config: AdamWConfig) -> AdamW<A> {
+        AdamW::with_plan(ShardPlan::full(layout), config)
+    }
+
+    /// Zero moments `[L]` for the elements of `plan` (a rank's shard).
+    pub fn with_plan(plan: ShardPlan, config: AdamWConfig) -> AdamW<A> {
         AdamW {
             config,
-            decay: decay_ranges(layout),
-            exp_avg: vec![A::zero(); layout.total_len()],
-            exp_avg_sq: vec![A::zero(); layout.total_len()],
+            exp_avg: vec![A::zero(); plan.local_len()],
+            exp_avg_sq: vec![A::zero(); plan.local_len()],
+            plan,
             steps: 0,
         }
     }
 }
 
 impl<A: Element> Optimizer<A> for AdamW<A> {
+    /// Updates the plan's elements only; right for a sharded AdamW too.
     fn step(&mut self, params: &mut [A], grads: &[A], lr: A) {
         self.steps += 1;
         let cfg = self.config;
@@ -81,8 +93,12 @@ impl<A: Element> Optimizer<A> for AdamW<A> {
         let lr_wd = lr * A::of(cfg.weight_decay);
         // The update is elementwise: split each tensor among the model's threads.
         let threads = crate::model::threads();
-        for (range, decay) in &self.decay {
-            let shrink = if *decay { A::one() - lr_wd } else { A::one() };
+        for seg in self.plan.segments() {
+            let shrink = if seg.decay {
+                A::one() - lr_wd
+            } else {
+                A::one()
+            };
             let update = |p: &mut [A], g: &[A], m: &mut [A], v: &mut [A]| {
                 for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
                     *p *= shrink;
@@ -91,10 +107,11 @@ impl<A: Element> Optimizer<A> for AdamW<A> {
                     *p -= step_size * *m / (v.sqrt() / bc2_sqrt + eps);
                 }
             };
+            let (range, local) = (seg.global.clone(), seg.local_range());
             let p = &mut params[range.clone()];
             let g = &grads[range.clone()];
-            let m = &mut self.exp_avg[range.clone()];
-            let v = &mut self.exp_avg_sq[range.clone()];
+            let m = &mut self.exp_avg[local.clone()];
+            let v = &mut self.exp_avg_sq[local];
             let parts = if range.len() >= 1 << 16 { threads } else { 1 };
             if parts <= 1 {
                 update(p, g, m, v);
@@ -119,6 +136,22 @@ impl<A: Element> Optimizer<A> for AdamW<A> {
         }
     }
 
+    /// Element-wise: [`Optimizer::step`] over the plan; never calls `sum_across_ranks`.
+    fn step_sharded(
+        &mut self,
+        params: &mut [A],
+        grads: &[A],
+        lr: A,
+        _sum_across_ranks: &mut dyn FnMut(Vec<f32>) -> Option<Vec<f32>>,
+    ) -> bool {
+        self.step(params, grads, lr);
+        true
+    }
+
+    fn plan(&self) -> &ShardPlan {
+        &self.plan
+    }
+
     fn steps_taken(&self) -> u64 {
         self.steps
     }
@@ -128,8 +161,8 @@ impl<A: Element> Optimizer<A> for AdamW<A> {
     }
 
     fn load_state(&mut self, steps_taken: u64, state: &[(&str, &[A])]) -> Result<(), OptimError> {
-        restore(&mut self.exp_avg, "exp_avg", state)?;
-        restore(&mut self.exp_avg_sq, "exp_avg_sq", state)?;
+        restore_shard(&mut self.exp_avg, &self.plan, "exp_avg", state)?;
+        restore_shard(&mut self.exp_avg_sq, &self.plan, "exp_avg_sq", state)?;
         self.steps = steps_taken;
         Ok(())
     }

@@ -18,8 +18,11 @@
 //! with it in checkpoints and in the recovery broadcast (it is part of [`Optimizer::state`]).
 //! Each worker's inner moments are its own; a checkpoint holds rank 0's, and a resume or a
 //! newcomer starts from those.
+//!
+//! DiLoCo is never sharded (a job with both `[diloco]` and `shard_optimizer` is refused before
+//! it gets here): its plan is the inner optimizer's, the full one.
 
-use super::{OptimError, Optimizer, restore};
+use super::{OptimError, Optimizer, ShardPlan, restore};
 
 /// The outer step's settings (the job's `[diloco]`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -86,6 +89,21 @@ impl Diloco {
 impl Optimizer for Diloco {
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) {
         self.inner.step(params, grads, lr);
+    }
+
+    /// Delegates to the inner optimizer (whose plan is full).
+    fn step_sharded(
+        &mut self,
+        params: &mut [f32],
+        grads: &[f32],
+        lr: f32,
+        sum_across_ranks: &mut dyn FnMut(Vec<f32>) -> Option<Vec<f32>>,
+    ) -> bool {
+        self.inner.step_sharded(params, grads, lr, sum_across_ranks)
+    }
+
+    fn plan(&self) -> &ShardPlan {
+        self.inner.plan()
     }
 
     fn steps_taken(&self) -> u64 {
