@@ -7,141 +7,39 @@
 
 mod common;
 
+use common::cluster::Cluster;
 use common::*;
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::path::Path;
 
 /// The job's phase 2, appended to the job file.
 const PHASE_2: &str = "\n[[phase]]\nstart_step = 16\nmax_seq_length = 128\n\
                        max_predictions_per_seq = 20\nmicro_batch_size = 4\n\
                        learning_rate = 0.001\nwarmup_steps = 4\n";
 
-/// A coordinator and its workers.
-struct Cluster {
-    dir: tempfile::TempDir,
-    coordinator: Proc,
-    addr: String,
-    workers: Vec<Proc>,
-    started: usize,
+/// Submits the two-phase job (2 workers, fixed vocabulary: the same data every time).
+fn submit(cluster: &Cluster, name: &str, corpus: &Path) -> String {
+    submit_phases(cluster, name, corpus, 60, PHASE_2)
 }
 
-impl Cluster {
-    fn new(workers: usize) -> Cluster {
-        let dir = tempfile::tempdir().unwrap();
-        let (coordinator, addr) = start_coordinator(dir.path());
-        let mut c = Cluster {
-            dir,
-            coordinator,
-            addr,
-            workers: Vec::new(),
-            started: 0,
-        };
-        for _ in 0..workers {
-            c.add_worker();
-        }
-        c
-    }
-
-    fn root(&self) -> &Path {
-        self.dir.path()
-    }
-
-    /// Starts a worker and waits until it has registered (a job submitted earlier would
-    /// start on fewer workers and sum in another order).
-    fn add_worker(&mut self) {
-        let (w, _) = start_worker(self.root(), &self.addr, self.started);
-        self.started += 1;
-        let registered = poll(Duration::from_secs(120), || {
-            w.log_text().contains("registered").then_some(())
-        });
-        assert!(registered.is_some(), "no registration:\n{}", w.log_text());
-        self.workers.push(w);
-    }
-
-    /// Submits the two-phase job (2 workers, fixed vocabulary: the same data every time).
-    fn submit(&self, name: &str, corpus: &Path) -> String {
-        self.submit_phases(name, corpus, 60, PHASE_2)
-    }
-
-    /// Submits a job of `max_steps` steps whose later phases are `phases` (`[[phase]]` text).
-    fn submit_phases(&self, name: &str, corpus: &Path, max_steps: u64, phases: &str) -> String {
-        let case = self.root().join(name);
-        std::fs::create_dir_all(&case).unwrap();
-        let mut job = JobFile::new(corpus.to_path_buf());
-        job.vocab = Some(fixture("wordpiece").join("vocab.txt"));
-        job.workers = 2;
-        job.micro_batch_size = 8;
-        job.max_steps = max_steps;
-        job.warmup_steps = 4;
-        job.checkpoint_every = 10;
-        job.eval_every = 8;
-        job.peer_timeout_seconds = 10.0;
-        job.cluster_extra = "max_recoveries = 4".into();
-        let path = job.write(&case);
-        let text = std::fs::read_to_string(&path).unwrap() + phases;
-        std::fs::write(&path, text).unwrap();
-        let out = run_keel(
-            &[
-                "submit",
-                path.to_str().unwrap(),
-                "--coordinator",
-                &self.addr,
-            ],
-            self.root(),
-        );
-        assert!(out.status.success(), "{out:?}");
-        String::from_utf8(out.stdout).unwrap().trim().to_string()
-    }
-
-    /// Waits until `f(status)` holds (the job must not fail meanwhile).
-    fn wait(&self, job: &str, what: &str, f: impl Fn(&serde_json::Value) -> bool) {
-        let limit = Duration::from_secs(600);
-        poll(limit, || {
-            let s = status(job, &self.addr, self.root());
-            assert_ne!(s["state"], "failed", "failed waiting for {what}: {s}");
-            f(&s).then_some(())
-        })
-        .unwrap_or_else(|| panic!("{what}: not within {limit:?}"));
-    }
-
-    fn step_at_least(&self, job: &str, step: u64) {
-        self.wait(job, &format!("step {step}"), |s| {
-            assert_ne!(
-                s["state"], "completed",
-                "the job ended before step {step}: {s}"
-            );
-            s["step"].as_u64().unwrap_or(0) >= step
-        });
-    }
-
-    fn completed(&self, job: &str) -> PathBuf {
-        self.wait(job, "completion", |s| s["state"] == "completed");
-        let out_dir = self.root().join(format!("{job}-checkpoint"));
-        let args = ["pull", job, "--out", out_dir.to_str().unwrap()];
-        let out = run_keel(
-            &[&args[..], &["--coordinator", &self.addr]].concat(),
-            self.root(),
-        );
-        assert!(out.status.success(), "{out:?}");
-        out_dir
-    }
-
-    /// kill -9 of the coordinator, then a new one on the same address and folder.
-    fn restart_coordinator(&mut self) {
-        self.coordinator.child.kill().unwrap();
-        self.coordinator.child.wait().unwrap();
-        self.coordinator = Proc::spawn(
-            "coordinator-2",
-            &sibling("keel-coordinator"),
-            &[
-                "--listen".into(),
-                self.addr.clone(),
-                "--data-dir".into(),
-                self.root().join("coordinator").display().to_string(),
-            ],
-            &self.root().join("logs"),
-        );
-    }
+/// Submits a job of `max_steps` steps whose later phases are `phases` (`[[phase]]` text).
+fn submit_phases(
+    cluster: &Cluster,
+    name: &str,
+    corpus: &Path,
+    max_steps: u64,
+    phases: &str,
+) -> String {
+    let mut job = JobFile::new(corpus.to_path_buf());
+    job.vocab = Some(fixture("wordpiece").join("vocab.txt"));
+    job.workers = 2;
+    job.micro_batch_size = 8;
+    job.max_steps = max_steps;
+    job.warmup_steps = 4;
+    job.checkpoint_every = 10;
+    job.eval_every = 8;
+    job.peer_timeout_seconds = 10.0;
+    job.cluster_extra = "max_recoveries = 4".into();
+    cluster.submit_job(name, &job, phases)
 }
 
 /// A step line's `(step, phase, lr, tokens)`.
@@ -176,7 +74,7 @@ fn two_phases_switch_at_their_step_and_survive_a_lost_worker_and_coordinator() {
     let mut cluster = Cluster::new(2);
     let corpus = kjv_lines(cluster.root(), 2000);
 
-    let reference = cluster.submit("reference", &corpus);
+    let reference = submit(&cluster, "reference", &corpus);
     let expected = cluster.completed(&reference);
     let (steps, evals) = lines(&expected);
     assert_eq!(steps.len(), 60, "one line per step");
@@ -212,7 +110,7 @@ fn two_phases_switch_at_their_step_and_survive_a_lost_worker_and_coordinator() {
     assert!(evals[7].1 < evals[0].1, "it learns: {evals:?}");
 
     // The same job, losing a worker and then the coordinator inside phase 2.
-    let job = cluster.submit("interrupted", &corpus);
+    let job = submit(&cluster, "interrupted", &corpus);
     cluster.step_at_least(&job, 20);
     let s = status(&job, &cluster.addr, cluster.root());
     assert_eq!(
@@ -257,7 +155,7 @@ fn a_phase_back_at_phase_1s_length_evaluates_on_phase_1s_heldout_set() {
     let cluster = Cluster::new(2);
     let corpus = kjv_lines(cluster.root(), 2000);
     let phases = format!("{PHASE_2}\n[[phase]]\nstart_step = 20\nmax_seq_length = 64\n");
-    let job = cluster.submit_phases("back", &corpus, 24, &phases);
+    let job = submit_phases(&cluster, "back", &corpus, 24, &phases);
     let out = cluster.completed(&job);
     let (steps, evals) = lines(&out);
     let phases: Vec<u64> = steps.iter().map(|s| s.1).collect();

@@ -25,6 +25,7 @@
 //! precision = "auto"                      # or "bf16", "fp32" (see crate::precision)
 //! allreduce_dtype = "fp32"                # or "bf16": gradients on the wire
 //! bucket_mib = 4                          # gradient bucket, MiB (larger for large worlds)
+//! shard_optimizer = false                 # ZeRO stage 1: each rank keeps 1/W of the moments
 //! [cluster]
 //! min_workers = 2
 //! max_workers = 2
@@ -268,6 +269,15 @@ pub struct TrainSpec {
     /// (`scripts/scale_model.py`); small ones overlap more of the all-reduce with backward.
     #[serde(default = "default_bucket_mib")]
     pub bucket_mib: usize,
+    /// ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO", section 5.1, P_os): each of the W ranks
+    /// keeps the optimizer moments of 1/W of the parameters and updates only those. The
+    /// gradient all-reduce becomes a reduce-scatter, and the updated weights an all-gather:
+    /// the same bytes on the wire, 2/W of the moments' memory and 1/W of the optimizer's time
+    /// per rank. Checkpoints gather the moments. A lost worker takes its moments with it, so a
+    /// job with this set recovers from its newest checkpoint (as DeepSpeed does), not from
+    /// the survivors' memory. Not with `[diloco]`. Default false.
+    #[serde(default)]
+    pub shard_optimizer: bool,
 }
 
 /// `[cluster]`: world size bounds and failure detection.
@@ -665,6 +675,14 @@ impl JobSpec {
             ));
         }
 
+        if t.shard_optimizer && self.diloco.is_some() {
+            return Err(bad(
+                "train.shard_optimizer",
+                "true".into(),
+                "false with [diloco] (DiLoCo's workers keep moments of their own: there is \
+                 nothing to shard)",
+            ));
+        }
         if let Some(diloco) = &self.diloco {
             diloco
                 .check(t.max_steps, t.eval_every, t.checkpoint_every)
@@ -872,6 +890,20 @@ max_workers = 2
                 err_of(&EXAMPLE.replace("seed = 42", &format!("seed = 42\nbucket_mib = {bad}")));
             assert!(e.contains("train.bucket_mib") && e.contains("1024"), "{e}");
         }
+    }
+
+    #[test]
+    fn shard_optimizer_defaults_to_false_and_is_refused_with_diloco() {
+        let spec = JobSpec::from_toml_str(EXAMPLE, "job.toml").unwrap();
+        assert!(!spec.train.shard_optimizer);
+        let text = EXAMPLE.replace("seed = 42", "seed = 42\nshard_optimizer = true");
+        let spec = JobSpec::from_toml_str(&text, "job.toml").unwrap();
+        assert!(spec.train.shard_optimizer);
+        let e = err_of(&format!("{text}\n[diloco]\ninner_steps = 10\n"));
+        assert!(
+            e.contains("train.shard_optimizer") && e.contains("diloco"),
+            "{e}"
+        );
     }
 
     #[test]

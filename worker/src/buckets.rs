@@ -9,7 +9,7 @@
 //! order in which buckets complete is a function of the model only, so every rank sends them
 //! in the same order.
 
-use crate::allreduce::WireDtype;
+use crate::allreduce::{Collective, WireDtype, owned_chunk};
 use crate::ringlink::{RingLink, RingReply};
 use std::ops::Range;
 
@@ -34,19 +34,33 @@ pub enum SpecialBucket {
     Eval,
     /// The word embeddings' lookup-gradient rows, `[u, c]` (several ranks only).
     LookupRows,
-    /// The first of the state broadcast's buckets (`Broadcast.id()..`, upwards: the highest
-    /// special id, so the broadcast's range never meets another).
+    /// The first of the state broadcast's buckets (`Broadcast.id()..`, upwards, below
+    /// `ParamGather`: a broadcast takes a few buckets per 4 MiB of state).
     Broadcast,
+    /// The summed gradient's squared norm, `[1]` (`train.shard_optimizer`).
+    GradNorm,
+    /// LAMB's per-tensor squared norms of weights and updates (`train.shard_optimizer`).
+    TrustNorms,
+    /// The first of the updated weights' all-gather buckets, one per gradient bucket
+    /// (`train.shard_optimizer`).
+    ParamGather,
+    /// The first of the optimizer state's all-gather buckets before a checkpoint, one per
+    /// gradient bucket per state buffer (`train.shard_optimizer`).
+    StateGather,
 }
 
 impl SpecialBucket {
     /// Every special bucket, in id order.
-    pub const ALL: [SpecialBucket; 5] = [
+    pub const ALL: [SpecialBucket; 9] = [
         SpecialBucket::Counts,
         SpecialBucket::Loss,
         SpecialBucket::Eval,
         SpecialBucket::LookupRows,
+        SpecialBucket::GradNorm,
+        SpecialBucket::TrustNorms,
         SpecialBucket::Broadcast,
+        SpecialBucket::ParamGather,
+        SpecialBucket::StateGather,
     ];
 
     /// The bucket id this all-reduce travels under (unchanged wire values: `2^30 + 0..3`, and
@@ -58,7 +72,11 @@ impl SpecialBucket {
                 SpecialBucket::Loss => 1,
                 SpecialBucket::Eval => 2,
                 SpecialBucket::LookupRows => 3,
+                SpecialBucket::GradNorm => 4,
+                SpecialBucket::TrustNorms => 5,
                 SpecialBucket::Broadcast => 16,
+                SpecialBucket::ParamGather => 1 << 28,
+                SpecialBucket::StateGather => 1 << 29,
             }
     }
 }
@@ -78,6 +96,11 @@ pub struct Buckets {
     pending: Vec<(usize, RingReply)>,
     /// How the buckets travel on the ring (`train.allreduce_dtype`).
     dtype: WireDtype,
+    /// All-reduce, or reduce-scatter (`train.shard_optimizer`).
+    collective: Collective,
+    /// The part of each bucket (relative to its start) whose sum comes back: all of it, or
+    /// this rank's chunk after a reduce-scatter.
+    kept: Vec<Range<usize>>,
 }
 
 /// Cuts each of `groups` (ranges of the gradient buffer that become final together, in any
@@ -108,9 +131,30 @@ impl Buckets {
             buffers: ranges.iter().map(|r| vec![0.0; r.len()]).collect(),
             sent: vec![false; n],
             pending: Vec::with_capacity(n),
+            kept: ranges.iter().map(|r| 0..r.len()).collect(),
             ranges,
             dtype,
+            collective: Collective::AllReduce,
         }
+    }
+
+    /// The same buckets sent as reduce-scatters (ZeRO stage 1, `train.shard_optimizer`): after
+    /// [`Buckets::finish`] only rank `rank`'s chunk of each bucket
+    /// (`crate::allreduce::owned_chunk`) holds the sum; the rest of the gradient is left as
+    /// this rank's own.
+    pub fn reduce_scatter(mut self, world_size: usize, rank: usize) -> Self {
+        self.collective = Collective::ReduceScatter;
+        self.kept = self
+            .ranges
+            .iter()
+            .map(|r| owned_chunk(r.len(), world_size, rank))
+            .collect();
+        self
+    }
+
+    /// The buckets' ranges of the buffer, in buffer order.
+    pub fn ranges(&self) -> &[Range<usize>] {
+        &self.ranges
     }
 
     /// How the buckets travel on the ring.
@@ -165,13 +209,15 @@ impl Buckets {
         }
     }
 
-    /// Waits for every sent bucket's sum and writes it into `grads`.
+    /// Waits for every sent bucket's sum and writes it into `grads` (after a reduce-scatter,
+    /// this rank's chunk of each bucket only).
     ///
     /// Errors: the first all-reduce error, as the ring reported it.
     pub fn finish(&mut self, grads: &mut [f32]) -> Result<(), crate::ringlink::RingLinkError> {
         for (b, reply) in self.pending.drain(..) {
             let data = reply.wait()?;
-            grads[self.ranges[b].clone()].copy_from_slice(&data);
+            let (start, kept) = (self.ranges[b].start, self.kept[b].clone());
+            grads[start + kept.start..start + kept.end].copy_from_slice(&data[kept]);
             self.buffers[b] = data;
         }
         Ok(())
@@ -180,7 +226,7 @@ impl Buckets {
     fn send(&mut self, b: usize, ring: &RingLink, step: u64) {
         self.sent[b] = true;
         let data = std::mem::take(&mut self.buffers[b]);
-        let reply = ring.submit_as(step, b as u32, data, self.dtype);
+        let reply = ring.submit_collective(step, b as u32, data, self.dtype, self.collective);
         self.pending.push((b, reply));
     }
 }
@@ -204,15 +250,28 @@ mod tests {
                 (1 << 30) + 1,
                 (1 << 30) + 2,
                 (1 << 30) + 3,
-                (1 << 30) + 16
+                (1 << 30) + 4,
+                (1 << 30) + 5,
+                (1 << 30) + 16,
+                (1 << 30) + (1 << 28),
+                (1 << 30) + (1 << 29),
             ]
         );
         // Gradient buckets are numbered 0.. and never reach the special ids: a u32-indexed
         // buffer of f32 cut into BUCKET_ELEMS pieces has fewer than 2^30 buckets.
         assert!((u32::MAX as usize).div_ceil(BUCKET_ELEMS) < FIRST_SPECIAL_BUCKET as usize);
-        // The broadcast's range starts above every other special id.
+        // The ranges upwards from the broadcast's, the weights' and the state's first ids
+        // do not meet for any model below 2^28 buckets of state (2^48 elements).
         let broadcast = SpecialBucket::Broadcast.id();
-        assert!(ids.iter().all(|&id| id <= broadcast));
+        assert!(ids[..6].iter().all(|&id| id < broadcast));
+        assert!(SpecialBucket::ParamGather.id() - broadcast >= (1 << 28) - 16);
+        assert!(SpecialBucket::StateGather.id() - SpecialBucket::ParamGather.id() >= 1 << 28);
+        assert!(
+            SpecialBucket::StateGather
+                .id()
+                .checked_add(1 << 29)
+                .is_some()
+        );
     }
 
     #[test]

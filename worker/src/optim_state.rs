@@ -44,7 +44,20 @@ pub fn save(
     optimizer: &dyn Optimizer,
     kind: &OptimizerKind,
 ) -> Result<(), OptimStateError> {
-    let state = optimizer.state();
+    save_buffers(path, optimizer.steps_taken(), &optimizer.state(), kind)
+}
+
+/// Writes optimizer state given as named buffers (`[P]` each, in the parameter layout) and its
+/// step count to `path` atomically: what [`save`] writes for an optimizer holding them (a
+/// sharded optimizer's moments, gathered from every rank).
+///
+/// Errors: [`OptimStateError`].
+pub fn save_buffers(
+    path: &Path,
+    steps_taken: u64,
+    state: &[(&str, &[f32])],
+    kind: &OptimizerKind,
+) -> Result<(), OptimStateError> {
     let bytes: Vec<(String, Vec<u8>, usize)> = state
         .iter()
         .map(|(name, data)| {
@@ -66,7 +79,7 @@ pub fn save(
     };
     let info = format!(
         r#"{{"optimizer":"{name}","steps_taken":{},"layout":"flat, HF state-dict order"}}"#,
-        optimizer.steps_taken()
+        steps_taken
     );
     let metadata = HashMap::from([("keel".to_string(), info)]);
     let out = safetensors::serialize(views, Some(metadata))

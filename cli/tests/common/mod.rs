@@ -67,6 +67,8 @@ pub fn sibling(name: &str) -> PathBuf {
     path
 }
 
+pub mod cluster;
+
 #[path = "../../../fixtures/testdata.rs"]
 mod testdata;
 #[allow(unused_imports)] // each test binary uses some of them

@@ -11,8 +11,9 @@ use keel_proto::checkpoint::{
 use keel_proto::params::ParamLayout;
 use std::path::PathBuf;
 
-/// Writes `model.safetensors` (weights `[P]` over `layout`), the optimizer state and
-/// `trainer_state.json` (with `loss`, the step's mean loss in nats, NaN if none, and
+/// Writes `model.safetensors` (weights `[P]` over `layout`), the optimizer state (the
+/// optimizer's own, or `gathered`: a sharded optimizer's buffers gathered to `[P]`, in its
+/// `state()` order) and `trainer_state.json` (with `loss`, the step's mean loss in nats, NaN if none, and
 /// `global_batch` sequences per step) into `work_dir/checkpoint-<step>`, replacing any older
 /// folder of that name; returns the folder.
 ///
@@ -22,6 +23,7 @@ pub fn stage_checkpoint(
     setup: &TrainSetup,
     layout: &ParamLayout,
     replica: &Replica,
+    gathered: Option<&[(&'static str, Vec<f32>)]>,
     loss: f64,
     global_batch: u64,
 ) -> Result<PathBuf, TrainError> {
@@ -40,11 +42,17 @@ pub fn stage_checkpoint(
     std::fs::create_dir_all(&dir).map_err(|e| io(format!("{}: {e}", dir.display())))?;
     keel_proto::weights::save_safetensors(dir.join(MODEL_FILE), layout, &replica.params)
         .map_err(|e| io(format!("saving weights: {e}")))?;
-    crate::optim_state::save(
-        &dir.join(OPTIMIZER_FILE),
-        replica.optimizer.as_ref(),
-        &setup.spec.train.optimizer,
-    )
+    let kind = &setup.spec.train.optimizer;
+    let path = dir.join(OPTIMIZER_FILE);
+    match gathered {
+        None => crate::optim_state::save(&path, replica.optimizer.as_ref(), kind),
+        Some(buffers) => {
+            let views: Vec<(&str, &[f32])> =
+                buffers.iter().map(|(n, d)| (*n, d.as_slice())).collect();
+            let steps = replica.optimizer.steps_taken();
+            crate::optim_state::save_buffers(&path, steps, &views, kind)
+        }
+    }
     .map_err(|e| io(format!("saving optimizer state: {e}")))?;
     let state = TrainerState {
         step,

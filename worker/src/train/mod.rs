@@ -10,6 +10,8 @@
 //! - `eval`: the held-out evaluation.
 //! - `optimizer`: the optimizer and learning-rate schedule from the spec.
 //! - `outer`: DiLoCo's outer step at the end of each round (jobs with `[diloco]`).
+//! - `sharding`: ZeRO stage 1 (`train.shard_optimizer`): reduce-scatter, update of this
+//!   rank's chunks, all-gather of the weights, moments gathered for checkpoints.
 //! - `trainer`: [`Trainer`], whose `step()` is the step, a few calls long.
 //! - `setup`, `error`: what the loop is given ([`TrainSetup`]), tells ([`Event`]) and fails
 //!   with ([`TrainError`]).
@@ -28,6 +30,7 @@ pub mod outer;
 pub mod phase;
 pub mod pipeline;
 pub mod setup;
+pub mod sharding;
 pub mod start;
 pub mod trainer;
 
@@ -61,7 +64,11 @@ pub fn train(
     let config = setup.config.clone();
     let layout = ParamLayout::bert(&config, config.heads());
     let initial = std::mem::replace(&mut setup.initial, InitialState::Init { weights: None });
-    let mut replica = match start::starting_replica(initial, &setup, &layout, &ring) {
+    let plan = match sharding::Sharding::for_job(&setup) {
+        Ok(s) => s.map(|s| s.plan(&layout)),
+        Err(e) => return (Err(error::model_err(setup.start_step)(e)), None),
+    };
+    let mut replica = match start::starting_replica(initial, &setup, &layout, plan, &ring) {
         Ok(r) => r,
         Err(e) => return (Err(e), None),
     };

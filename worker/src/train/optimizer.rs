@@ -1,7 +1,8 @@
 //! The job's optimizer and learning-rate schedule, from the spec's `[train]` section.
 
 use crate::optim::{
-    AdamW, AdamWConfig, Diloco, DilocoConfig, Lamb, LambConfig, LrSchedule, Optimizer, ScheduleKind,
+    AdamW, AdamWConfig, Diloco, DilocoConfig, Lamb, LambConfig, LrSchedule, Optimizer,
+    ScheduleKind, ShardPlan,
 };
 use keel_proto::jobspec::{JobSpec, OptimizerKind, TrainSpec};
 use keel_proto::params::ParamLayout;
@@ -24,28 +25,42 @@ pub fn optimizer_for(spec: &JobSpec, layout: &ParamLayout) -> Box<dyn Optimizer>
     }
 }
 
+/// The `[train]` optimizer over this rank's chunks `plan` only (`train.shard_optimizer`,
+/// ZeRO stage 1; never with `[diloco]`, which the spec refuses): moments `[plan.local_len()]`.
+pub fn sharded_optimizer_for(spec: &JobSpec, plan: ShardPlan) -> Box<dyn Optimizer> {
+    let t = &spec.train;
+    match t.optimizer {
+        OptimizerKind::Adamw => Box::new(AdamW::<f32>::with_plan(plan, adamw_config(t))),
+        OptimizerKind::Lamb => Box::new(Lamb::<f32>::with_plan(plan, lamb_config(t))),
+    }
+}
+
+/// `[train]`'s AdamW hyper-parameters (with bias correction).
+fn adamw_config(t: &TrainSpec) -> AdamWConfig {
+    AdamWConfig {
+        beta1: t.adam_beta1,
+        beta2: t.adam_beta2,
+        eps: t.adam_epsilon,
+        weight_decay: t.weight_decay,
+        bias_correction: true,
+    }
+}
+
+/// `[train]`'s LAMB hyper-parameters.
+fn lamb_config(t: &TrainSpec) -> LambConfig {
+    LambConfig {
+        beta1: t.adam_beta1,
+        beta2: t.adam_beta2,
+        eps: t.adam_epsilon,
+        weight_decay: t.weight_decay,
+    }
+}
+
 /// The `[train]` optimizer alone.
 fn inner_optimizer(t: &TrainSpec, layout: &ParamLayout) -> Box<dyn Optimizer> {
     match t.optimizer {
-        OptimizerKind::Adamw => Box::new(AdamW::<f32>::new(
-            layout,
-            AdamWConfig {
-                beta1: t.adam_beta1,
-                beta2: t.adam_beta2,
-                eps: t.adam_epsilon,
-                weight_decay: t.weight_decay,
-                bias_correction: true,
-            },
-        )),
-        OptimizerKind::Lamb => Box::new(Lamb::<f32>::new(
-            layout,
-            LambConfig {
-                beta1: t.adam_beta1,
-                beta2: t.adam_beta2,
-                eps: t.adam_epsilon,
-                weight_decay: t.weight_decay,
-            },
-        )),
+        OptimizerKind::Adamw => Box::new(AdamW::<f32>::new(layout, adamw_config(t))),
+        OptimizerKind::Lamb => Box::new(Lamb::<f32>::new(layout, lamb_config(t))),
     }
 }
 

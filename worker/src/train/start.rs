@@ -3,9 +3,10 @@
 //! from the root rank.
 
 use super::error::{TrainError, io_err};
-use super::optimizer::optimizer_for;
+use super::optimizer::{optimizer_for, sharded_optimizer_for};
 use super::setup::TrainSetup;
 use crate::model::init_params;
+use crate::optim::ShardPlan;
 use crate::replica::{Replica, broadcast};
 use crate::ringlink::RingLink;
 use keel_proto::checkpoint::TrainerState;
@@ -49,12 +50,18 @@ pub fn starting_replica(
     initial: InitialState,
     setup: &TrainSetup,
     layout: &ParamLayout,
+    plan: Option<ShardPlan>,
     ring: &RingLink,
 ) -> Result<Replica, TrainError> {
     let t = &setup.spec.train;
     let step = setup.start_step;
     let io = io_err(step);
-    let fresh_optimizer = || optimizer_for(&setup.spec, layout);
+    // With `train.shard_optimizer`, moments for this rank's chunks only (a checkpoint's
+    // whole buffers are cut down to them as they load).
+    let fresh_optimizer = || match &plan {
+        Some(plan) => sharded_optimizer_for(&setup.spec, plan.clone()),
+        None => optimizer_for(&setup.spec, layout),
+    };
     match initial {
         InitialState::Init { weights } => {
             let params = match &weights {
@@ -98,6 +105,9 @@ pub fn starting_replica(
         }
         InitialState::Memory { held, root_rank } => {
             let is_root = setup.rank == root_rank;
+            // The broadcast sends whole moments: every rank takes part with an unsharded
+            // optimizer (a held replica is always one: `serve::outcome` keeps no sharded
+            // state), and cuts its chunks out after.
             let mut replica = match held {
                 Some(r) if r.step == step => r,
                 other => {
@@ -113,7 +123,7 @@ pub fn starting_replica(
                     Replica {
                         step,
                         params: vec![0.0; layout.total_len()],
-                        optimizer: fresh_optimizer(),
+                        optimizer: optimizer_for(&setup.spec, layout),
                         skipped_steps: 0,
                     }
                 }
@@ -126,6 +136,20 @@ pub fn starting_replica(
                         source,
                     }
                 })?;
+            }
+            if plan.is_some() {
+                let mut sharded = fresh_optimizer();
+                let whole = replica.optimizer.state();
+                sharded
+                    .load_state(replica.optimizer.steps_taken(), &whole)
+                    .map_err(|e| TrainError::Data {
+                        step,
+                        message: format!(
+                            "cutting the broadcast optimizer state to this rank's chunks: {e}"
+                        ),
+                    })?;
+                drop(whole);
+                replica.optimizer = sharded;
             }
             Ok(replica)
         }

@@ -6,6 +6,10 @@
 //! update (every rank holds the same sums, so every rank applies the same update); report;
 //! evaluate and stage a checkpoint when due.
 //!
+//! With `train.shard_optimizer` (ZeRO stage 1, `super::sharding`) the buckets go as
+//! reduce-scatters, the clipping norm and LAMB's norms are summed across ranks, each rank
+//! updates its own chunks, and the weights are all-gathered; checkpoints gather the moments.
+//!
 //! With `[diloco]` a step is local: the loss is this rank's mean, no gradient is all-reduced,
 //! the update uses this rank's gradient, and every `inner_steps` steps the round ends with
 //! DiLoCo's outer step (`super::outer`). Only the counts and loss sums (a few floats, for the
@@ -23,6 +27,7 @@ use super::error::{TrainError, model_err, ring_err};
 use super::outer::{Snapshot, outer_step};
 use super::phase::PhaseState;
 use super::setup::{Event, TrainSetup};
+use super::sharding::Sharding;
 use crate::batch::Batch;
 use crate::buckets::Buckets;
 use crate::control::JobControl;
@@ -73,7 +78,20 @@ pub struct Trainer<'a> {
     last_split: Option<bool>,
     /// DiLoCo's settings: local steps, an outer step every `inner_steps` (`None`: synchronous).
     diloco: Option<DilocoSpec>,
+    /// ZeRO stage 1 (`train.shard_optimizer`): the chunks this rank updates.
+    sharding: Option<Sharding>,
     links: Links<'a>,
+}
+
+/// Whether the word embeddings' gradient may travel in two parts: with several ranks, unless
+/// DiLoCo (which all-reduces no gradient) runs: one rank has nothing to overlap.
+pub fn splits_lookup(setup: &TrainSetup) -> bool {
+    setup.world_size > 1 && setup.spec.diloco.is_none()
+}
+
+/// Elements per gradient bucket: `train.bucket_mib` MiB of f32 (validated: 1 to 1024).
+pub fn bucket_elems(setup: &TrainSetup) -> usize {
+    setup.spec.train.bucket_mib.clamp(1, 1024) << 18
 }
 
 /// What the optimizer did in a step.
@@ -118,11 +136,22 @@ impl<'a> Trainer<'a> {
         // One rank has nothing to overlap, nor has DiLoCo (no gradient all-reduce): the word
         // embeddings keep their whole gradient.
         let diloco = setup.spec.diloco.clone();
-        let split_lookup = setup.world_size > 1 && diloco.is_none();
+        let split_lookup = splits_lookup(&setup);
         let wire = setup.spec.train.allreduce_dtype.wire();
-        // `bucket_mib` MiB of f32 (validated: 1 to 1024).
-        let bucket_elems = setup.spec.train.bucket_mib.clamp(1, 1024) << 18;
-        let buckets = Buckets::new(&model.ready_ranges(split_lookup), bucket_elems, wire);
+        let buckets = Buckets::new(
+            &model.ready_ranges(split_lookup),
+            bucket_elems(&setup),
+            wire,
+        );
+        // ZeRO stage 1: the buckets go as reduce-scatters, each rank keeping its chunks.
+        let (buckets, sharding) = if setup.spec.train.shard_optimizer {
+            let (world, rank) = (setup.world_size as usize, setup.rank as usize);
+            let buckets = buckets.reduce_scatter(world, rank);
+            let sharding = Sharding::new(buckets.ranges().to_vec(), world, rank);
+            (buckets, Some(sharding))
+        } else {
+            (buckets, None)
+        };
         let word_range = model.word_embeddings_range();
         Ok(Self {
             grads: vec![0f32; layout.total_len()],
@@ -136,6 +165,7 @@ impl<'a> Trainer<'a> {
             split_lookup,
             last_split: None,
             diloco,
+            sharding,
             links,
         })
     }
@@ -147,18 +177,8 @@ impl<'a> Trainer<'a> {
     /// Errors: [`TrainError`] with the step it happened at; [`TrainError::Stopped`] when the
     /// job is stopped from outside between steps.
     pub fn run(&mut self, replica: &mut Replica) -> Result<(), TrainError> {
-        if self.setup.rank == 0 && self.setup.checkpoint_first {
-            let dir = stage_checkpoint(
-                &self.setup,
-                &self.layout,
-                replica,
-                f64::NAN,
-                self.phase.global_batch,
-            )?;
-            let _ = self.links.events.send(Event::Checkpoint {
-                step: replica.step,
-                dir,
-            });
+        if self.setup.checkpoint_first {
+            self.checkpoint(replica, f64::NAN)?;
         }
         while replica.step < self.setup.spec.train.max_steps {
             if self.links.control.is_stopped() {
@@ -382,14 +402,32 @@ impl<'a> Trainer<'a> {
         loss: &LossSums,
     ) -> Result<Update, TrainError> {
         let t = &self.setup.spec.train;
-        let grad_norm = global_norm(&self.grads);
+        let ring = &self.links.ring;
+        let grad_norm = match &self.sharding {
+            None => global_norm(&self.grads),
+            Some(s) => s
+                .grad_norm(&self.grads, ring, step)
+                .map_err(ring_err(step))?,
+        };
         let finite = grad_norm.is_finite() && loss.is_finite();
         let lr = self.phase.lr(step);
         if finite {
-            if t.max_grad_norm > 0.0 {
-                clip_grad_norm(&mut self.grads, t.max_grad_norm as f32);
+            let max_norm = t.max_grad_norm as f32;
+            match &self.sharding {
+                None => {
+                    if max_norm > 0.0 {
+                        clip_grad_norm(&mut self.grads, max_norm);
+                    }
+                    replica.optimizer.step(&mut replica.params, &self.grads, lr);
+                }
+                Some(s) => {
+                    if max_norm > 0.0 {
+                        s.clip(&mut self.grads, grad_norm, max_norm);
+                    }
+                    s.update(replica, &self.grads, lr, ring, step)
+                        .map_err(ring_err(step))?;
+                }
             }
-            replica.optimizer.step(&mut replica.params, &self.grads, lr);
         } else {
             replica.skipped_steps += 1;
             tracing::warn!(
@@ -499,21 +537,37 @@ impl<'a> Trainer<'a> {
                 }));
             }
         }
-        if self.setup.rank == 0
-            && ((t.checkpoint_every > 0 && done.is_multiple_of(t.checkpoint_every)) || last)
-        {
-            let dir = stage_checkpoint(
-                &self.setup,
-                &self.layout,
-                replica,
-                mean_loss,
-                self.phase.global_batch,
-            )?;
-            let _ = self
-                .links
-                .events
-                .send(Event::Checkpoint { step: done, dir });
+        if (t.checkpoint_every > 0 && done.is_multiple_of(t.checkpoint_every)) || last {
+            self.checkpoint(replica, mean_loss)?;
         }
+        Ok(())
+    }
+
+    /// Stages a checkpoint of `replica` (rank 0) whose step's mean loss was `loss`. Every rank
+    /// calls it: with a sharded optimizer all take part in gathering the moments first.
+    ///
+    /// Errors: [`TrainError::Io`] from staging; a ring error while gathering.
+    fn checkpoint(&mut self, replica: &Replica, loss: f64) -> Result<(), TrainError> {
+        let step = replica.step;
+        let gathered = match &self.sharding {
+            Some(s) if !replica.optimizer.plan().is_full() => Some(
+                s.gather_optimizer_state(replica, &self.links.ring, step)
+                    .map_err(ring_err(step))?,
+            ),
+            _ => None,
+        };
+        if self.setup.rank != 0 {
+            return Ok(());
+        }
+        let dir = stage_checkpoint(
+            &self.setup,
+            &self.layout,
+            replica,
+            gathered.as_deref(),
+            loss,
+            self.phase.global_batch,
+        )?;
+        let _ = self.links.events.send(Event::Checkpoint { step, dir });
         Ok(())
     }
 
