@@ -65,8 +65,7 @@ pub struct Lamb<A = f32> {
     exp_avg: Vec<A>,
     /// Second moment `v` (`exp_avg_sq`), `[L]`.
     exp_avg_sq: Vec<A>,
-    /// The update `r`: of the entry being stepped in the fused pass (largest entry's size),
-    /// of every owned element `[L]` in the sharded phases (grown on first use).
+    /// The update `r` of the segment being stepped (the largest segment's size).
     update: Vec<A>,
     steps: u64,
     /// Trust ratio of each layout entry at the last step (for logs and tests), `[E]`.
@@ -121,7 +120,7 @@ impl<A: Element> Coefs<A> {
             eps,
             ..
         } = *self;
-        let wd = if decay { self.wd } else { A::zero() };
+        let wd = self.decay_of(decay);
         for ((((r, &p), &g), m), v) in r
             .iter_mut()
             .zip(p)
@@ -131,9 +130,34 @@ impl<A: Element> Coefs<A> {
         {
             *m = b1 * *m + (A::one() - b1) * g;
             *v = b2 * *v + (A::one() - b2) * g * g;
-            *r = (*m / bc1) / ((*v / bc2).sqrt() + eps) + wd * p;
+            *r = Self::r_of(bc1, bc2, eps, wd, p, *m, *v);
             *p_sq += p.to64() * p.to64();
             *r_sq += r.to64() * r.to64();
+        }
+    }
+}
+
+impl<A: Element> Coefs<A> {
+    /// The weight decay of an entry with or without `decay`.
+    fn decay_of(&self, decay: bool) -> A {
+        if decay { self.wd } else { A::zero() }
+    }
+
+    /// One element's update `r = (m / bc1) / (sqrt(v / bc2) + eps) + wd p` from its updated
+    /// moments: the one expression both passes use, so the sharded step's second pass
+    /// recomputes exactly the `r` its first pass summed.
+    #[inline]
+    fn r_of(bc1: A, bc2: A, eps: A, wd: A, p: A, m: A, v: A) -> A {
+        (m / bc1) / ((v / bc2).sqrt() + eps) + wd * p
+    }
+
+    /// `p -= lr * ratio * r` over one run of elements, `r` recomputed from `p`, `m`, `v`.
+    fn apply_recomputed(&self, decay: bool, p: &mut [A], m: &[A], v: &[A], lr: A, ratio: f64) {
+        let (bc1, bc2, eps, wd) = (self.bc1, self.bc2, self.eps, self.decay_of(decay));
+        let scale = lr * A::of(ratio);
+        for ((p, &m), &v) in p.iter_mut().zip(m).zip(v) {
+            let r = Self::r_of(bc1, bc2, eps, wd, *p, m, v);
+            *p -= scale * r;
         }
     }
 }
@@ -165,15 +189,14 @@ impl<A: Element> Lamb<A> {
 
     /// Zero moments `[L]` for the elements of `plan` (a rank's shard).
     pub fn with_plan(plan: ShardPlan, config: LambConfig) -> Lamb<A> {
-        let scratch = if plan.is_full() {
-            plan.segments()
-                .iter()
-                .map(|s| s.global.len())
-                .max()
-                .unwrap_or(0)
-        } else {
-            plan.local_len()
-        };
+        // The update `r` of one segment at a time (the sharded step recomputes it rather
+        // than keep `[L]` of it: that would cost half a moment's memory).
+        let scratch = plan
+            .segments()
+            .iter()
+            .map(|s| s.global.len())
+            .max()
+            .unwrap_or(0);
         Lamb {
             config,
             exp_avg: vec![A::zero(); plan.local_len()],
@@ -216,15 +239,11 @@ impl<A: Element> Lamb<A> {
         }
     }
 
-    /// Phase 1 of the sharded step: m, v and r `[L]` for every owned segment; returns this
-    /// rank's partial squared norms `[p_sq of entries 0..E, r_sq of entries 0..E]`.
+    /// Phase 1 of the sharded step: m and v of every owned segment, and this rank's partial
+    /// squared norms `[p_sq of entries 0..E, r_sq of entries 0..E]` (`r` a segment at a time).
     fn partial_norms(&mut self, params: &[A], grads: &[A]) -> Vec<f64> {
         let c = Coefs::new(&self.config, self.steps);
         let entries = self.plan.entries();
-        let local_len = self.plan.local_len();
-        if self.update.len() < local_len {
-            self.update.resize(local_len, A::zero());
-        }
         let mut sums = vec![0.0f64; 2 * entries];
         for seg in self.plan.segments() {
             let (range, local) = (seg.global.clone(), seg.local_range());
@@ -232,10 +251,10 @@ impl<A: Element> Lamb<A> {
             c.moments(
                 seg.decay,
                 &params[range.clone()],
-                &grads[range],
+                &grads[range.clone()],
                 &mut self.exp_avg[local.clone()],
-                &mut self.exp_avg_sq[local.clone()],
-                &mut self.update[local],
+                &mut self.exp_avg_sq[local],
+                &mut self.update[..range.len()],
                 &mut p_sq,
                 &mut r_sq,
             );
@@ -247,19 +266,23 @@ impl<A: Element> Lamb<A> {
 
     /// Phase 3 of the sharded step: every entry's trust ratio from the squared norms `sums`
     /// `[2 E]` (as [`Lamb::partial_norms`] lays them out), then the update of the owned
-    /// segments from the scratch `r`.
+    /// segments, `r` recomputed from the weights (not yet changed) and the updated moments:
+    /// the same bits phase 1 summed.
     fn apply_ratios(&mut self, params: &mut [A], lr: A, sums: &[f64]) {
+        let c = Coefs::new(&self.config, self.steps);
         let entries = self.plan.entries();
         for (i, ratio) in self.last_trust_ratios.iter_mut().enumerate() {
             *ratio = trust_ratio(self.plan.entry_decay(i), sums[i], sums[entries + i]);
         }
         for seg in self.plan.segments() {
-            let ratio = self.last_trust_ratios[seg.entry];
-            apply(
+            let local = seg.local_range();
+            c.apply_recomputed(
+                seg.decay,
                 &mut params[seg.global.clone()],
-                &self.update[seg.local_range()],
+                &self.exp_avg[local.clone()],
+                &self.exp_avg_sq[local],
                 lr,
-                ratio,
+                self.last_trust_ratios[seg.entry],
             );
         }
     }

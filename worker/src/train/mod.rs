@@ -12,6 +12,7 @@
 //! - `outer`: DiLoCo's outer step at the end of each round (jobs with `[diloco]`).
 //! - `sharding`: ZeRO stage 1 (`train.shard_optimizer`): reduce-scatter, update of this
 //!   rank's chunks, all-gather of the weights, moments gathered for checkpoints.
+//! - `summary`: a rank's mean step and optimizer times and peak memory, logged at the end.
 //! - `trainer`: [`Trainer`], whose `step()` is the step, a few calls long.
 //! - `setup`, `error`: what the loop is given ([`TrainSetup`]), tells ([`Event`]) and fails
 //!   with ([`TrainError`]).
@@ -32,6 +33,7 @@ pub mod pipeline;
 pub mod setup;
 pub mod sharding;
 pub mod start;
+pub mod summary;
 pub mod trainer;
 
 pub use error::TrainError;

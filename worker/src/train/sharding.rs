@@ -15,7 +15,10 @@
 //!
 //! Shapes: `P` parameters (the flat buffer), `W` world size.
 
+use std::cell::RefCell;
+use std::collections::VecDeque;
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use super::setup::TrainSetup;
 use super::trainer::{bucket_elems, splits_lookup};
@@ -26,6 +29,10 @@ use crate::optim::ShardPlan;
 use crate::replica::Replica;
 use crate::ringlink::{RingLink, RingLinkError, RingReply};
 use keel_proto::params::ParamLayout;
+
+/// Buckets of an all-gather away at the ring at a time: enough to keep the ring busy while
+/// the previous bucket is copied out, few enough that the copies stay small.
+pub const GATHER_WINDOW: usize = 2;
 
 /// Which chunks of the flat buffer this rank owns, and the collectives over them.
 #[derive(Debug, Clone)]
@@ -132,7 +139,8 @@ impl Sharding {
 
     /// All-gathers `buf` `[P]` bucket by bucket, as buckets `first_id..` of `step`: every
     /// rank's chunks of `buf` go to every rank (the other elements of `buf` are overwritten).
-    /// Exact (f32 on the wire).
+    /// Exact (f32 on the wire). At most [`GATHER_WINDOW`] buckets are away at a time, so the
+    /// copies it makes stay a few buckets large whatever the model.
     ///
     /// Errors: [`RingLinkError`] (`buf` may then hold some buckets gathered, some not).
     pub fn all_gather(
@@ -142,43 +150,93 @@ impl Sharding {
         step: u64,
         first_id: u32,
     ) -> Result<(), RingLinkError> {
-        let replies: Vec<(usize, RingReply)> = self
-            .buckets
-            .iter()
-            .enumerate()
-            .map(|(b, r)| {
-                let reply = ring.submit_collective(
-                    step,
-                    first_id + b as u32,
-                    buf[r.clone()].to_vec(),
-                    WireDtype::F32,
-                    Collective::AllGather,
-                );
-                (b, reply)
-            })
-            .collect();
-        for (b, reply) in replies {
-            let data = reply.wait()?;
-            buf[self.buckets[b].clone()].copy_from_slice(&data);
+        let buf = RefCell::new(buf);
+        self.gather_each(
+            ring,
+            step,
+            first_id,
+            &mut |b| buf.borrow()[self.buckets[b].clone()].to_vec(),
+            &mut |b, data| buf.borrow_mut()[self.buckets[b].clone()].copy_from_slice(&data),
+        )
+    }
+
+    /// Runs one all-gather per bucket, as buckets `first_id..` of `step`, with
+    /// `contribution(b)` the buffer of bucket `b` (its length; this rank's chunk filled in)
+    /// and `receive(b, gathered)` given the result, at most [`GATHER_WINDOW`] buckets away at
+    /// a time.
+    ///
+    /// Errors: [`RingLinkError`].
+    fn gather_each(
+        &self,
+        ring: &RingLink,
+        step: u64,
+        first_id: u32,
+        contribution: &mut dyn FnMut(usize) -> Vec<f32>,
+        receive: &mut dyn FnMut(usize, Vec<f32>),
+    ) -> Result<(), RingLinkError> {
+        let mut away: VecDeque<(usize, RingReply)> = VecDeque::new();
+        for b in 0..self.buckets.len() {
+            if away.len() == GATHER_WINDOW
+                && let Some((done, reply)) = away.pop_front()
+            {
+                receive(done, reply.wait()?);
+            }
+            let reply = ring.submit_collective(
+                step,
+                first_id + b as u32,
+                contribution(b),
+                WireDtype::F32,
+                Collective::AllGather,
+            );
+            away.push_back((b, reply));
+        }
+        while let Some((done, reply)) = away.pop_front() {
+            receive(done, reply.wait()?);
         }
         Ok(())
     }
 
-    /// The whole `[P]` buffer of a sharded optimizer state `local` (`[plan.local_len()]`),
-    /// gathered from every rank (all take part) as buckets `first_id..` of `step`.
+    /// A sharded optimizer state `local` (`[plan.local_len()]`, this rank's chunks in buffer
+    /// order, as `ShardPlan::owned` lays them out) gathered to `[P]` on rank 0, as buckets
+    /// `first_id..` of `step`; every rank takes part, and only rank 0 (`is_root`) keeps the
+    /// result (the others hold no more than a few buckets at a time).
     ///
     /// Errors: [`RingLinkError`].
     pub fn gather_state(
         &self,
-        plan: &ShardPlan,
         local: &[f32],
+        is_root: bool,
         ring: &RingLink,
         step: u64,
         first_id: u32,
-    ) -> Result<Vec<f32>, RingLinkError> {
-        let mut full = vec![0.0f32; plan.total_len()];
-        plan.scatter_into(local, &mut full);
-        self.all_gather(&mut full, ring, step, first_id)?;
+    ) -> Result<Option<Vec<f32>>, RingLinkError> {
+        // Where each bucket's chunk starts in `local`: the chunks, concatenated.
+        let mut offsets = Vec::with_capacity(self.owned.len());
+        let mut next = 0usize;
+        for o in &self.owned {
+            offsets.push(next);
+            next += o.len();
+        }
+        let total = self.buckets.last().map_or(0, |b| b.end);
+        let mut full = is_root.then(|| vec![0.0f32; total]);
+        self.gather_each(
+            ring,
+            step,
+            first_id,
+            &mut |b| {
+                let (bucket, own) = (&self.buckets[b], &self.owned[b]);
+                let mut data = vec![0.0f32; bucket.len()];
+                let at = own.start - bucket.start;
+                data[at..at + own.len()]
+                    .copy_from_slice(&local[offsets[b]..offsets[b] + own.len()]);
+                data
+            },
+            &mut |b, data| {
+                if let Some(full) = full.as_mut() {
+                    full[self.buckets[b].clone()].copy_from_slice(&data);
+                }
+            },
+        )?;
         Ok(full)
     }
 
@@ -190,6 +248,7 @@ impl Sharding {
     /// The sharded update of `step`: the optimizer updates this rank's chunks of
     /// `replica.params` from its chunks of `grads` `[P]` (LAMB's per-tensor norms summed
     /// across ranks), then the weights are all-gathered, so every rank holds all of them.
+    /// Returns the time the all-gather took.
     ///
     /// Errors: [`RingLinkError`]; the replica is then half-updated, which is why a sharded
     /// replica is never kept for the next generation (see `serve::outcome`).
@@ -200,7 +259,7 @@ impl Sharding {
         lr: f32,
         ring: &RingLink,
         step: u64,
-    ) -> Result<(), RingLinkError> {
+    ) -> Result<Duration, RingLinkError> {
         let mut error = None;
         let mut sum = Sharding::sum_across(ring, step, &mut error);
         let done = replica
@@ -210,31 +269,32 @@ impl Sharding {
         if !done {
             return Err(error.unwrap_or(RingLinkError::Closed));
         }
-        self.all_gather(
-            &mut replica.params,
-            ring,
-            step,
-            SpecialBucket::ParamGather.id(),
-        )
+        let started = Instant::now();
+        let id = SpecialBucket::ParamGather.id();
+        self.all_gather(&mut replica.params, ring, step, id)?;
+        Ok(started.elapsed())
     }
 
-    /// Every state buffer of `replica`'s sharded optimizer gathered to `[P]` on every rank
-    /// (all take part), in `Optimizer::state` order, for a checkpoint after `step` steps.
+    /// Every state buffer of `replica`'s sharded optimizer gathered to `[P]` on rank 0 (all
+    /// ranks take part; the others get `None`), in `Optimizer::state` order, for a checkpoint
+    /// after `step` steps.
     ///
     /// Errors: [`RingLinkError`].
     pub fn gather_optimizer_state(
         &self,
         replica: &Replica,
+        is_root: bool,
         ring: &RingLink,
         step: u64,
-    ) -> Result<Vec<(&'static str, Vec<f32>)>, RingLinkError> {
-        let plan = replica.optimizer.plan();
+    ) -> Result<Option<Vec<(&'static str, Vec<f32>)>>, RingLinkError> {
         let mut out = Vec::new();
         for (k, (name, local)) in replica.optimizer.state().into_iter().enumerate() {
             let first = SpecialBucket::StateGather.id() + k as u32 * self.bucket_count();
-            out.push((name, self.gather_state(plan, local, ring, step, first)?));
+            if let Some(full) = self.gather_state(local, is_root, ring, step, first)? {
+                out.push((name, full));
+            }
         }
-        Ok(out)
+        Ok(is_root.then_some(out))
     }
 }
 

@@ -28,6 +28,7 @@ use super::outer::{Snapshot, outer_step};
 use super::phase::PhaseState;
 use super::setup::{Event, TrainSetup};
 use super::sharding::Sharding;
+use super::summary::RankTotals;
 use crate::batch::Batch;
 use crate::buckets::Buckets;
 use crate::control::JobControl;
@@ -80,6 +81,8 @@ pub struct Trainer<'a> {
     diloco: Option<DilocoSpec>,
     /// ZeRO stage 1 (`train.shard_optimizer`): the chunks this rank updates.
     sharding: Option<Sharding>,
+    /// Step and optimizer times of this generation, logged when its steps end.
+    totals: RankTotals,
     links: Links<'a>,
 }
 
@@ -99,6 +102,8 @@ struct Update {
     lr: f32,
     grad_norm: f32,
     finite: bool,
+    /// Time the weights' all-gather took (`train.shard_optimizer`; zero without).
+    gather: std::time::Duration,
 }
 
 /// When a step's phases began, for its report.
@@ -166,6 +171,7 @@ impl<'a> Trainer<'a> {
             last_split: None,
             diloco,
             sharding,
+            totals: RankTotals::default(),
             links,
         })
     }
@@ -186,6 +192,15 @@ impl<'a> Trainer<'a> {
             }
             self.step(replica)?;
         }
+        let state_bytes: usize = replica
+            .optimizer
+            .state()
+            .iter()
+            .map(|(_, s)| std::mem::size_of_val(*s))
+            .sum();
+        let sharded = self.sharding.is_some();
+        let (job, rank) = (&self.setup.job_id, self.setup.rank);
+        self.totals.log(job, rank, sharded, state_bytes);
         Ok(())
     }
 
@@ -231,6 +246,7 @@ impl<'a> Trainer<'a> {
             }
         }
         let optimizer = update_started.elapsed();
+        self.totals.add(started.elapsed(), optimizer, update.gather);
         replica.step = step + 1;
         self.links.progress.store(replica.step, Ordering::SeqCst);
         let clock = Clock {
@@ -411,6 +427,7 @@ impl<'a> Trainer<'a> {
         };
         let finite = grad_norm.is_finite() && loss.is_finite();
         let lr = self.phase.lr(step);
+        let mut gather = std::time::Duration::ZERO;
         if finite {
             let max_norm = t.max_grad_norm as f32;
             match &self.sharding {
@@ -424,7 +441,8 @@ impl<'a> Trainer<'a> {
                     if max_norm > 0.0 {
                         s.clip(&mut self.grads, grad_norm, max_norm);
                     }
-                    s.update(replica, &self.grads, lr, ring, step)
+                    gather = s
+                        .update(replica, &self.grads, lr, ring, step)
                         .map_err(ring_err(step))?;
                 }
             }
@@ -447,6 +465,7 @@ impl<'a> Trainer<'a> {
             lr,
             grad_norm,
             finite,
+            gather,
         })
     }
 
@@ -549,11 +568,11 @@ impl<'a> Trainer<'a> {
     /// Errors: [`TrainError::Io`] from staging; a ring error while gathering.
     fn checkpoint(&mut self, replica: &Replica, loss: f64) -> Result<(), TrainError> {
         let step = replica.step;
+        let is_root = self.setup.rank == 0;
         let gathered = match &self.sharding {
-            Some(s) if !replica.optimizer.plan().is_full() => Some(
-                s.gather_optimizer_state(replica, &self.links.ring, step)
-                    .map_err(ring_err(step))?,
-            ),
+            Some(s) if !replica.optimizer.plan().is_full() => s
+                .gather_optimizer_state(replica, is_root, &self.links.ring, step)
+                .map_err(ring_err(step))?,
             _ => None,
         };
         if self.setup.rank != 0 {
