@@ -30,6 +30,9 @@ use crate::replica::Replica;
 use crate::ringlink::{RingLink, RingLinkError, RingReply};
 use keel_proto::params::ParamLayout;
 
+/// An optimizer's state buffers gathered to `[P]`, named, in `Optimizer::state` order.
+pub type GatheredState = Vec<(&'static str, Vec<f32>)>;
+
 /// Buckets of an all-gather away at the ring at a time: enough to keep the ring busy while
 /// the previous bucket is copied out, few enough that the copies stay small.
 pub const GATHER_WINDOW: usize = 2;
@@ -286,7 +289,7 @@ impl Sharding {
         is_root: bool,
         ring: &RingLink,
         step: u64,
-    ) -> Result<Option<Vec<(&'static str, Vec<f32>)>>, RingLinkError> {
+    ) -> Result<Option<GatheredState>, RingLinkError> {
         let mut out = Vec::new();
         for (k, (name, local)) in replica.optimizer.state().into_iter().enumerate() {
             let first = SpecialBucket::StateGather.id() + k as u32 * self.bucket_count();
