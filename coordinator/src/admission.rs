@@ -18,7 +18,8 @@ use keel_proto::jobspec::JobSpec;
 use keel_proto::memory::{MemoryEstimate, estimate, format_bytes};
 
 /// The estimate for `config` with the spec's micro-batch at its `max_seq_length`: the largest
-/// over the job's phases.
+/// over the job's phases; with `train.shard_optimizer`, for a rank of `cluster.min_workers`
+/// sharing the moments.
 ///
 /// Errors: [`CoordinatorError::BadRequest`] naming the field that is over its cap or
 /// overflows, prefixed by `origin` (where the config came from).
@@ -39,6 +40,13 @@ pub fn estimate_for(
             view.data.max_seq_length,
         )
         .map_err(bad)?;
+        // With `train.shard_optimizer` each rank keeps 1/W of the moments; the job may run
+        // on as few as `min_workers`.
+        let e = if spec.train.shard_optimizer {
+            e.with_moments_over(spec.cluster.min_workers as u64)
+        } else {
+            e
+        };
         if largest
             .as_ref()
             .is_none_or(|l| e.total_bytes > l.total_bytes)
@@ -122,4 +130,30 @@ pub fn no_worker_can_hold(
         count,
         format_bytes(largest)
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(extra_train: &str, min_workers: usize) -> JobSpec {
+        let text = format!(
+            "[data]\ncorpus = [\"/corpus.txt\"]\nvocab_size = 1000\nmax_seq_length = 128\n\
+             [model]\npreset = \"mini\"\n[train]\nmicro_batch_size = 8\nmax_steps = 10\n\
+             {extra_train}\n[cluster]\nmin_workers = {min_workers}\nmax_workers = 4\n"
+        );
+        JobSpec::from_toml_str(&text, "job.toml").unwrap()
+    }
+
+    #[test]
+    fn a_sharded_optimizer_is_estimated_for_a_rank_of_the_smallest_world() {
+        let config = BertConfig::preset("mini", 1000).unwrap();
+        let whole = estimate_for(&config, &spec("", 2), "test").unwrap();
+        let sharded = estimate_for(&config, &spec("shard_optimizer = true", 2), "test").unwrap();
+        // Each of 2 ranks keeps half of the 8 bytes per parameter of the moments.
+        assert_eq!(whole.total_bytes - sharded.total_bytes, 4 * whole.params);
+        // One worker may run it alone: nothing is shared then.
+        let alone = estimate_for(&config, &spec("shard_optimizer = true", 1), "test").unwrap();
+        assert_eq!(alone, whole);
+    }
 }

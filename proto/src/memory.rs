@@ -24,6 +24,26 @@ pub struct MemoryEstimate {
     pub total_bytes: u64,
 }
 
+impl MemoryEstimate {
+    /// The estimate for one of `ranks` ranks that share the optimizer moments
+    /// (`train.shard_optimizer`, ZeRO stage 1): each keeps `ceil(1 / ranks)` of the two
+    /// moments (`8 * params` bytes in all), weights, gradients and activations whole. One rank
+    /// (or 0) changes nothing. Cannot overflow: it only lowers the estimate.
+    pub fn with_moments_over(self, ranks: u64) -> MemoryEstimate {
+        if ranks <= 1 {
+            return self;
+        }
+        // `state_bytes` is `16 * params` (no overflow, checked when it was made).
+        let moments = self.params.saturating_mul(2 * F32);
+        let saved = moments - moments.div_ceil(ranks);
+        MemoryEstimate {
+            state_bytes: self.state_bytes - saved,
+            total_bytes: self.total_bytes - saved,
+            ..self
+        }
+    }
+}
+
 /// One checked step: `a * b` or `a + b`, naming `field` when it overflows 64 bits.
 fn mul(a: u64, b: u64, field: &'static str) -> Result<u64, ConfigError> {
     a.checked_mul(b).ok_or_else(|| overflow(field))
@@ -219,6 +239,24 @@ pub fn format_bytes(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sharded_moments_leave_one_share_per_rank() {
+        let config = BertConfig::preset("base", 30522).unwrap();
+        let whole = estimate(&config, 8, 128).unwrap();
+        assert_eq!(whole.with_moments_over(1), whole);
+        let two = whole.with_moments_over(2);
+        // Half of the 8 bytes per parameter of the two moments.
+        assert_eq!(whole.total_bytes - two.total_bytes, 4 * whole.params);
+        assert_eq!(whole.state_bytes - two.state_bytes, 4 * whole.params);
+        assert_eq!(two.activation_bytes, whole.activation_bytes);
+        let three = whole.with_moments_over(3);
+        let moments = 8 * whole.params;
+        assert_eq!(
+            whole.state_bytes - three.state_bytes,
+            moments - moments.div_ceil(3)
+        );
+    }
     use crate::params::{Heads, ParamLayout};
 
     /// The parameter count the estimate uses for `heads` without the heads it does not have,

@@ -104,6 +104,7 @@ pub async fn run_job(
 fn check_fits(
     config: &BertConfig,
     spec: &JobSpec,
+    world_size: u32,
     memory_limit: Option<u64>,
 ) -> Result<(), JobError> {
     config
@@ -111,7 +112,7 @@ fn check_fits(
         .map_err(|e| JobError::Assignment(format!("model config: {e}")))?;
     // Every phase (`[[phase]]`) must fit: a later one may have longer sequences.
     for spec in spec.phase_views() {
-        check_phase_fits(config, &spec, memory_limit)?;
+        check_phase_fits(config, &spec, world_size, memory_limit)?;
     }
     Ok(())
 }
@@ -120,6 +121,7 @@ fn check_fits(
 fn check_phase_fits(
     config: &BertConfig,
     spec: &JobSpec,
+    world_size: u32,
     memory_limit: Option<u64>,
 ) -> Result<(), JobError> {
     let estimate = keel_proto::memory::estimate(
@@ -128,17 +130,28 @@ fn check_phase_fits(
         spec.data.max_seq_length,
     )
     .map_err(|e| JobError::Assignment(format!("model config: {e}")))?;
+    // With `train.shard_optimizer` this rank keeps 1/W of the moments.
+    let estimate = if spec.train.shard_optimizer {
+        estimate.with_moments_over(u64::from(world_size))
+    } else {
+        estimate
+    };
     if let Some(limit) = memory_limit
         && estimate.total_bytes > limit
     {
         use keel_proto::memory::format_bytes;
         return Err(JobError::Assignment(format!(
             "this worker cannot hold the model: training it needs an estimated {} ({} parameters, \
-             micro_batch_size {} at max_seq_length {}) but this worker's memory limit is {}",
+             micro_batch_size {} at max_seq_length {}{}) but this worker's memory limit is {}",
             format_bytes(estimate.total_bytes),
             estimate.params,
             spec.train.micro_batch_size,
             spec.data.max_seq_length,
+            if spec.train.shard_optimizer && world_size > 1 {
+                format!(", optimizer moments shared by {world_size} ranks")
+            } else {
+                String::new()
+            },
             format_bytes(limit)
         )));
     }
@@ -212,7 +225,12 @@ async fn prepare_and_train(
     );
     // Before any allocation: a config that is out of bounds, or a model this worker cannot
     // hold, is refused with a message for the coordinator, never an abort on allocation.
-    early!(check_fits(&config, &spec, ctx.memory_limit));
+    early!(check_fits(
+        &config,
+        &spec,
+        start.world_size,
+        ctx.memory_limit
+    ));
     let precision = early!(
         Precision::from_wire(&start.precision)
             .map_err(|e| JobError::Assignment(format!("StartJob.precision: {e}")))
@@ -426,20 +444,33 @@ max_steps = 10
         let needed = keel_proto::memory::estimate(&tiny, 8, 128)
             .unwrap()
             .total_bytes;
-        assert!(check_fits(&tiny, &spec, Some(needed)).is_ok());
-        assert!(check_fits(&tiny, &spec, None).is_ok());
-        let err = check_fits(&tiny, &spec, Some(needed - 1)).unwrap_err();
+        assert!(check_fits(&tiny, &spec, 1, Some(needed)).is_ok());
+        assert!(check_fits(&tiny, &spec, 1, None).is_ok());
+        let err = check_fits(&tiny, &spec, 1, Some(needed - 1)).unwrap_err();
         assert!(!err.is_recoverable());
         assert!(err.to_string().contains("cannot hold"), "{err}");
+        // With the moments sharded over 2 ranks, half of them (4 bytes a parameter) less.
+        let sharded = JobSpec::from_toml_str(
+            &SPEC.replace("max_steps = 10", "max_steps = 10\nshard_optimizer = true"),
+            "job.toml",
+        )
+        .unwrap();
+        let params = keel_proto::memory::estimate(&tiny, 8, 128).unwrap().params;
+        let half = needed - 4 * params;
+        assert!(check_fits(&tiny, &sharded, 2, Some(half)).is_ok());
+        assert!(check_fits(&tiny, &sharded, 2, Some(half - 1)).is_err());
+        assert!(check_fits(&tiny, &sharded, 1, Some(half)).is_err());
         // The issue's config (from a coordinator that does not check) is refused by field,
         // before the 22 TB allocation.
         let mut huge = tiny.clone();
         huge.hidden_size = 1 << 20;
-        let err = check_fits(&huge, &spec, None).unwrap_err().to_string();
+        let err = check_fits(&huge, &spec, 1, None).unwrap_err().to_string();
         assert!(err.contains("hidden_size"), "{err}");
         let mut wrapping = tiny;
         wrapping.num_hidden_layers = 1 << 40;
-        let err = check_fits(&wrapping, &spec, None).unwrap_err().to_string();
+        let err = check_fits(&wrapping, &spec, 1, None)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("num_hidden_layers"), "{err}");
     }
 }
