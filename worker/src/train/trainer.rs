@@ -525,7 +525,8 @@ impl<'a> Trainer<'a> {
         mlm_loss + nsp_loss
     }
 
-    /// Evaluates (every `eval_every` steps and at the end, all ranks) and stages a checkpoint
+    /// Evaluates (every `eval_every` steps and at the end, all ranks, when the job has a
+    /// held-out set) and stages a checkpoint
     /// (every `checkpoint_every` steps and at the end, rank 0) after `replica.step` steps.
     fn evaluate_and_checkpoint(
         &mut self,
@@ -535,7 +536,9 @@ impl<'a> Trainer<'a> {
         let t = &self.setup.spec.train;
         let done = replica.step;
         let last = done == t.max_steps;
-        if (t.eval_every > 0 && done.is_multiple_of(t.eval_every)) || last {
+        // Without a held-out set (`data.heldout_fraction = 0`) there is nothing to evaluate.
+        let heldout = self.setup.spec.data.heldout_fraction > 0.0;
+        if heldout && ((t.eval_every > 0 && done.is_multiple_of(t.eval_every)) || last) {
             let report = self.phase.eval.evaluate(
                 &mut self.model,
                 &replica.params,
