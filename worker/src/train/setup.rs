@@ -50,6 +50,17 @@ pub struct TrainSetup {
 }
 
 impl TrainSetup {
+    /// Whether the word embeddings' gradient may travel in two parts: with several ranks,
+    /// unless DiLoCo (which all-reduces no gradient) runs; one rank has nothing to overlap.
+    pub fn splits_lookup(&self) -> bool {
+        self.world_size > 1 && self.spec.diloco.is_none()
+    }
+
+    /// Elements per gradient bucket: `train.bucket_mib` MiB of f32 (validated: 1 to 1024).
+    pub fn bucket_elems(&self) -> usize {
+        self.spec.train.bucket_mib.clamp(1, 1024) << 18
+    }
+
     /// Sequences per step `B`: `global_batch_size`, or `W * b * k` from the spec when it is 0.
     pub fn global_batch(&self) -> u64 {
         if self.global_batch_size > 0 {

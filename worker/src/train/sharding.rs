@@ -21,7 +21,6 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use super::setup::TrainSetup;
-use super::trainer::{bucket_elems, splits_lookup};
 use crate::allreduce::{Collective, WireDtype, owned_chunk};
 use crate::buckets::{SpecialBucket, bucket_ranges};
 use crate::model::{Bert, ModelError};
@@ -59,8 +58,8 @@ impl Sharding {
         let config = &setup.config;
         // A model holds no weights and no activations until its first batch: cheap.
         let model = Bert::<f32>::new(config, config.heads())?;
-        let groups = model.ready_ranges(splits_lookup(setup));
-        let buckets = bucket_ranges(&groups, bucket_elems(setup));
+        let groups = model.ready_ranges(setup.splits_lookup());
+        let buckets = bucket_ranges(&groups, setup.bucket_elems());
         Ok(Some(Sharding::new(
             buckets,
             setup.world_size as usize,

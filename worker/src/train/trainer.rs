@@ -86,17 +86,6 @@ pub struct Trainer<'a> {
     links: Links<'a>,
 }
 
-/// Whether the word embeddings' gradient may travel in two parts: with several ranks, unless
-/// DiLoCo (which all-reduces no gradient) runs: one rank has nothing to overlap.
-pub fn splits_lookup(setup: &TrainSetup) -> bool {
-    setup.world_size > 1 && setup.spec.diloco.is_none()
-}
-
-/// Elements per gradient bucket: `train.bucket_mib` MiB of f32 (validated: 1 to 1024).
-pub fn bucket_elems(setup: &TrainSetup) -> usize {
-    setup.spec.train.bucket_mib.clamp(1, 1024) << 18
-}
-
 /// What the optimizer did in a step.
 struct Update {
     lr: f32,
@@ -138,14 +127,12 @@ impl<'a> Trainer<'a> {
             setup.precision
         );
         let phase = PhaseState::open(&setup, step)?;
-        // One rank has nothing to overlap, nor has DiLoCo (no gradient all-reduce): the word
-        // embeddings keep their whole gradient.
         let diloco = setup.spec.diloco.clone();
-        let split_lookup = splits_lookup(&setup);
+        let split_lookup = setup.splits_lookup();
         let wire = setup.spec.train.allreduce_dtype.wire();
         let buckets = Buckets::new(
             &model.ready_ranges(split_lookup),
-            bucket_elems(&setup),
+            setup.bucket_elems(),
             wire,
         );
         // ZeRO stage 1: the buckets go as reduce-scatters, each rank keeping its chunks.
