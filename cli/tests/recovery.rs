@@ -231,6 +231,9 @@ impl Cluster {
             ],
             &self.root().join("logs"),
         );
+        // A status call right after the spawn would race the bind (seen in CI: "Connection
+        // refused" from the poll after a restart).
+        wait_listening(&self.addr, &self._coordinator);
     }
 
     /// kill -9 of the worker at `index` (of those alive); returns its address.

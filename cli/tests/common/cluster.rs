@@ -50,10 +50,20 @@ impl Cluster {
     /// Submits `job` with `extra` appended to its file (e.g. `[[phase]]` sections) from a
     /// folder `name`; returns the job id.
     pub fn submit_job(&self, name: &str, job: &JobFile, extra: &str) -> String {
+        self.submit_edited(name, job, |text| text + extra)
+    }
+
+    /// Submits `job` with its file's text passed through `edit`; returns the job id.
+    pub fn submit_edited(
+        &self,
+        name: &str,
+        job: &JobFile,
+        edit: impl FnOnce(String) -> String,
+    ) -> String {
         let case = self.root().join(name);
         std::fs::create_dir_all(&case).unwrap();
         let path = job.write(&case);
-        let text = std::fs::read_to_string(&path).unwrap() + extra;
+        let text = edit(std::fs::read_to_string(&path).unwrap());
         std::fs::write(&path, text).unwrap();
         let out = run_keel(
             &[
@@ -116,5 +126,8 @@ impl Cluster {
             ],
             &self.root().join("logs"),
         );
+        // A status call right after the spawn would race the bind (seen in CI: "Connection
+        // refused" from the poll after a restart).
+        wait_listening(&self.addr, &self.coordinator);
     }
 }
