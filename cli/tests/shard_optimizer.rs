@@ -5,7 +5,11 @@
 //!   are only reordered; LAMB's per-tensor norms are summed across ranks in f32);
 //! - a sharded job that loses a worker (kill -9) resumes from its newest checkpoint, as a
 //!   sharded optimizer must (the lost rank's moments existed nowhere else), and ends bit for
-//!   bit where the uninterrupted sharded run ended.
+//!   bit where the uninterrupted sharded run ended;
+//! - a sharded job whose coordinator is restarted (kill -9), and which then grows from 2 to 3
+//!   workers, goes on from the ranks' memory both times (the shares gathered again, re-cut
+//!   for 3 ranks), and ends where the uninterrupted run ended (bit for bit with the same world
+//!   size, within 1e-5 across the growth).
 //!
 //! The comparisons run in fp32 (`train.precision = "fp32"`), as `equivalence.rs` explains.
 
@@ -157,10 +161,66 @@ fn a_sharded_job_that_loses_a_worker_resumes_from_its_checkpoint_and_ends_bit_fo
             max_relative_difference(&got, &expected)
         );
     }
-    // It went on from a checkpoint, not from the survivor's memory: the survivor said so.
+    // It went on from a checkpoint, not from the survivor's memory: the lost rank's share of
+    // the moments was missing, and the survivor said so.
     let survivor = cluster.workers[0].log_text();
     assert!(
-        survivor.contains("its optimizer is sharded"),
-        "the surviving worker kept its sharded state:\n{survivor}"
+        survivor.contains("sharded optimizer state is incomplete"),
+        "the survivor did not find the lost share missing:\n{survivor}"
+    );
+}
+
+#[test]
+fn a_sharded_job_goes_on_from_its_ranks_memory_after_a_coordinator_restart_and_a_growth() {
+    let mut cluster = Cluster::new(2);
+    let corpus = kjv_lines(cluster.root(), 2000);
+    let mut spec = job(&corpus, 2, 8, "lamb", true);
+    spec.max_steps = 40;
+    spec.checkpoint_every = 100;
+    spec.eval_every = 0;
+    spec.peer_timeout_seconds = 10.0;
+    spec.cluster_extra = "max_recoveries = 4".into();
+
+    let reference = cluster.submit_job("reference", &spec, "");
+    let expected = cluster.completed(&reference);
+
+    // The coordinator dies and comes back: the same two workers go on from their memory.
+    let job = cluster.submit_job("restarted", &spec, "");
+    cluster.step_at_least(&job, 12);
+    cluster.restart_coordinator();
+    println!("killed and restarted the coordinator at step >= 12");
+    let got = cluster.completed(&job);
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        let same = std::fs::read(expected.join(f)).unwrap() == std::fs::read(got.join(f)).unwrap();
+        assert!(
+            same,
+            "{f} differs from the uninterrupted run (max relative difference {:e})",
+            max_relative_difference(&got, &expected)
+        );
+    }
+    let logs: String = cluster.workers.iter().map(|w| w.log_text()).collect();
+    assert!(
+        logs.contains("regathered the sharded optimizer state"),
+        "no rank gathered its shares again:\n{logs}"
+    );
+
+    // A job that may grow to 3 workers: a third joins, the shares are re-cut for 3 ranks.
+    let grown = cluster.submit_edited("grown", &spec, |text| {
+        assert!(text.contains("max_workers = 2"), "{text}");
+        text.replace("max_workers = 2", "max_workers = 3")
+    });
+    cluster.step_at_least(&grown, 12);
+    cluster.add_worker();
+    cluster.wait(&grown, "the third worker", |s| {
+        s["workers"].as_array().is_some_and(|w| w.len() == 3)
+    });
+    let got = cluster.completed(&grown);
+    let d = max_relative_difference(&got, &expected);
+    println!("grown from 2 to 3 workers at step >= 12: max relative difference {d:.2e}");
+    assert!(d <= 1e-5, "the grown job differs by {d:e}");
+    let third = cluster.workers[2].log_text();
+    assert!(
+        third.contains("regathered the sharded optimizer state") && third.contains("to_world=3"),
+        "the third worker did not get its share from the others:\n{third}"
     );
 }

@@ -47,11 +47,14 @@ pub enum SpecialBucket {
     /// The first of the optimizer state's all-gather buckets before a checkpoint, one per
     /// gradient bucket per state buffer (`train.shard_optimizer`).
     StateGather,
+    /// The first of the buckets that gather a sharded optimizer's moments from the ranks'
+    /// memory at the start of a generation (`train::regather`).
+    Regather,
 }
 
 impl SpecialBucket {
     /// Every special bucket, in id order.
-    pub const ALL: [SpecialBucket; 9] = [
+    pub const ALL: [SpecialBucket; 10] = [
         SpecialBucket::Counts,
         SpecialBucket::Loss,
         SpecialBucket::Eval,
@@ -61,6 +64,7 @@ impl SpecialBucket {
         SpecialBucket::Broadcast,
         SpecialBucket::ParamGather,
         SpecialBucket::StateGather,
+        SpecialBucket::Regather,
     ];
 
     /// The bucket id this all-reduce travels under (unchanged wire values: `2^30 + 0..3`, and
@@ -77,6 +81,7 @@ impl SpecialBucket {
                 SpecialBucket::Broadcast => 16,
                 SpecialBucket::ParamGather => 1 << 28,
                 SpecialBucket::StateGather => 1 << 29,
+                SpecialBucket::Regather => (1 << 29) + (1 << 28),
             }
     }
 }
@@ -255,6 +260,7 @@ mod tests {
                 (1 << 30) + 16,
                 (1 << 30) + (1 << 28),
                 (1 << 30) + (1 << 29),
+                (1 << 30) + (1 << 29) + (1 << 28),
             ]
         );
         // Gradient buckets are numbered 0.. and never reach the special ids: a u32-indexed

@@ -22,6 +22,10 @@ pub enum BroadcastError {
     /// The received optimizer state does not fit this rank's optimizer.
     #[error("received optimizer state does not fit: {0}")]
     State(String),
+    /// A sharded optimizer's state cannot be gathered from the ranks' memory: a share of it
+    /// is missing (its rank is gone). The job goes on from its newest checkpoint.
+    #[error("the sharded optimizer state is incomplete: {0}")]
+    Incomplete(String),
 }
 
 /// A rank's complete training state after `step` optimizer steps.
@@ -34,6 +38,19 @@ pub struct Replica {
     pub optimizer: Box<dyn Optimizer>,
     /// Steps whose update was skipped (non-finite) so far.
     pub skipped_steps: u64,
+    /// Whose share of the moments a sharded optimizer holds (`train.shard_optimizer`); `None`
+    /// for an unsharded one, which holds them all.
+    pub shard: Option<ShardOf>,
+}
+
+/// Rank `rank` of a generation of `world_size` ranks: which share of a sharded optimizer's
+/// moments a replica holds (`train::sharding::Sharding::for_world` gives its chunks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardOf {
+    /// The generation's world size.
+    pub world_size: u32,
+    /// The rank that held it.
+    pub rank: u32,
 }
 
 impl std::fmt::Debug for Replica {
@@ -58,7 +75,7 @@ pub struct HeldReplica {
 }
 
 /// `value` as three exact f32 pieces of [`PIECE_BITS`] bits each (values below 2^66).
-fn pieces(value: u64) -> [f32; 3] {
+pub(crate) fn pieces(value: u64) -> [f32; 3] {
     let mask = (1u64 << PIECE_BITS) - 1;
     [
         (value & mask) as f32,
@@ -68,7 +85,7 @@ fn pieces(value: u64) -> [f32; 3] {
 }
 
 /// Inverse of [`pieces`].
-fn from_pieces(p: &[f32]) -> u64 {
+pub(crate) fn from_pieces(p: &[f32]) -> u64 {
     p.iter()
         .enumerate()
         .map(|(i, &x)| (x as u64) << (PIECE_BITS * i as u32))
@@ -89,6 +106,30 @@ pub fn broadcast(
     is_root: bool,
     replica: &mut Replica,
 ) -> Result<(), BroadcastError> {
+    broadcast_parts(ring, step, is_root, replica, true).map(|_| ())
+}
+
+/// [`broadcast`] of the step, skipped-step count and weights only (a sharded optimizer's
+/// moments are gathered otherwise: `train::regather`); returns the root's optimizer step count.
+///
+/// Errors: [`BroadcastError::Ring`].
+pub fn broadcast_weights(
+    ring: &RingLink,
+    step: u64,
+    is_root: bool,
+    replica: &mut Replica,
+) -> Result<u64, BroadcastError> {
+    broadcast_parts(ring, step, is_root, replica, false)
+}
+
+/// [`broadcast`], with the optimizer state or without; returns the root's `steps_taken`.
+fn broadcast_parts(
+    ring: &RingLink,
+    step: u64,
+    is_root: bool,
+    replica: &mut Replica,
+    with_state: bool,
+) -> Result<u64, BroadcastError> {
     let contribute = |data: &[f32]| -> Vec<f32> {
         if is_root {
             data.to_vec()
@@ -114,10 +155,16 @@ pub fn broadcast(
             .collect()
     };
     let params = submit_all(&replica.params, &mut next_bucket);
-    let names: Vec<&'static str> = replica.optimizer.state().iter().map(|(n, _)| *n).collect();
+    let names: Vec<&'static str> = if with_state {
+        replica.optimizer.state().iter().map(|(n, _)| *n).collect()
+    } else {
+        Vec::new()
+    };
     let mut state_replies = Vec::with_capacity(names.len());
-    for (_, data) in replica.optimizer.state() {
-        state_replies.push(submit_all(data, &mut next_bucket));
+    if with_state {
+        for (_, data) in replica.optimizer.state() {
+            state_replies.push(submit_all(data, &mut next_bucket));
+        }
     }
 
     let gather = |replies: Vec<RingReply>, len: usize| -> Result<Vec<f32>, RingLinkError> {
@@ -133,22 +180,24 @@ pub fn broadcast(
     for (replies, (_, data)) in state_replies.into_iter().zip(replica.optimizer.state()) {
         states.push(gather(replies, data.len())?);
     }
+    let steps_taken = from_pieces(&scalars[3..6]);
     if !is_root {
         replica.step = from_pieces(&scalars[0..3]);
-        let steps_taken = from_pieces(&scalars[3..6]);
         replica.skipped_steps = from_pieces(&scalars[6..9]);
         replica.params = params;
-        let views: Vec<(&str, &[f32])> = names
-            .iter()
-            .zip(&states)
-            .map(|(n, d)| (*n, d.as_slice()))
-            .collect();
-        replica
-            .optimizer
-            .load_state(steps_taken, &views)
-            .map_err(|e| BroadcastError::State(e.to_string()))?;
+        if with_state {
+            let views: Vec<(&str, &[f32])> = names
+                .iter()
+                .zip(&states)
+                .map(|(n, d)| (*n, d.as_slice()))
+                .collect();
+            replica
+                .optimizer
+                .load_state(steps_taken, &views)
+                .map_err(|e| BroadcastError::State(e.to_string()))?;
+        }
     }
-    Ok(())
+    Ok(steps_taken)
 }
 
 #[cfg(test)]

@@ -37,6 +37,8 @@ struct Request {
     dtype: WireDtype,
     /// All-reduce, reduce-scatter or all-gather.
     collective: Collective,
+    /// Abandoned when the job is stopped (else it runs to its end or a ring error).
+    abortable: bool,
     reply: oneshot::Sender<Result<(Vec<f32>, Duration), RingLinkError>>,
 }
 
@@ -107,14 +109,21 @@ impl RingLink {
                     Err(RingLinkError::from(
                         ring.injected_bad_frame(req.step, req.bucket),
                     ))
-                } else if control.is_stopped() {
+                } else if req.abortable && control.is_stopped() {
                     Err(RingLinkError::Aborted)
                 } else {
-                    tokio::select! {
-                        r = ring.collective(req.step, req.bucket, req.data, req.dtype, req.collective) => {
-                            r.map_err(RingLinkError::from)
+                    let run =
+                        ring.collective(req.step, req.bucket, req.data, req.dtype, req.collective);
+                    let stopped = async {
+                        if req.abortable {
+                            control.stopped().await
+                        } else {
+                            std::future::pending().await
                         }
-                        () = control.stopped() => Err(RingLinkError::Aborted),
+                    };
+                    tokio::select! {
+                        r = run => r.map_err(RingLinkError::from),
+                        () = stopped => Err(RingLinkError::Aborted),
                     }
                 };
                 let took = t0.elapsed();
@@ -151,6 +160,32 @@ impl RingLink {
         dtype: WireDtype,
         collective: Collective,
     ) -> RingReply {
+        self.submit_request(step, bucket, data, (dtype, collective), true)
+    }
+
+    /// [`RingLink::submit_collective`], not abandoned when the job is stopped: it ends with its
+    /// result or a ring error (a peer gone: `timeout` at most). For the collectives inside a
+    /// sharded update (`train::sharding`), which every rank that began it must finish, so that
+    /// a stop between steps leaves every rank a whole step.
+    pub fn submit_to_the_end(
+        &self,
+        step: u64,
+        bucket: u32,
+        data: Vec<f32>,
+        dtype: WireDtype,
+        collective: Collective,
+    ) -> RingReply {
+        self.submit_request(step, bucket, data, (dtype, collective), false)
+    }
+
+    fn submit_request(
+        &self,
+        step: u64,
+        bucket: u32,
+        data: Vec<f32>,
+        (dtype, collective): (WireDtype, Collective),
+        abortable: bool,
+    ) -> RingReply {
         let (reply, rx) = oneshot::channel();
         // If the task is gone the reply sender is dropped and `wait` says Closed.
         let _ = self.tx.send(Request {
@@ -159,6 +194,7 @@ impl RingLink {
             data,
             dtype,
             collective,
+            abortable,
             reply,
         });
         RingReply { rx }

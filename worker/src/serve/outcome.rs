@@ -42,17 +42,6 @@ pub(super) async fn run_and_report(
         let reason = control.reason();
         s.held = match (reason, replica) {
             (Some(StopReason::Cancel), _) | (_, None) => None,
-            // ZeRO stage 1: this rank holds a 1/W share of the moments, and a lost rank took
-            // its share with it; the job goes on from its newest checkpoint instead.
-            (_, Some(replica)) if !replica.optimizer.plan().is_full() => {
-                tracing::info!(
-                    job = %job_id,
-                    step = replica.step,
-                    "not keeping this rank's state: its optimizer is sharded \
-                     (train.shard_optimizer), so the job resumes from its newest checkpoint"
-                );
-                None
-            }
             (_, Some(replica)) => Some(HeldReplica {
                 job_id: job_id.clone(),
                 generation,

@@ -79,7 +79,7 @@ impl TrainError {
             TrainError::AllReduce { .. }
                 | TrainError::Stopped { .. }
                 | TrainError::Broadcast {
-                    source: BroadcastError::Ring(_),
+                    source: BroadcastError::Ring(_) | BroadcastError::Incomplete(_),
                     ..
                 }
         )

@@ -1,7 +1,8 @@
 //! The training loop of one rank, run on a blocking thread (protocol step 8), in parts:
 //!
 //! - `start`: where the generation's starting state comes from ([`InitialState`]): the seed,
-//!   HF weights, a checkpoint, or the held replica plus a broadcast.
+//!   HF weights, a checkpoint, or the held replica plus a broadcast (`regather` for a sharded
+//!   optimizer's shares).
 //! - `pipeline`: this rank's micro-batches, masked as the spec says
 //!   (`MaskingConfig::from_spec`).
 //! - `collectives`: the step's all-reduces besides the gradient buckets (counts, loss,
@@ -30,6 +31,7 @@ pub mod optimizer;
 pub mod outer;
 pub mod phase;
 pub mod pipeline;
+pub mod regather;
 pub mod setup;
 pub mod sharding;
 pub mod start;
@@ -82,7 +84,19 @@ pub fn train(
         progress,
         ring_busy_us,
     };
-    let result = Trainer::new(setup, layout, replica.step, links)
-        .and_then(|mut trainer| trainer.run(&mut replica));
+    let mut torn = false;
+    let result = Trainer::new(setup, layout, replica.step, links).and_then(|mut trainer| {
+        let result = trainer.run(&mut replica);
+        torn = trainer.is_torn();
+        result
+    });
+    if torn {
+        // A sharded update stopped half-way (a peer gone): this replica is no step at all.
+        tracing::warn!(
+            step = replica.step,
+            "not keeping this rank's state: its sharded update stopped half-way"
+        );
+        return (result, None);
+    }
     (result, Some(replica))
 }

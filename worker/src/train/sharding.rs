@@ -55,16 +55,25 @@ impl Sharding {
         if !setup.spec.train.shard_optimizer {
             return Ok(None);
         }
+        Sharding::for_world(setup, setup.world_size, setup.rank).map(Some)
+    }
+
+    /// The sharding rank `rank` of a generation of `world_size` ranks of this job had (its
+    /// buckets depend on the world: one rank sends the word embeddings' gradient whole).
+    ///
+    /// Errors: [`ModelError`] for a config the model refuses.
+    pub fn for_world(
+        setup: &TrainSetup,
+        world_size: u32,
+        rank: u32,
+    ) -> Result<Sharding, ModelError> {
         let config = &setup.config;
         // A model holds no weights and no activations until its first batch: cheap.
         let model = Bert::<f32>::new(config, config.heads())?;
-        let groups = model.ready_ranges(setup.splits_lookup());
+        let split_lookup = world_size > 1 && setup.spec.diloco.is_none();
+        let groups = model.ready_ranges(split_lookup);
         let buckets = bucket_ranges(&groups, setup.bucket_elems());
-        Ok(Some(Sharding::new(
-            buckets,
-            setup.world_size as usize,
-            setup.rank as usize,
-        )))
+        Ok(Sharding::new(buckets, world_size as usize, rank as usize))
     }
 
     /// Rank `rank` of `world_size` over `buckets` (ranges of `[P]` in buffer order, covering
@@ -124,13 +133,23 @@ impl Sharding {
     }
 
     /// A closure for `Optimizer::step_sharded`: sums a vector across ranks as `step`'s
-    /// [`SpecialBucket::TrustNorms`], keeping the first error in `error`.
+    /// [`SpecialBucket::TrustNorms`] (to the end, even if the job is stopped meanwhile: see
+    /// [`Sharding::update`]), keeping the first error in `error`.
     pub fn sum_across<'a>(
         ring: &'a RingLink,
         step: u64,
         error: &'a mut Option<RingLinkError>,
     ) -> impl FnMut(Vec<f32>) -> Option<Vec<f32>> + 'a {
-        move |values| match ring.all_reduce(step, SpecialBucket::TrustNorms.id(), values) {
+        move |values| match ring
+            .submit_to_the_end(
+                step,
+                SpecialBucket::TrustNorms.id(),
+                values,
+                WireDtype::F32,
+                Collective::AllReduce,
+            )
+            .wait()
+        {
             Ok(sum) => Some(sum),
             Err(e) => {
                 error.get_or_insert(e);
@@ -141,7 +160,8 @@ impl Sharding {
 
     /// All-gathers `buf` `[P]` bucket by bucket, as buckets `first_id..` of `step`: every
     /// rank's chunks of `buf` go to every rank (the other elements of `buf` are overwritten).
-    /// Exact (f32 on the wire). At most [`GATHER_WINDOW`] buckets are away at a time, so the
+    /// Exact (f32 on the wire). Runs to the end even if the job is stopped meanwhile (see
+    /// [`Sharding::update`]). At most [`GATHER_WINDOW`] buckets are away at a time, so the
     /// copies it makes stay a few buckets large whatever the model.
     ///
     /// Errors: [`RingLinkError`] (`buf` may then hold some buckets gathered, some not).
@@ -155,8 +175,7 @@ impl Sharding {
         let buf = RefCell::new(buf);
         self.gather_each(
             ring,
-            step,
-            first_id,
+            (step, first_id, true),
             &mut |b| buf.borrow()[self.buckets[b].clone()].to_vec(),
             &mut |b, data| buf.borrow_mut()[self.buckets[b].clone()].copy_from_slice(&data),
         )
@@ -171,8 +190,7 @@ impl Sharding {
     fn gather_each(
         &self,
         ring: &RingLink,
-        step: u64,
-        first_id: u32,
+        (step, first_id, to_the_end): (u64, u32, bool),
         contribution: &mut dyn FnMut(usize) -> Vec<f32>,
         receive: &mut dyn FnMut(usize, Vec<f32>),
     ) -> Result<(), RingLinkError> {
@@ -183,13 +201,12 @@ impl Sharding {
             {
                 receive(done, reply.wait()?);
             }
-            let reply = ring.submit_collective(
-                step,
-                first_id + b as u32,
-                contribution(b),
-                WireDtype::F32,
-                Collective::AllGather,
-            );
+            let (id, data) = (first_id + b as u32, contribution(b));
+            let reply = if to_the_end {
+                ring.submit_to_the_end(step, id, data, WireDtype::F32, Collective::AllGather)
+            } else {
+                ring.submit_collective(step, id, data, WireDtype::F32, Collective::AllGather)
+            };
             away.push_back((b, reply));
         }
         while let Some((done, reply)) = away.pop_front() {
@@ -223,8 +240,7 @@ impl Sharding {
         let mut full = is_root.then(|| vec![0.0f32; total]);
         self.gather_each(
             ring,
-            step,
-            first_id,
+            (step, first_id, false),
             &mut |b| {
                 let (bucket, own) = (&self.buckets[b], &self.owned[b]);
                 let mut data = vec![0.0f32; bucket.len()];
@@ -252,8 +268,12 @@ impl Sharding {
     /// across ranks), then the weights are all-gathered, so every rank holds all of them.
     /// Returns the time the all-gather took.
     ///
-    /// Errors: [`RingLinkError`]; the replica is then half-updated, which is why a sharded
-    /// replica is never kept for the next generation (see `serve::outcome`).
+    /// Its collectives run to the end even if the job is stopped meanwhile: every rank that
+    /// began the update finishes it, so a stop leaves every rank whole steps, and the ranks'
+    /// shards can be gathered again by the next generation (`train::regather`).
+    ///
+    /// Errors: [`RingLinkError`] (a peer gone); the replica is then half-updated and must not
+    /// be kept (the trainer marks it torn).
     pub fn update(
         &self,
         replica: &mut Replica,

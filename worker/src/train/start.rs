@@ -7,7 +7,7 @@ use super::optimizer::{optimizer_for, sharded_optimizer_for};
 use super::setup::TrainSetup;
 use crate::model::init_params;
 use crate::optim::ShardPlan;
-use crate::replica::{Replica, broadcast};
+use crate::replica::{Replica, ShardOf, broadcast};
 use crate::ringlink::RingLink;
 use keel_proto::checkpoint::TrainerState;
 use keel_proto::params::ParamLayout;
@@ -58,6 +58,10 @@ pub fn starting_replica(
     let io = io_err(step);
     // With `train.shard_optimizer`, moments for this rank's chunks only (a checkpoint's
     // whole buffers are cut down to them as they load).
+    let shard = plan.as_ref().map(|_| ShardOf {
+        world_size: setup.world_size,
+        rank: setup.rank,
+    });
     let fresh_optimizer = || match &plan {
         Some(plan) => sharded_optimizer_for(&setup.spec, plan.clone()),
         None => optimizer_for(&setup.spec, layout),
@@ -74,6 +78,7 @@ pub fn starting_replica(
                 params,
                 optimizer: fresh_optimizer(),
                 skipped_steps: 0,
+                shard,
             })
         }
         InitialState::Checkpoint {
@@ -101,15 +106,17 @@ pub fn starting_replica(
                 params,
                 optimizer: opt,
                 skipped_steps,
+                shard,
             })
         }
         InitialState::Memory { held, root_rank } => {
+            // A sharded optimizer's shares are gathered again from the ranks that hold them.
+            if let Some(plan) = &plan {
+                return super::regather::regather(setup, layout, plan, held, root_rank, ring);
+            }
             let is_root = setup.rank == root_rank;
-            // The broadcast sends whole moments: every rank takes part with an unsharded
-            // optimizer (a held replica is always one: `serve::outcome` keeps no sharded
-            // state), and cuts its chunks out after.
             let mut replica = match held {
-                Some(r) if r.step == step => r,
+                Some(r) if r.step == step && r.shard.is_none() => r,
                 other => {
                     if is_root {
                         return Err(TrainError::Data {
@@ -123,8 +130,9 @@ pub fn starting_replica(
                     Replica {
                         step,
                         params: vec![0.0; layout.total_len()],
-                        optimizer: optimizer_for(&setup.spec, layout),
+                        optimizer: fresh_optimizer(),
                         skipped_steps: 0,
+                        shard: None,
                     }
                 }
             };
@@ -136,20 +144,6 @@ pub fn starting_replica(
                         source,
                     }
                 })?;
-            }
-            if plan.is_some() {
-                let mut sharded = fresh_optimizer();
-                let whole = replica.optimizer.state();
-                sharded
-                    .load_state(replica.optimizer.steps_taken(), &whole)
-                    .map_err(|e| TrainError::Data {
-                        step,
-                        message: format!(
-                            "cutting the broadcast optimizer state to this rank's chunks: {e}"
-                        ),
-                    })?;
-                drop(whole);
-                replica.optimizer = sharded;
             }
             Ok(replica)
         }

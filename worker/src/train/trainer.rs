@@ -83,6 +83,8 @@ pub struct Trainer<'a> {
     sharding: Option<Sharding>,
     /// Step and optimizer times of this generation, logged when its steps end.
     totals: RankTotals,
+    /// A sharded update failed half-way: the replica holds no whole step.
+    torn: bool,
     links: Links<'a>,
 }
 
@@ -159,6 +161,7 @@ impl<'a> Trainer<'a> {
             diloco,
             sharding,
             totals: RankTotals::default(),
+            torn: false,
             links,
         })
     }
@@ -430,7 +433,10 @@ impl<'a> Trainer<'a> {
                     }
                     gather = s
                         .update(replica, &self.grads, lr, ring, step)
-                        .map_err(ring_err(step))?;
+                        .map_err(|e| {
+                            self.torn = true;
+                            ring_err(step)(e)
+                        })?;
                 }
             }
         } else {
@@ -578,6 +584,12 @@ impl<'a> Trainer<'a> {
         )?;
         let _ = self.links.events.send(Event::Checkpoint { step, dir });
         Ok(())
+    }
+
+    /// Whether a sharded update failed half-way, leaving the replica no whole step (it must
+    /// not be kept).
+    pub fn is_torn(&self) -> bool {
+        self.torn
     }
 
     /// The training key of this generation after `step` steps.
