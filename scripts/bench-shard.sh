@@ -95,8 +95,11 @@ round_, optimizer, sharded, preset, workers, cpu = sys.argv[1:7]
 for line in sys.stdin:
     line = re.sub(r"\x1b\[[0-9;]*m", "", line)
     fields = dict(re.findall(r"(\w+)=([^\s]+)", line))
+    # What the worker did, not what the job asked: a run that did not shard must not pass.
+    if fields.get("sharded") != sharded:
+        sys.exit(f"bench-shard: a worker logged sharded={fields.get('sharded')}, the job asked {sharded}")
     row = {"round": int(round_), "preset": preset, "workers": int(workers),
-           "optimizer": optimizer, "sharded": sharded == "true", "cpu": cpu}
+           "optimizer": optimizer, "sharded": fields["sharded"] == "true", "cpu": cpu}
     for k in ("rank", "steps"):
         row[k] = int(fields[k])
     for k in ("mean_step_ms", "mean_optimizer_ms", "mean_weight_gather_ms",

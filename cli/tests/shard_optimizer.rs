@@ -161,12 +161,28 @@ fn a_sharded_job_that_loses_a_worker_resumes_from_its_checkpoint_and_ends_bit_fo
             max_relative_difference(&got, &expected)
         );
     }
-    // It went on from a checkpoint, not from the survivor's memory: the lost rank's share of
-    // the moments was missing, and the survivor said so.
+    // It went on from its checkpoint at once, not from the survivor's memory (the lost rank's
+    // share of the moments was gone): one recovery, and no generation that failed on it (a
+    // fresh user found two recoveries spent on one loss, and a job with max_recoveries = 1
+    // failed).
+    let s = status(&job, &cluster.addr, cluster.root());
+    assert_eq!(s["recoveries"].as_u64(), Some(1), "{s}");
+    // (The survivor either holds its step, and the coordinator sees one rank of two holding
+    // it, or held nothing: its update was cut half-way by the loss.)
+    let coordinator = cluster.coordinator.log_text();
+    for line in coordinator.lines().filter(|l| {
+        l.contains("held state reported") || l.contains("going on from the newest checkpoint")
+    }) {
+        println!("coordinator: {line}");
+    }
+    assert!(
+        coordinator.contains("generation=2 world_size=2 start_step=10 source=Checkpoint"),
+        "generation 2 did not start from the step-10 checkpoint:\n{coordinator}"
+    );
     let survivor = cluster.workers[0].log_text();
     assert!(
-        survivor.contains("sharded optimizer state is incomplete"),
-        "the survivor did not find the lost share missing:\n{survivor}"
+        !survivor.contains("sharded optimizer state is incomplete"),
+        "a generation was spent finding the share missing:\n{survivor}"
     );
 }
 

@@ -679,8 +679,8 @@ impl JobSpec {
             return Err(bad(
                 "train.shard_optimizer",
                 "true".into(),
-                "false with [diloco] (DiLoCo's workers keep moments of their own: there is \
-                 nothing to shard)",
+                "not with [diloco] (its workers keep moments of their own: there is nothing \
+                 to shard)",
             ));
         }
         if let Some(diloco) = &self.diloco {

@@ -77,6 +77,10 @@ pub struct Regroup {
     pub started: Instant,
     /// Where it is.
     pub stage: Stage,
+    /// Ranks of the last ring that trained, when known (not after a coordinator restart): a
+    /// job with `train.shard_optimizer` can go on from memory only if that many hold its step
+    /// (each held a share of the moments).
+    pub last_world: Option<usize>,
 }
 
 /// The stages of a regroup (protocol step 14).

@@ -75,6 +75,11 @@ impl Machine {
             Phase::Recovering(r) => r.started,
             _ => now,
         };
+        let last_world = match &job.phase {
+            Phase::Running(r) => Some(r.workers.len()),
+            Phase::Recovering(r) => r.last_world,
+            _ => None,
+        };
         job.generation += 1;
         let generation = job.generation;
         let step = job.step;
@@ -104,6 +109,7 @@ impl Machine {
             generation,
             reason: reason.clone(),
             started,
+            last_world,
             stage: Stage::Collecting {
                 asked,
                 held: BTreeMap::new(),
@@ -371,11 +377,31 @@ impl Machine {
             return;
         }
         job.global_batch_size = global_batch;
-        let newest = members
+        let mut newest = members
             .iter()
             .filter(|(w, _)| chosen.contains(w))
             .filter_map(|(w, s)| s.map(|s| (s, w.clone())))
             .max_by_key(|(s, _)| *s);
+        // A sharded optimizer (`train.shard_optimizer`) left a share of its moments on each
+        // rank of the last ring: memory holds the step only if every one of them does. With a
+        // rank gone, go to the checkpoint at once (the ranks would find the share missing and
+        // fail the generation, spending a recovery).
+        if let (true, Some((step, _)), Some(world)) =
+            (job.spec.train.shard_optimizer, &newest, regroup.last_world)
+        {
+            let holders = members.iter().filter(|(_, s)| *s == Some(*step)).count();
+            if holders < world {
+                tracing::info!(
+                    job = %id,
+                    step,
+                    holders,
+                    last_world = world,
+                    "the sharded optimizer's shares of step {step} are held by {holders} of the \
+                     last ring's {world} ranks: going on from the newest checkpoint"
+                );
+                newest = None;
+            }
+        }
         match newest {
             Some((step, root)) => {
                 let root_rank = chosen.iter().position(|w| *w == root).unwrap_or(0) as u32;

@@ -51,6 +51,7 @@ impl Machine {
                 JobState::Queued | JobState::Preparing | JobState::Unspecified => Phase::Queued,
                 JobState::WaitingForWorkers | JobState::Running | JobState::Recovering => {
                     Phase::Recovering(Regroup {
+                        last_world: None,
                         generation: job.generation,
                         reason: "the coordinator restarted".into(),
                         started: now,
@@ -116,6 +117,7 @@ impl Machine {
         let timeout = collect_timeout(job.spec.cluster.peer_timeout_seconds);
         job.generation += 1;
         job.phase = Phase::Recovering(Regroup {
+            last_world: None,
             generation: job.generation,
             reason: "the coordinator restarted".into(),
             started: now,

@@ -68,6 +68,15 @@ pub enum TrainError {
         /// What failed.
         source: BroadcastError,
     },
+    /// Gathering a sharded optimizer's shares from the ranks' memory failed
+    /// (`train::regather`).
+    #[error("step {step}: gathering the sharded optimizer state from the ranks' memory: {source}")]
+    Regather {
+        /// The step being resumed.
+        step: u64,
+        /// What failed.
+        source: BroadcastError,
+    },
 }
 
 impl TrainError {
@@ -79,6 +88,10 @@ impl TrainError {
             TrainError::AllReduce { .. }
                 | TrainError::Stopped { .. }
                 | TrainError::Broadcast {
+                    source: BroadcastError::Ring(_),
+                    ..
+                }
+                | TrainError::Regather {
                     source: BroadcastError::Ring(_) | BroadcastError::Incomplete(_),
                     ..
                 }

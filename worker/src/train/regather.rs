@@ -27,7 +27,7 @@ use keel_proto::params::ParamLayout;
 /// from what the ranks hold (`held`: this rank's replica of any step, or nothing; the root,
 /// `root_rank`, holds the start step).
 ///
-/// Errors: [`TrainError::Broadcast`] with [`BroadcastError::Incomplete`] when a share of the
+/// Errors: [`TrainError::Regather`] with [`BroadcastError::Incomplete`] when a share of the
 /// moments is missing or the holders disagree, [`BroadcastError::Ring`] from the ring,
 /// [`BroadcastError::State`] when the gathered state does not fit; [`TrainError::Model`]
 /// for a config the model refuses.
@@ -41,11 +41,7 @@ pub fn regather(
 ) -> Result<Replica, TrainError> {
     let step = setup.start_step;
     let is_root = setup.rank == root_rank;
-    let fail = |source: BroadcastError| TrainError::Broadcast {
-        step,
-        root: root_rank,
-        source,
-    };
+    let fail = |source: BroadcastError| TrainError::Regather { step, source };
     let incomplete = |why: String| fail(BroadcastError::Incomplete(why));
     let held = held.filter(|r| r.step == step && r.shard.is_some());
     let origin = held.as_ref().and_then(|r| r.shard);
@@ -84,8 +80,11 @@ pub fn regather(
         .map_err(ring_failed)?;
     let missing: Vec<usize> = (0..old as usize).filter(|&r| coverage[r] != 1.0).collect();
     if !missing.is_empty() {
+        let ranks: Vec<String> = missing.iter().map(|r| r.to_string()).collect();
         return Err(incomplete(format!(
-            "the shares of rank(s) {missing:?} of the last generation's {old} are gone"
+            "no rank holds the share of the last ring's rank {} (of {old} ranks): its worker is \
+             gone, and its share of the moments with it",
+            ranks.join(", ")
         )));
     }
 
@@ -167,4 +166,144 @@ pub fn regather(
         "regathered the sharded optimizer state from the ranks' memory"
     );
     Ok(replica)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allreduce::{Mailbox, Ring, RingConfig};
+    use crate::control::JobControl;
+    use keel_proto::jobspec::JobSpec;
+    use std::sync::Arc;
+
+    /// A job of one rank (its all-reduces return at once) with a sharded optimizer.
+    fn one_rank(rt: &tokio::runtime::Runtime) -> (TrainSetup, RingLink) {
+        let text = "[data]\ncorpus = [\"/corpus.txt\"]\nvocab_size = 1000\nmax_seq_length = 64\n\
+                    [model]\npreset = \"tiny\"\n[train]\nmicro_batch_size = 2\nmax_steps = 10\n\
+                    shard_optimizer = true\n";
+        let spec = JobSpec::from_toml_str(text, "job.toml").unwrap();
+        let config = keel_proto::config::BertConfig::preset("tiny", 1000).unwrap();
+        let setup = TrainSetup {
+            job_id: "job-1".into(),
+            generation: 2,
+            rank: 0,
+            world_size: 1,
+            spec,
+            config,
+            total_sequences: 0,
+            shard: "/nonexistent".into(),
+            heldout: "/nonexistent".into(),
+            tokenizer: "/nonexistent".into(),
+            later_phases: Vec::new(),
+            initial: super::super::InitialState::Init { weights: None },
+            start_step: 7,
+            global_batch_size: 2,
+            precision: keel_proto::precision::Precision::Fp32,
+            checkpoint_first: false,
+            fault_nan_at_step: None,
+            work_dir: "/nonexistent".into(),
+        };
+        let cfg = RingConfig {
+            job_id: "job-1".into(),
+            generation: 2,
+            rank: 0,
+            world_size: 1,
+            peers: vec!["127.0.0.1:9".into()],
+            streams_per_link: 1,
+            frame_bytes: 1 << 16,
+            timeout: std::time::Duration::from_secs(5),
+        };
+        let ring = rt.block_on(Ring::connect(cfg, Mailbox::new())).unwrap();
+        let _entered = rt.enter();
+        let link = RingLink::spawn(
+            Arc::new(ring),
+            Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            Arc::new(JobControl::new()),
+            None,
+        );
+        (setup, link)
+    }
+
+    /// A replica at `step` holding the share of rank `rank` of `world` ranks, moments set to
+    /// `value` + the element's index.
+    fn held(setup: &TrainSetup, layout: &ParamLayout, step: u64, world: u32, rank: u32) -> Replica {
+        let old = Sharding::for_world(setup, world, rank)
+            .unwrap()
+            .plan(layout);
+        let mut optimizer = sharded_optimizer_for(&setup.spec, old.clone());
+        let full: Vec<f32> = (0..layout.total_len()).map(|i| i as f32).collect();
+        let local = old.extract(&full);
+        optimizer
+            .load_state(3, &[("exp_avg", &local), ("exp_avg_sq", &local)])
+            .unwrap();
+        Replica {
+            step,
+            params: vec![0.5; layout.total_len()],
+            optimizer,
+            skipped_steps: 1,
+            shard: Some(ShardOf {
+                world_size: world,
+                rank,
+            }),
+        }
+    }
+
+    #[test]
+    fn the_whole_state_of_one_old_rank_is_gathered_and_a_missing_share_is_named() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let (setup, link) = one_rank(&rt);
+        let layout = ParamLayout::bert(&setup.config, setup.config.heads());
+        let plan = Sharding::for_world(&setup, 1, 0).unwrap().plan(&layout);
+        // One old rank of one: its share is everything; it comes back whole.
+        let got = regather(
+            &setup,
+            &layout,
+            &plan,
+            Some(held(&setup, &layout, 7, 1, 0)),
+            0,
+            &link,
+        )
+        .unwrap();
+        assert_eq!(
+            got.shard,
+            Some(ShardOf {
+                world_size: 1,
+                rank: 0
+            })
+        );
+        assert_eq!(
+            (got.step, got.skipped_steps, got.optimizer.steps_taken()),
+            (7, 1, 3)
+        );
+        for (name, state) in got.optimizer.state() {
+            assert!(
+                state.iter().enumerate().all(|(i, &x)| x == i as f32),
+                "{name} did not come back whole"
+            );
+        }
+        // Rank 0 of an old ring of 2 alone: rank 1's share is missing, and said so.
+        let err = regather(
+            &setup,
+            &layout,
+            &plan,
+            Some(held(&setup, &layout, 7, 2, 0)),
+            0,
+            &link,
+        )
+        .unwrap_err();
+        assert!(err.is_recoverable(), "{err}");
+        let text = err.to_string();
+        assert!(text.contains("last ring's rank 1 (of 2 ranks)"), "{text}");
+        // A replica of another step is no share of this one.
+        let err = regather(
+            &setup,
+            &layout,
+            &plan,
+            Some(held(&setup, &layout, 6, 1, 0)),
+            0,
+            &link,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("holds no share"), "{err}");
+    }
 }

@@ -43,6 +43,8 @@ pub struct Sharding {
     buckets: Vec<Range<usize>>,
     /// This rank's chunk of each bucket, in buffer order.
     owned: Vec<Range<usize>>,
+    /// Ranks sharing the state (1: this rank owns everything, nothing travels).
+    world_size: usize,
 }
 
 impl Sharding {
@@ -86,7 +88,11 @@ impl Sharding {
                 b.start + c.start..b.start + c.end
             })
             .collect();
-        Sharding { buckets, owned }
+        Sharding {
+            buckets,
+            owned,
+            world_size,
+        }
     }
 
     /// This rank's chunks of `[P]`, in buffer order (some may be empty).
@@ -290,6 +296,10 @@ impl Sharding {
         drop(sum);
         if !done {
             return Err(error.unwrap_or(RingLinkError::Closed));
+        }
+        if self.world_size <= 1 {
+            // One rank updated every weight: nothing to gather (nor to copy).
+            return Ok(Duration::ZERO);
         }
         let started = Instant::now();
         let id = SpecialBucket::ParamGather.id();
