@@ -44,8 +44,9 @@ pub enum InitialState {
 /// broadcast from the root rank (every rank of the ring takes part in it).
 ///
 /// Errors: [`TrainError::Io`] for unreadable weights, optimizer or trainer state;
-/// [`TrainError::Broadcast`]; [`TrainError::Data`] when this rank was named the root but does
-/// not hold `setup.start_step`.
+/// [`TrainError::Broadcast`]; [`TrainError::Regather`] (a sharded optimizer's shares, `plan`
+/// being this rank's); [`TrainError::Data`] when this rank was named the root but does not
+/// hold `setup.start_step`.
 pub fn starting_replica(
     initial: InitialState,
     setup: &TrainSetup,
