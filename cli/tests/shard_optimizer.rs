@@ -153,14 +153,7 @@ fn a_sharded_job_that_loses_a_worker_resumes_from_its_checkpoint_and_ends_bit_fo
     });
     cluster.add_worker();
     let got = cluster.completed(&job);
-    for f in ["model.safetensors", "optimizer.safetensors"] {
-        let same = std::fs::read(expected.join(f)).unwrap() == std::fs::read(got.join(f)).unwrap();
-        assert!(
-            same,
-            "{f} differs from the uninterrupted run (max relative difference {:e})",
-            max_relative_difference(&got, &expected)
-        );
-    }
+    assert_same_checkpoint(&got, &expected);
     // It went on from its checkpoint at once, not from the survivor's memory (the lost rank's
     // share of the moments was gone): one recovery, and no generation that failed on it (a
     // fresh user found two recoveries spent on one loss, and a job with max_recoveries = 1
@@ -206,14 +199,7 @@ fn a_sharded_job_goes_on_from_its_ranks_memory_after_a_coordinator_restart_and_a
     cluster.restart_coordinator();
     println!("killed and restarted the coordinator at step >= 12");
     let got = cluster.completed(&job);
-    for f in ["model.safetensors", "optimizer.safetensors"] {
-        let same = std::fs::read(expected.join(f)).unwrap() == std::fs::read(got.join(f)).unwrap();
-        assert!(
-            same,
-            "{f} differs from the uninterrupted run (max relative difference {:e})",
-            max_relative_difference(&got, &expected)
-        );
-    }
+    assert_same_checkpoint(&got, &expected);
     let logs: String = cluster.workers.iter().map(|w| w.log_text()).collect();
     assert!(
         logs.contains("regathered the sharded optimizer state"),

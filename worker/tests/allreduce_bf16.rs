@@ -5,28 +5,12 @@
 
 mod allreduce_support;
 
-use std::sync::Mutex;
 use std::time::Duration;
 
-use allreduce_support::{all_reduce_as, connect_all, integer_input, random_input, start_peers};
+use allreduce_support::{
+    all_reduce_as, connect_all, integer_input, random_input, ring_bytes_sent, serial, start_peers,
+};
 use keel_worker::allreduce::WireDtype;
-
-/// The byte counter is per process: tests that read it must not overlap.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Bytes this process has sent on rings so far (`keel_worker_allreduce_bytes_total`).
-fn ring_bytes_sent() -> u64 {
-    let text = keel_worker::telemetry::encode(std::path::Path::new("/nonexistent"));
-    text.lines()
-        .find_map(|l| l.strip_prefix("keel_worker_allreduce_bytes_total "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map(|v| v as u64)
-        .expect("keel_worker_allreduce_bytes_total in the worker's metrics")
-}
 
 #[test]
 fn bf16_sums_of_small_integers_are_exact_for_world_2_to_4() {

@@ -7,31 +7,14 @@
 
 mod allreduce_support;
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use allreduce_support::{
-    Peer, all_reduce_as, connect_all, random_input, run_collective, start_peers,
+    Peer, all_reduce_as, connect_all, random_input, ring_bytes_sent, run_collective, serial,
+    start_peers,
 };
 use keel_worker::allreduce::{Collective, Ring, WireDtype, owned_chunk};
 use std::sync::Arc;
-
-/// The byte counter is per process: tests that read it must not overlap.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Bytes this process has sent on rings so far (`keel_worker_allreduce_bytes_total`).
-fn ring_bytes_sent() -> u64 {
-    let text = keel_worker::telemetry::encode(std::path::Path::new("/nonexistent"));
-    text.lines()
-        .find_map(|l| l.strip_prefix("keel_worker_allreduce_bytes_total "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map(|v| v as u64)
-        .expect("keel_worker_allreduce_bytes_total in the worker's metrics")
-}
 
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
@@ -53,7 +36,7 @@ fn scatter_then_gather(
         rings,
         (step, 0),
         inputs,
-        dtype,
+        &[dtype],
         &[Collective::ReduceScatter],
         None,
     )
@@ -76,7 +59,7 @@ fn scatter_then_gather(
         rings,
         (step, 1),
         contributions,
-        WireDtype::F32,
+        &[WireDtype::F32],
         &[Collective::AllGather],
         None,
     )
@@ -139,7 +122,7 @@ fn each_half_sends_half_the_all_reduces_bytes() {
         &rings,
         (1, 0),
         inputs.clone(),
-        WireDtype::F32,
+        &[WireDtype::F32],
         &[Collective::ReduceScatter],
         None,
     ) {
@@ -152,7 +135,7 @@ fn each_half_sends_half_the_all_reduces_bytes() {
         &rings,
         (2, 0),
         inputs,
-        WireDtype::F32,
+        &[WireDtype::F32],
         &[Collective::AllGather],
         None,
     ) {
@@ -193,7 +176,7 @@ fn all_gather_frames_that_arrive_before_the_local_call_are_kept() {
         &rings,
         (0, 0),
         inputs,
-        WireDtype::F32,
+        &[WireDtype::F32],
         &[Collective::AllGather],
         Some((1, Duration::from_millis(300))),
     );
@@ -213,7 +196,7 @@ fn ranks_that_disagree_on_the_collective_fail_naming_it() {
         &rings,
         (0, 0),
         inputs,
-        WireDtype::F32,
+        &[WireDtype::F32],
         &[Collective::AllReduce, Collective::ReduceScatter],
         None,
     );

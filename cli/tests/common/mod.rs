@@ -382,6 +382,20 @@ pub fn kjv_lines(dir: &Path, lines: usize) -> PathBuf {
     path
 }
 
+/// Asserts that checkpoint folder `got` holds the same `model.safetensors` and
+/// `optimizer.safetensors` as `expected`, byte for byte (naming the weights' largest relative
+/// difference when they differ).
+pub fn assert_same_checkpoint(got: &Path, expected: &Path) {
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        let same = std::fs::read(expected.join(f)).unwrap() == std::fs::read(got.join(f)).unwrap();
+        assert!(
+            same,
+            "{f} differs from the uninterrupted run (max relative difference {:e})",
+            max_relative_difference(got, expected)
+        );
+    }
+}
+
 /// Largest per-tensor `max |a - b| / max |b|` between two checkpoint folders' weights, over
 /// every tensor but the attention key biases: their true gradient is exactly 0 (softmax is
 /// invariant to adding the same number to every score of a query), so their gradient is pure

@@ -99,34 +99,27 @@ pub fn all_reduce_as(
     inputs: Vec<Vec<f32>>,
     dtypes: &[WireDtype],
 ) -> Vec<Result<Vec<f32>, keel_worker::allreduce::AllReduceError>> {
-    let handles: Vec<_> = peers
-        .iter()
-        .zip(rings)
-        .zip(inputs)
-        .enumerate()
-        .map(|(rank, ((p, ring), data))| {
-            let ring = Arc::clone(ring);
-            let dtype = dtypes[rank % dtypes.len()];
-            p.rt.spawn(async move { ring.all_reduce_sum_as(step, bucket, data, dtype).await })
-        })
-        .collect();
-    handles
-        .into_iter()
-        .zip(peers)
-        .map(|(h, p)| p.rt.block_on(h).unwrap())
-        .collect()
+    let all_reduce = [Collective::AllReduce];
+    run_collective(
+        peers,
+        rings,
+        (step, bucket),
+        inputs,
+        dtypes,
+        &all_reduce,
+        None,
+    )
 }
 
-/// Integer-valued input of `rank`, in -50..=50: sums stay exact in f32, and in bf16 up to 5
-/// ranks (|sum| < 256).
-/// Runs `collectives[rank % len]` over each rank's input on every rank concurrently, rank
-/// `delayed` (if any) starting `delay` after the others; returns each rank's buffer or error.
+/// Runs `collectives[rank % len]` over each rank's input, sent as `dtypes[rank % len]`, on
+/// every rank concurrently, rank `delayed` (if any) starting `delay` after the others;
+/// returns each rank's buffer or error.
 pub fn run_collective(
     peers: &[Peer],
     rings: &[Arc<Ring>],
     (step, bucket): (u64, u32),
     inputs: Vec<Vec<f32>>,
-    dtype: WireDtype,
+    dtypes: &[WireDtype],
     collectives: &[Collective],
     delayed: Option<(usize, Duration)>,
 ) -> Vec<Result<Vec<f32>, keel_worker::allreduce::AllReduceError>> {
@@ -138,6 +131,7 @@ pub fn run_collective(
         .map(|(rank, ((p, ring), data))| {
             let ring = Arc::clone(ring);
             let collective = collectives[rank % collectives.len()];
+            let dtype = dtypes[rank % dtypes.len()];
             let wait = delayed
                 .filter(|(r, _)| *r == rank)
                 .map_or(Duration::ZERO, |(_, d)| d);
@@ -152,6 +146,22 @@ pub fn run_collective(
         .zip(peers)
         .map(|(h, p)| p.rt.block_on(h).unwrap())
         .collect()
+}
+
+/// Serializes the tests of one binary that read the process's ring byte counter.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Bytes this process has sent on rings so far (`keel_worker_allreduce_bytes_total`).
+pub fn ring_bytes_sent() -> u64 {
+    let text = keel_worker::telemetry::encode(std::path::Path::new("/nonexistent"));
+    text.lines()
+        .find_map(|l| l.strip_prefix("keel_worker_allreduce_bytes_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+        .expect("keel_worker_allreduce_bytes_total in the worker's metrics")
 }
 
 pub fn integer_input(rank: usize, len: usize) -> Vec<f32> {
