@@ -35,6 +35,7 @@ use keel_proto::precision::Precision;
 use ndarray::{ArrayView2, ArrayViewMut2, ShapeBuilder};
 
 use super::Element;
+use super::bf16_convert;
 use super::bf16_shared;
 use super::onednn::{self, InputType, Strided4};
 
@@ -165,11 +166,12 @@ fn with_scratch<T: Default + Clone + 'static, R>(
 /// `v` converted elementwise by `f` into `buf`, kept in `v`'s memory order when it is
 /// row-major or column-major (so BLAS/oneDNN see the same transposes), else row-major.
 /// A row-strided view (an attention head's columns of `[tokens, hidden]`, or its transpose)
-/// is converted a contiguous run at a time, so the loop vectorises.
+/// is converted a contiguous run at a time by `extend_run` (the same `f`, vectorised).
 fn converted<'b, S: Copy, T: Clone>(
     v: &ArrayView2<'_, S>,
     buf: &'b mut Vec<T>,
     f: impl Fn(S) -> T + Copy,
+    extend_run: impl Fn(&mut Vec<T>, &[S]),
 ) -> ArrayView2<'b, T> {
     let (r, c) = v.dim();
     buf.clear();
@@ -180,7 +182,7 @@ fn converted<'b, S: Copy, T: Clone>(
     let lanes = if column_major { v.t() } else { v.view() };
     for lane in lanes.rows() {
         match lane.as_slice() {
-            Some(run) => extend_converted(buf, run, f),
+            Some(run) => extend_run(buf, run),
             None => buf.extend(lane.iter().map(|&x| f(x))),
         }
     }
@@ -192,8 +194,15 @@ fn converted<'b, S: Copy, T: Clone>(
     .expect("a buffer of exactly r * c elements fits [r, c]")
 }
 
+/// [`converted`] to bf16 bit patterns (the native route's operands), runs through
+/// [`bf16_convert::extend_bits`].
+fn converted_bits<'b>(v: &ArrayView2<'_, f32>, buf: &'b mut Vec<u16>) -> ArrayView2<'b, u16> {
+    converted(v, buf, bf16_bits, bf16_convert::extend_bits)
+}
+
 /// Appends `f` of every element of `run` to `buf`: with AVX-512 where the CPU has it (the
-/// build targets baseline x86-64), else with what the build targets.
+/// build targets baseline x86-64), else with what the build targets. For the emulated route
+/// (bf16-rounded f32 or f64); bit patterns go through [`bf16_convert::extend_bits`].
 fn extend_converted<S: Copy, T>(buf: &mut Vec<T>, run: &[S], f: impl Fn(S) -> T + Copy) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -230,8 +239,9 @@ pub(crate) fn gemm<A: Element>(
         return Bf16Backend::Native;
     }
     with_scratch::<A, _>(|ba, bb| {
-        let ar = converted(a, ba, A::round_bf16);
-        let br = converted(b, bb, A::round_bf16);
+        let round_run = |buf: &mut Vec<A>, run: &[A]| extend_converted(buf, run, A::round_bf16);
+        let ar = converted(a, ba, A::round_bf16, round_run);
+        let br = converted(b, bb, A::round_bf16, round_run);
         super::gemm::multiply(alpha, &ar, &br, beta, c, parts);
     });
     Bf16Backend::Emulated
@@ -260,11 +270,11 @@ pub(crate) fn native_gemm_f32(
             bf16_shared::with_view(b, |b_shared| {
                 let a16 = match a_shared {
                     Some(v) => v.reborrow(),
-                    None => converted(a, ba, bf16_bits),
+                    None => converted_bits(a, ba),
                 };
                 let b16 = match b_shared {
                     Some(v) => v.reborrow(),
-                    None => converted(b, bb, bf16_bits),
+                    None => converted_bits(b, bb),
                 };
                 super::gemm::split_keeping_c_layout(&a16, &b16, c, parts, &|a, b, c| {
                     if let Err(e) = onednn::matmul(InputType::Bf16, alpha, a, b, beta, c) {
@@ -280,7 +290,7 @@ pub(crate) fn native_gemm_f32(
 /// Appends the bf16 bit patterns of `x` to `out` (round to nearest even; the AVX-512 loop
 /// where the CPU has it).
 pub(crate) fn extend_bits(out: &mut Vec<u16>, x: &[f32]) {
-    extend_converted(out, x, bf16_bits);
+    bf16_convert::extend_bits(out, x);
 }
 
 /// The native route for a batch of f32 products (see `super::gemm::gemm_batched`): both
@@ -302,12 +312,12 @@ pub(crate) fn native_batched_f32(
     with_scratch::<u16, _>(|ba, bb| {
         let a16 = a16.unwrap_or_else(|| {
             ba.clear();
-            extend_converted(ba, &a[..sa.extent().min(a.len())], bf16_bits);
+            bf16_convert::extend_bits(ba, &a[..sa.extent().min(a.len())]);
             ba
         });
         let b16 = b16.unwrap_or_else(|| {
             bb.clear();
-            extend_converted(bb, &b[..sb.extent().min(b.len())], bf16_bits);
+            bf16_convert::extend_bits(bb, &b[..sb.extent().min(b.len())]);
             bb
         });
         if let Err(e) =
@@ -330,7 +340,7 @@ pub(crate) fn native_copy<A: 'static>(x: &[A], out: &mut Vec<u16>) -> bool {
     // SAFETY: `A` is f32 (checked above): same size, alignment and validity.
     let x = unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) };
     out.clear();
-    extend_converted(out, x, bf16_bits);
+    bf16_convert::extend_bits(out, x);
     true
 }
 
@@ -356,7 +366,7 @@ mod tests {
             ("one column", column),
         ] {
             let mut buf = Vec::new();
-            let got = converted(&v, &mut buf, bf16_bits);
+            let got = converted_bits(&v, &mut buf);
             assert_eq!(got.dim(), v.dim(), "{what}");
             for (g, &x) in got.iter().zip(v.iter()) {
                 if x.is_nan() {

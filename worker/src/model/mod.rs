@@ -27,6 +27,7 @@ mod attention;
 mod attention_batched;
 mod bert;
 pub mod bf16;
+mod bf16_convert;
 mod bf16_cpu;
 #[cfg(test)]
 mod bf16_gemm_tests;
