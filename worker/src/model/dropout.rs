@@ -7,7 +7,7 @@
 //! whatever the world size or micro-batch split. Masks are never stored: the backward
 //! regenerates them from the same key. The per-sequence key is mixed with splitmix64's
 //! finaliser; each element's 32 random bits are two rounds of murmur3's `fmix32` over its
-//! index, which vectorises (AVX2, picked at run time).
+//! index, which vectorises (AVX-512 or AVX2, picked at run time).
 
 use super::Element;
 
@@ -83,10 +83,23 @@ impl Mask {
     /// gradient passes through the same mask and scale). Element indices must stay below 2^32.
     pub fn apply<A: Element>(&self, x: &mut [A], first: u64) {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2.
-            return unsafe { self.apply_avx2(x, first) };
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512F.
+                return unsafe { self.apply_avx512(x, first) };
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2.
+                return unsafe { self.apply_avx2(x, first) };
+            }
         }
+        self.apply_body(x, first)
+    }
+
+    /// The same loop, 16 lanes wide (integer hashing: the same bits at any width).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2")]
+    fn apply_avx512<A: Element>(&self, x: &mut [A], first: u64) {
         self.apply_body(x, first)
     }
 

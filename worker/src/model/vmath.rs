@@ -99,40 +99,80 @@ fn max_body(row: &[f32]) -> f32 {
 }
 
 macro_rules! dispatch {
-    ($(#[$doc:meta])* $name:ident, $avx:ident, $body:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+    ($(#[$doc:meta])* $name:ident, $avx:ident, $avx512:ident, $body:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx2,fma")]
         fn $avx($($arg: $ty),*) -> $ret {
             $body($($arg),*)
         }
 
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        fn $avx512($($arg: $ty),*) -> $ret {
+            $body($($arg),*)
+        }
+
         $(#[$doc])*
         pub(crate) fn $name($($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                // SAFETY: the CPU has the features the function was compiled for.
-                return unsafe { $avx($($arg),*) };
+            match width() {
+                Width::Avx512 => {
+                    // SAFETY: the CPU has the features the function was compiled for.
+                    return unsafe { $avx512($($arg),*) };
+                }
+                Width::Avx2 => {
+                    // SAFETY: the CPU has the features the function was compiled for.
+                    return unsafe { $avx($($arg),*) };
+                }
+                Width::Baseline => {}
             }
             $body($($arg),*)
         }
     };
 }
 
+/// The widest vectors this CPU runs the kernels with. Each lane computes the same operations in
+/// the same order whatever the width (no contraction into FMA: Rust does not allow it), so the
+/// results do not depend on it.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum Width {
+    Avx512,
+    Avx2,
+    Baseline,
+}
+
+#[cfg(target_arch = "x86_64")]
+fn width() -> Width {
+    static WIDTH: std::sync::OnceLock<Width> = std::sync::OnceLock::new();
+    *WIDTH.get_or_init(|| {
+        let avx2 = std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma");
+        if avx2 && std::arch::is_x86_feature_detected!("avx512f") {
+            Width::Avx512
+        } else if avx2 {
+            Width::Avx2
+        } else {
+            Width::Baseline
+        }
+    })
+}
+
 dispatch!(
     /// `y = x * Phi(x)` (exact-form GELU with the A&S erf).
-    gelu_forward, gelu_forward_avx2, gelu_forward_body, (y: &mut [f32], x: &[f32]) -> ()
+    gelu_forward, gelu_forward_avx2, gelu_forward_avx512, gelu_forward_body, (y: &mut [f32], x: &[f32]) -> ()
 );
 dispatch!(
     /// `d *= Phi(x) + x * phi(x)`.
-    gelu_backward, gelu_backward_avx2, gelu_backward_body, (d: &mut [f32], x: &[f32]) -> ()
+    gelu_backward, gelu_backward_avx2, gelu_backward_avx512, gelu_backward_body, (d: &mut [f32], x: &[f32]) -> ()
 );
 dispatch!(
     /// `row = exp(row - shift)`; returns the sum of the new row.
-    exp_shifted_sum, exp_shifted_sum_avx2, exp_shifted_sum_body, (row: &mut [f32], shift: f32) -> f32
+    exp_shifted_sum, exp_shifted_sum_avx2, exp_shifted_sum_avx512, exp_shifted_sum_body, (row: &mut [f32], shift: f32) -> f32
 );
 dispatch!(
     /// The largest element (`-inf` for an empty row).
-    max, max_avx2, max_body, (row: &[f32]) -> f32
+    max, max_avx2, max_avx512, max_body, (row: &[f32]) -> f32
 );
 
 #[cfg(test)]
