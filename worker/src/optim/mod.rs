@@ -27,7 +27,7 @@ mod shard;
 mod shard_tests;
 
 pub use adamw::{AdamW, AdamWConfig};
-pub use clip::{clip_grad_norm, global_norm};
+pub use clip::{clip_grad_norm, global_norm, sum_of_squares};
 pub use diloco::{Diloco, DilocoConfig};
 pub use lamb::{Lamb, LambConfig};
 pub use schedule::{LrSchedule, ScheduleKind};

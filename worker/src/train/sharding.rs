@@ -119,8 +119,7 @@ impl Sharding {
         let squares: f64 = self
             .owned
             .iter()
-            .flat_map(|r| grads[r.clone()].iter())
-            .map(|&g| f64::from(g) * f64::from(g))
+            .map(|r| crate::optim::sum_of_squares(&grads[r.clone()]))
             .sum();
         let sum = ring.all_reduce(step, SpecialBucket::GradNorm.id(), vec![squares as f32])?;
         Ok(sum.first().copied().unwrap_or(0.0).sqrt())
