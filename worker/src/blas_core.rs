@@ -6,7 +6,7 @@
 //! KVM), `keel-worker bench --config mini --precision fp32`: 1,052 tokens/s as detected
 //! (`Prescott`), 3,711 with `OPENBLAS_CORETYPE=SkylakeX`, 3,510 with `Cooperlake`, 2,355 with
 //! `Haswell`. The choice is made once, at load, from the environment, so the worker sets
-//! `OPENBLAS_CORETYPE` and executes itself again before doing anything else.
+//! `OPENBLAS_CORETYPE` and executes itself again before doing anything else (`crate::startup`).
 
 use std::ffi::{CStr, c_char};
 
@@ -55,17 +55,16 @@ pub fn better_core(detected: &str, avx512: bool, avx2_fma: bool) -> Option<&'sta
     }
 }
 
-/// Re-executes this program with `OPENBLAS_CORETYPE` set when OpenBLAS fell back to a pre-AVX
-/// kernel on a CPU with AVX2 or AVX-512, unless the variable is already set (the user's choice
-/// wins) or this process is already the re-executed one. Returns only if nothing was done or
-/// the exec failed (then the slow kernels stay, which is correct, only slower).
-pub fn reexec_with_a_known_core() {
+/// The `OPENBLAS_CORETYPE` to run with when OpenBLAS fell back to a pre-AVX kernel on a CPU
+/// with AVX2 or AVX-512, with the core it had detected; `None` when the variable is already set
+/// (the user's choice wins), this process is the re-executed one, or the kernel is fine.
+/// `crate::startup` re-executes the program with it.
+pub fn core_override() -> Option<(&'static str, String)> {
     if std::env::var_os("OPENBLAS_CORETYPE").is_some() || std::env::var_os(MARK).is_some() {
-        return;
+        return None;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        use std::os::unix::process::CommandExt;
         let avx512 = std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw")
             && std::arch::is_x86_feature_detected!("avx512dq")
@@ -73,22 +72,16 @@ pub fn reexec_with_a_known_core() {
         let avx2_fma = std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma");
         let detected = core_name();
-        let Some(core) = better_core(&detected, avx512, avx2_fma) else {
-            return;
-        };
-        let Ok(exe) = std::env::current_exe() else {
-            return;
-        };
-        let err = std::process::Command::new(exe)
-            .args(std::env::args_os().skip(1))
-            .env("OPENBLAS_CORETYPE", core)
-            .env(MARK, &detected)
-            .exec();
-        eprintln!("keel-worker: could not re-execute with OPENBLAS_CORETYPE={core}: {err}");
+        better_core(&detected, avx512, avx2_fma).map(|core| (core, detected))
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
 }
 
-/// What [`reexec_with_a_known_core`] did, for the log: `Some((detected, now))` in the
+/// The variable the re-executed process finds set to the core OpenBLAS had detected.
+pub(crate) const DETECTED_CORE_VAR: &str = MARK;
+
+/// What the re-execution for [`core_override`] did, for the log: `Some((detected, now))` in the
 /// re-executed process.
 pub fn replaced_core() -> Option<(String, String)> {
     let detected = std::env::var(MARK).ok()?;

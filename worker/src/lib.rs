@@ -19,6 +19,8 @@
 //! - `bench`: `keel-worker bench`, the training-step benchmark.
 //! - `control`: stopping a job from outside (cancel, suspend, shutdown).
 //! - `allocator`: glibc settings that keep the ring's freed frame buffers for reuse.
+//! - `startup`: settings read only at start-up (OpenBLAS kernels, huge pages), applied by
+//!   executing the worker again.
 //! - `replica`: one rank's weights and optimizer state, held across generations, and the
 //!   broadcast that gives them to ranks that lack them.
 
@@ -41,5 +43,6 @@ pub mod optim_state;
 pub mod replica;
 pub mod ringlink;
 pub mod serve;
+pub mod startup;
 pub mod telemetry;
 pub mod train;

@@ -31,8 +31,8 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
-    // First: OpenBLAS reads OPENBLAS_CORETYPE only when it loads (see blas_core).
-    keel_worker::blas_core::reexec_with_a_known_core();
+    // First: OpenBLAS and glibc read their settings only when they load (see startup).
+    keel_worker::startup::reexec_if_needed();
     keel_worker::allocator::keep_freed_memory();
     let cli = Cli::parse();
     // Errors end as one line (keel_proto::report): a bad flag is not a crash, no backtrace.
