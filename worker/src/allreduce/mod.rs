@@ -12,7 +12,8 @@
 //!   (`Ring/Stream` read straight from the HTTP/2 body; [`RingService`] for the rest).
 //! - `shared_buf`: the buffer of one all-reduce, which frames are sent from without a copy.
 //! - `wire`: `Ring/Stream` messages encoded and decoded without copying their payloads.
-//! - `ring`: [`Ring`] and [`RingConfig`], the send side and the algorithm.
+//! - `config`: [`RingConfig`], how a worker takes part in a ring, checked.
+//! - `ring`: [`Ring`], the send side and the algorithm.
 //! - `absorb`: what a received frame does to the buffer (add or copy) and what it passes on.
 //! - `bf16_wire`: frames of bf16 elements (`train.allreduce_dtype = "bf16"`), summed in f32.
 //! - `link`: one long-lived `Ring/Stream` call to the right neighbour, acked frame by frame,
@@ -65,6 +66,7 @@
 mod absorb;
 pub mod bench;
 mod bf16_wire;
+mod config;
 mod error;
 mod expect;
 mod link;
@@ -75,11 +77,12 @@ mod service;
 mod shared_buf;
 mod wire;
 
+pub use config::RingConfig;
 pub use error::{AllReduceError, FrameRejected};
 pub use keel_proto::ring_rpc::{Collective, WireDtype};
 pub use mailbox::{DEFAULT_CAPACITY_BYTES, MAX_FRAME_BYTES, Mailbox};
 pub use plan::{chunk_plan, frame_count, frame_plan, owned_chunk, recv_chunk, send_chunk};
-pub use ring::{Ring, RingConfig};
+pub use ring::Ring;
 pub use service::{AckStream, MAX_MESSAGE_BYTES, RingDataPlane, RingService, ring_service};
 
 /// HTTP/2 stream flow-control window, bytes (STACK.md: 16 MiB windows gain 20-40%).
