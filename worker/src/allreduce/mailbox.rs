@@ -28,7 +28,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 
 use super::bf16_wire::element_bytes;
 use super::error::{AllReduceError, FrameRejected};
-use super::expect::{FrameSchedule, PlannedFrame, RingShape};
+use super::expect::{FrameSchedule, RingShape};
 
 /// Largest accepted frame payload, bytes (tonic's default message limit is 4 MiB in total).
 pub const MAX_FRAME_BYTES: usize = 4 << 20;
@@ -141,18 +141,6 @@ impl Slot {
     fn is_ahead(&self) -> bool {
         self.rx.is_some()
     }
-}
-
-/// Where an admitted frame goes.
-struct Admission {
-    /// Its all-reduce.
-    key: SlotKey,
-    /// Its place in that all-reduce's plan.
-    planned: PlannedFrame,
-    /// Whether the local all-reduce has not started (the frame is held under the ahead budget).
-    ahead: bool,
-    /// The plan of a slot the frame would create (`None` if the slot exists).
-    new_slot: Option<FrameSchedule>,
 }
 
 /// One accepted frame, as the all-reduce consumes it.
@@ -288,134 +276,6 @@ impl Mailbox {
         Ok(())
     }
 
-    /// Checks a frame (of `elems` elements encoded as `dtype`) under the lock: its (job,
-    /// generation), its all-reduce's state, and that it is a planned frame not accepted before.
-    /// Changes nothing.
-    fn admit(
-        st: &State,
-        frame: &RingFrame,
-        elems: usize,
-        dtype: WireDtype,
-        collective: Collective,
-    ) -> Result<Admission, FrameRejected> {
-        let m = st
-            .membership
-            .as_ref()
-            .ok_or_else(|| FrameRejected::NotJoined {
-                job_id: frame.job_id.clone(),
-                generation: frame.generation,
-            })?;
-        if m.job_id != frame.job_id {
-            return Err(FrameRejected::WrongJob {
-                ours: m.job_id.clone(),
-                got: frame.job_id.clone(),
-            });
-        }
-        if frame.generation < m.generation {
-            return Err(FrameRejected::StaleGeneration {
-                job_id: m.job_id.clone(),
-                got: frame.generation,
-                current: m.generation,
-            });
-        }
-        if frame.generation > m.generation {
-            return Err(FrameRejected::NotJoined {
-                job_id: frame.job_id.clone(),
-                generation: frame.generation,
-            });
-        }
-        let (step, bucket) = (frame.step, frame.bucket);
-        let key = SlotKey {
-            generation: frame.generation,
-            step,
-            bucket,
-        };
-        if st.finished.contains(&key) {
-            return Err(FrameRejected::Finished { step, bucket });
-        }
-        let unplanned = |reason: String| FrameRejected::Unplanned {
-            step,
-            bucket,
-            reason,
-        };
-        let existing = st.slots.get(&key);
-        let new_slot = match existing {
-            Some(slot) => {
-                if slot.schedule.len() as u64 != frame.total_len {
-                    return Err(FrameRejected::LengthMismatch {
-                        step,
-                        bucket,
-                        expected: slot.schedule.len(),
-                        got: frame.total_len,
-                    });
-                }
-                if slot.schedule.dtype() != dtype {
-                    return Err(FrameRejected::DtypeMismatch {
-                        step,
-                        bucket,
-                        expected: slot.schedule.dtype(),
-                        got: dtype,
-                    });
-                }
-                if slot.schedule.collective() != collective {
-                    return Err(FrameRejected::CollectiveMismatch {
-                        step,
-                        bucket,
-                        expected: slot.schedule.collective(),
-                        got: collective,
-                    });
-                }
-                None
-            }
-            None => {
-                if let Some(newest) = st.newest_step
-                    && (step.saturating_add(LATE_STEPS) < newest
-                        || step > newest.saturating_add(EARLY_STEPS))
-                {
-                    return Err(FrameRejected::UnknownAllReduce {
-                        step,
-                        bucket,
-                        newest,
-                    });
-                }
-                let len = usize::try_from(frame.total_len).map_err(|_| {
-                    FrameRejected::Malformed(format!("a buffer of {} f32", frame.total_len))
-                })?;
-                Some(FrameSchedule::new(m.shape, len, dtype, collective))
-            }
-        };
-        let (schedule, ahead) = match (existing, &new_slot) {
-            (Some(slot), _) => (&slot.schedule, slot.is_ahead()),
-            (None, Some(schedule)) => (schedule, true),
-            (None, None) => return Err(FrameRejected::Malformed("no plan".to_string())),
-        };
-        let planned = schedule
-            .locate(frame.ring_step, frame.offset, elems)
-            .map_err(unplanned)?;
-        if ahead && frame.ring_step as usize >= schedule.early_steps_end() {
-            return Err(unplanned(format!(
-                "ring step {} before this worker started the {}: only ring steps below {} can come first",
-                frame.ring_step,
-                super::expect::collective_name(collective),
-                schedule.early_steps_end()
-            )));
-        }
-        if existing.is_some_and(|s| s.seen.contains(&planned.index)) {
-            return Err(FrameRejected::Duplicate {
-                step,
-                bucket,
-                ring_step: frame.ring_step,
-                offset: frame.offset,
-            });
-        }
-        Ok(Admission {
-            key,
-            planned,
-            ahead,
-            new_slot,
-        })
-    }
-
     /// Accepts one frame from the left neighbour: checks it, waits for room in the byte budget
     /// (of running all-reduces, or ahead), and queues it for its all-reduce (started or not).
     ///
@@ -460,7 +320,7 @@ impl Mailbox {
             // Registered before looking, so a start between the look and the wait is not missed.
             let mut changed = pin!(self.changed.notified());
             changed.as_mut().enable();
-            let ahead = Self::admit(&self.lock(), &frame, elems, dtype, collective)?.ahead;
+            let ahead = admit::admit(&self.lock(), &frame, elems, dtype, collective)?.ahead;
             // Wait for room without holding the lock; a sender that gives up drops this future.
             let budget = if ahead { &self.ahead } else { &self.budget };
             tokio::select! {
@@ -473,7 +333,7 @@ impl Mailbox {
         };
         let mut st = self.lock();
         // Membership, the all-reduce or its frames may have moved on while we waited.
-        let admission = Self::admit(&st, &frame, elems, dtype, collective)?;
+        let admission = admit::admit(&st, &frame, elems, dtype, collective)?;
         let slot = match st.slots.entry(admission.key) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => match admission.new_slot {
@@ -621,6 +481,9 @@ impl Drop for Inbox {
         self.mailbox.close(self.key);
     }
 }
+
+#[path = "mailbox_admit.rs"]
+mod admit;
 
 #[cfg(test)]
 #[path = "mailbox_tests.rs"]
