@@ -139,6 +139,22 @@ pub(crate) fn zip_units<A: Send, B: Sync, R: Send>(
     f: impl Fn(&mut [A], &[B]) -> R + Sync,
 ) -> Vec<R> {
     let parts = available_threads().min(items / min_items.max(1)).max(1);
+    zip_parts(parts, out, out_unit, inp, in_unit, items, f)
+}
+
+/// [`zip_units`] cut into exactly `parts` parts (fewer only when there are fewer units), run on
+/// the helper pool as it is: for tests that need a cut whatever the thread count.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn zip_parts<A: Send, B: Sync, R: Send>(
+    parts: usize,
+    out: &mut [A],
+    out_unit: usize,
+    inp: &[B],
+    in_unit: usize,
+    items: usize,
+    f: impl Fn(&mut [A], &[B]) -> R + Sync,
+) -> Vec<R> {
+    let parts = parts.clamp(1, items.max(1));
     if parts == 1 {
         return vec![f(&mut out[..items * out_unit], &inp[..items * in_unit])];
     }
