@@ -10,6 +10,7 @@ use keel_proto::params::ParamLayout;
 
 use super::Element;
 use super::linear::find;
+use super::parallel::{available_threads, run_parts, split};
 
 /// Where a LayerNorm's `gamma` (weight) and `beta` (bias) live in the flat buffer.
 #[derive(Debug, Clone)]
@@ -37,7 +38,7 @@ impl LayerNorm {
 
     /// `y = LN(x + residual)` (`residual: None` for a plain LN); saves `xhat` and `rstd` for
     /// the backward.
-    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    #[allow(clippy::too_many_arguments)]
     pub fn forward<A: Element>(
         &self,
         y: &mut [A],
@@ -51,37 +52,29 @@ impl LayerNorm {
         let c = self.c;
         let gamma = &params[self.gamma..self.gamma + c];
         let beta = &params[self.beta..self.beta + c];
-        let inv_c = A::one() / A::of(c as f64);
         let eps = A::of(self.eps);
-        for r in 0..n {
-            let row = r * c..(r + 1) * c;
-            let xh = &mut xhat[row.clone()];
-            match residual {
-                Some(res) => {
-                    for ((o, &a), &b) in xh.iter_mut().zip(&x[row.clone()]).zip(&res[row.clone()]) {
-                        *o = a + b;
-                    }
-                }
-                None => xh.copy_from_slice(&x[row.clone()]),
-            }
-            let mean = xh.iter().copied().sum::<A>() * inv_c;
-            let mut var = A::zero();
-            for v in xh.iter_mut() {
-                *v -= mean;
-                var += *v * *v;
-            }
-            let rs = A::one() / (var * inv_c + eps).sqrt();
-            rstd[r] = rs;
-            for (((o, v), &g), &b) in y[row].iter_mut().zip(xh.iter_mut()).zip(gamma).zip(beta) {
-                *v *= rs;
-                *o = *v * g + b;
-            }
+        // Rows are independent: cut among the model's threads (the same numbers whatever the
+        // cut).
+        let ranges = split(n, available_threads().min(n / MIN_ROWS).max(1));
+        let (mut y, mut xhat, mut rstd) = (&mut y[..n * c], &mut xhat[..n * c], &mut rstd[..n]);
+        let mut work = Vec::with_capacity(ranges.len());
+        for r in &ranges {
+            let (y_r, y_rest) = y.split_at_mut(r.len() * c);
+            let (xh_r, xh_rest) = xhat.split_at_mut(r.len() * c);
+            let (rs_r, rs_rest) = rstd.split_at_mut(r.len());
+            (y, xhat, rstd) = (y_rest, xh_rest, rs_rest);
+            let rows = r.start * c..r.end * c;
+            let res = residual.map(|res| &res[rows.clone()]);
+            work.push((y_r, xh_r, rs_r, &x[rows], res));
         }
+        run_parts(work, |(y, xhat, rstd, x, residual)| {
+            forward_rows(y, xhat, rstd, x, residual, gamma, beta, eps);
+        });
     }
 
     /// Given `dy`: `dgamma += sum_n dy * xhat`, `dbeta += sum_n dy`, and
     /// `dx = rstd * (dy*gamma - mean(dy*gamma) - xhat * mean(dy*gamma*xhat))` written to `dx`.
-    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    #[allow(clippy::too_many_arguments)]
     pub fn backward<A: Element>(
         &self,
         dx: &mut [A],
@@ -93,31 +86,98 @@ impl LayerNorm {
         n: usize,
     ) {
         let c = self.c;
-        let inv_c = A::one() / A::of(c as f64);
         let gamma = &params[self.gamma..self.gamma + c];
-        for r in 0..n {
-            let row = r * c..(r + 1) * c;
-            let (dy_r, xh_r) = (&dy[row.clone()], &xhat[row.clone()]);
-            let mut sum_dn = A::zero();
-            let mut sum_dnx = A::zero();
-            for ((&d, &g), &xh) in dy_r.iter().zip(gamma).zip(xh_r) {
-                let dn = d * g;
-                sum_dn += dn;
-                sum_dnx += dn * xh;
-            }
-            let (mean_dn, mean_dnx) = (sum_dn * inv_c, sum_dnx * inv_c);
-            let rs = rstd[r];
-            for (((o, &d), &g), &xh) in dx[row].iter_mut().zip(dy_r).zip(gamma).zip(xh_r) {
-                *o = rs * (d * g - mean_dn - xh * mean_dnx);
-            }
-            let dgamma = &mut grads[self.gamma..self.gamma + c];
+        // dx: rows are independent, cut among the model's threads.
+        let ranges = split(n, available_threads().min(n / MIN_ROWS).max(1));
+        let mut dx_rest = &mut dx[..n * c];
+        let mut work = Vec::with_capacity(ranges.len());
+        for r in &ranges {
+            let (dx_r, tail) = dx_rest.split_at_mut(r.len() * c);
+            dx_rest = tail;
+            let rows = r.start * c..r.end * c;
+            work.push((dx_r, &dy[rows.clone()], &xhat[rows], &rstd[r.clone()]));
+        }
+        run_parts(work, |(dx, dy, xhat, rstd)| {
+            dx_rows(dx, dy, xhat, rstd, gamma)
+        });
+        // dgamma and dbeta sum over all rows: one pass on this thread, in row order, so the
+        // sums do not depend on the thread count.
+        let dgamma = &mut grads[self.gamma..self.gamma + c];
+        for (dy_r, xh_r) in dy[..n * c].chunks_exact(c).zip(xhat.chunks_exact(c)) {
             for ((dg, &d), &xh) in dgamma.iter_mut().zip(dy_r).zip(xh_r) {
                 *dg += d * xh;
             }
-            let dbeta = &mut grads[self.beta..self.beta + c];
+        }
+        let dbeta = &mut grads[self.beta..self.beta + c];
+        for dy_r in dy[..n * c].chunks_exact(c) {
             for (db, &d) in dbeta.iter_mut().zip(dy_r) {
                 *db += d;
             }
+        }
+    }
+}
+
+/// Fewest rows worth a thread of their own.
+const MIN_ROWS: usize = 64;
+
+/// [`LayerNorm::forward`] over whole rows (`y`, `xhat`, `x`, `residual` `[r, c]`, `rstd` `[r]`).
+#[allow(clippy::too_many_arguments)]
+fn forward_rows<A: Element>(
+    y: &mut [A],
+    xhat: &mut [A],
+    rstd: &mut [A],
+    x: &[A],
+    residual: Option<&[A]>,
+    gamma: &[A],
+    beta: &[A],
+    eps: A,
+) {
+    let c = gamma.len();
+    let inv_c = A::one() / A::of(c as f64);
+    for (r, rs_out) in rstd.iter_mut().enumerate() {
+        let row = r * c..(r + 1) * c;
+        let xh = &mut xhat[row.clone()];
+        match residual {
+            Some(res) => {
+                for ((o, &a), &b) in xh.iter_mut().zip(&x[row.clone()]).zip(&res[row.clone()]) {
+                    *o = a + b;
+                }
+            }
+            None => xh.copy_from_slice(&x[row.clone()]),
+        }
+        let mean = xh.iter().copied().sum::<A>() * inv_c;
+        let mut var = A::zero();
+        for v in xh.iter_mut() {
+            *v -= mean;
+            var += *v * *v;
+        }
+        let rs = A::one() / (var * inv_c + eps).sqrt();
+        *rs_out = rs;
+        for (((o, v), &g), &b) in y[row].iter_mut().zip(xh.iter_mut()).zip(gamma).zip(beta) {
+            *v *= rs;
+            *o = *v * g + b;
+        }
+    }
+}
+
+/// `dx = rstd * (dy*gamma - mean(dy*gamma) - xhat * mean(dy*gamma*xhat))` over whole rows
+/// (`dx`, `dy`, `xhat` `[r, c]`, `rstd` `[r]`).
+fn dx_rows<A: Element>(dx: &mut [A], dy: &[A], xhat: &[A], rstd: &[A], gamma: &[A]) {
+    let c = gamma.len();
+    let inv_c = A::one() / A::of(c as f64);
+    for (r, &rs) in rstd.iter().enumerate() {
+        let row = r * c..(r + 1) * c;
+        let (dy_r, xh_r) = (&dy[row.clone()], &xhat[row.clone()]);
+        let mut sum_dn = A::zero();
+        let mut sum_dnx = A::zero();
+        for ((&d, &g), &xh) in dy_r.iter().zip(gamma).zip(xh_r) {
+            let dn = d * g;
+            sum_dn += dn;
+            sum_dnx += dn * xh;
+        }
+        let (mean_dn, mean_dnx) = (sum_dn * inv_c, sum_dnx * inv_c);
+        for (((o, &d), &g), &xh) in dx[row].iter_mut().zip(dy_r).zip(gamma).zip(xh_r) {
+            *o = rs * (d * g - mean_dn - xh * mean_dnx);
         }
     }
 }

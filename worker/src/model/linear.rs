@@ -40,9 +40,21 @@ impl Linear {
     /// `y[n, o] = x[n, i] W^T + b`.
     pub fn forward<A: Element>(&self, y: &mut [A], x: &[A], params: &[A], n: usize) {
         let bias = &params[self.b..self.b + self.out];
-        for row in y[..n * self.out].chunks_exact_mut(self.out) {
-            row.copy_from_slice(bias);
-        }
+        // The bias in every row, cut among the model's threads (a pass over all of `y`).
+        let none: &[A] = &[];
+        super::parallel::zip_units(
+            &mut y[..n * self.out],
+            self.out,
+            none,
+            0,
+            n,
+            64,
+            |rows, _| {
+                for row in rows.chunks_exact_mut(self.out) {
+                    row.copy_from_slice(bias);
+                }
+            },
+        );
         let w = mat(&params[self.w..], self.out, self.inp);
         gemm(
             A::one(),
