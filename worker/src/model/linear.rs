@@ -7,6 +7,9 @@ use keel_proto::params::ParamLayout;
 use super::Element;
 use super::gemm::{gemm, mat, mat_mut};
 
+/// Fewest rows of `y` worth a thread of their own when the bias is written into them.
+const MIN_ROWS_PER_THREAD: usize = 64;
+
 /// Where a Linear's weight and bias live in the flat buffer.
 #[derive(Debug, Clone)]
 pub(crate) struct Linear {
@@ -48,7 +51,7 @@ impl Linear {
             none,
             0,
             n,
-            64,
+            MIN_ROWS_PER_THREAD,
             |rows, _| {
                 for row in rows.chunks_exact_mut(self.out) {
                     row.copy_from_slice(bias);

@@ -1,5 +1,5 @@
 //! Vectorised f32 kernels for the elementwise hot spots (GELU, softmax exponentials, row
-//! maxima), written as plain branch-free loops that LLVM turns into AVX2 code inside
+//! maxima), written as plain branch-free loops that LLVM turns into AVX-512 or AVX2 code inside
 //! `#[target_feature]` wrappers picked at run time (the portable build targets baseline
 //! x86-64).
 //!
