@@ -10,6 +10,7 @@
 //! `ctx`: no reshapes, no copies.
 
 use super::Element;
+use super::attention_batched::{KeptOperands, KeptPart};
 use super::dropout::{DropoutKey, Mask, Site};
 use super::element::grow;
 use super::gemm::{gemm, mat_mut};
@@ -110,7 +111,9 @@ fn scratch_per_part(dims: &AttentionDims<'_>, seqs: usize, blocks: usize, batche
 
 /// Fills `probs` `[b, h, t, t]` (before dropout) and `ctx` `[n, c]`, the sequences split
 /// among the model's threads. `scratch` grows to `threads * t * t` (the batched route:
-/// `b * h * t * t`).
+/// `b * h * t * t`). On the batched route `kept` receives the bf16 copies of the operands
+/// for [`backward`]; elsewhere it is left empty.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<A: Element>(
     ctx: &mut [A],
     probs: &mut [A],
@@ -118,45 +121,59 @@ pub(crate) fn forward<A: Element>(
     q: &[A],
     k: &[A],
     v: &[A],
+    kept: &mut KeptOperands,
     dims: &AttentionDims<'_>,
 ) {
     let (t, c, h) = (dims.t, dims.c(), dims.h);
     let parts = parallel::split(dims.b, parallel::available_threads());
     let batched = batched::<A>();
+    let (n, tt) = (dims.b * t * c, dims.b * h * t * t);
+    kept.keep_inputs(&q[..n], &k[..n], &v[..n], tt);
     let most = parts.iter().map(|r| r.len()).max().unwrap_or(0);
     let per_part = scratch_per_part(dims, most, 1, batched);
     let scratch = grow(scratch, parts.len() * per_part);
     let mut work = Vec::with_capacity(parts.len());
-    let (mut ctx, mut probs, mut scratch) = (
-        &mut ctx[..dims.b * t * c],
-        &mut probs[..dims.b * h * t * t],
+    let (mut ctx, mut probs, mut scratch, mut kept_probs) = (
+        &mut ctx[..n],
+        &mut probs[..tt],
         scratch,
+        &mut kept.probs[..],
     );
     for r in parts {
         let (ctx_part, ctx_rest) = ctx.split_at_mut(r.len() * t * c);
         let (probs_part, probs_rest) = probs.split_at_mut(r.len() * h * t * t);
         let (scratch_part, scratch_rest) = scratch.split_at_mut(per_part);
-        (ctx, probs, scratch) = (ctx_rest, probs_rest, scratch_rest);
-        work.push((r, ctx_part, probs_part, scratch_part));
+        let kept_len = if kept_probs.is_empty() {
+            0
+        } else {
+            probs_part.len()
+        };
+        let (kept_part, kept_rest) = kept_probs.split_at_mut(kept_len);
+        (ctx, probs, scratch, kept_probs) = (ctx_rest, probs_rest, scratch_rest, kept_rest);
+        work.push((r, ctx_part, probs_part, scratch_part, kept_part));
     }
-    parallel::run_parts(work, |(r, ctx, probs, scratch)| {
+    let (kq, kk, kv) = (&kept.q[..], &kept.k[..], &kept.v[..]);
+    parallel::run_parts(work, |(r, ctx, probs, scratch, kept_probs)| {
         let rows = r.start * t * c..r.end * t * c;
         let local = dims.part(&r);
-        let seqs = if batched {
-            super::attention_batched::forward_seqs
+        let (q, k, v) = (&q[rows.clone()], &k[rows.clone()], &v[rows.clone()]);
+        if batched {
+            let kept = KeptPart {
+                q: kept_rows(kq, &rows),
+                k: kept_rows(kk, &rows),
+                v: kept_rows(kv, &rows),
+                probs: kept_probs,
+            };
+            super::attention_batched::forward_seqs(ctx, probs, scratch, q, k, v, kept, &local);
         } else {
-            forward_seqs
-        };
-        seqs(
-            ctx,
-            probs,
-            scratch,
-            &q[rows.clone()],
-            &k[rows.clone()],
-            &v[rows],
-            &local,
-        );
+            forward_seqs(ctx, probs, scratch, q, k, v, &local);
+        }
     });
+}
+
+/// The rows `rows` of a kept copy, or nothing when nothing was kept.
+fn kept_rows<'k>(kept: &'k [u16], rows: &std::ops::Range<usize>) -> &'k [u16] {
+    kept.get(rows.clone()).unwrap_or(&[])
 }
 
 pub(super) fn forward_seqs<A: Element>(
@@ -263,7 +280,7 @@ pub(super) fn softmax_backward<A: Element>(dp: &mut [A], p: &[A], t: usize) {
 
 /// Given `dctx` `[n, c]`: writes `dq`, `dk`, `dv` `[n, c]`, the sequences split among the
 /// model's threads. `scratch` grows to `threads * 2 * t * t` (the batched route:
-/// `2 * b * h * t * t`).
+/// `2 * b * h * t * t`). `kept` is what [`forward`] kept from the same `probs`, `q`, `k`, `v`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<A: Element>(
     dq: &mut [A],
@@ -275,6 +292,7 @@ pub(crate) fn backward<A: Element>(
     q: &[A],
     k: &[A],
     v: &[A],
+    kept: &KeptOperands,
     dims: &AttentionDims<'_>,
 ) {
     let (t, c, h) = (dims.t, dims.c(), dims.h);
@@ -298,24 +316,27 @@ pub(crate) fn backward<A: Element>(
     parallel::run_parts(work, |(r, dq, dk, dv, scratch)| {
         let rows = r.start * t * c..r.end * t * c;
         let local = dims.part(&r);
-        let p = &probs[r.start * h * t * t..r.end * h * t * t];
-        let seqs = if batched {
-            super::attention_batched::backward_seqs
-        } else {
-            backward_seqs
-        };
-        seqs(
-            dq,
-            dk,
-            dv,
-            scratch,
+        let prows = r.start * h * t * t..r.end * h * t * t;
+        let p = &probs[prows.clone()];
+        let (dctx, q, k, v) = (
             &dctx[rows.clone()],
-            p,
             &q[rows.clone()],
             &k[rows.clone()],
-            &v[rows],
-            &local,
+            &v[rows.clone()],
         );
+        if batched {
+            let kept = KeptPart {
+                q: kept_rows(&kept.q, &rows),
+                k: kept_rows(&kept.k, &rows),
+                v: kept_rows(&kept.v, &rows),
+                probs: kept_rows(&kept.probs, &prows),
+            };
+            super::attention_batched::backward_seqs(
+                dq, dk, dv, scratch, dctx, p, q, k, v, kept, &local,
+            );
+        } else {
+            backward_seqs(dq, dk, dv, scratch, dctx, p, q, k, v, &local);
+        }
     });
 }
 

@@ -34,6 +34,53 @@ fn copy<'c, A: Element>(x: &[A], buf: &'c mut Vec<u16>) -> Option<&'c [u16]> {
     native_copy(x, buf).then_some(&buf[..])
 }
 
+/// `kept` (the bf16 copy of `x` kept by the forward) when there is one, else [`copy`].
+fn kept_or_copy<'c, A: Element>(
+    kept: &'c [u16],
+    x: &[A],
+    buf: &'c mut Vec<u16>,
+) -> Option<&'c [u16]> {
+    if kept.is_empty() {
+        copy(x, buf)
+    } else {
+        Some(kept)
+    }
+}
+
+/// The bf16 copies of attention's GEMM operands that the forward keeps for the backward: `q`,
+/// `k`, `v` `[n, c]` and the probabilities after dropout `[b, h, t, t]`, each rounded once
+/// instead of once in forward and again in backward. All empty off the native bf16 route.
+#[derive(Debug, Default)]
+pub(crate) struct KeptOperands {
+    pub q: Vec<u16>,
+    pub k: Vec<u16>,
+    pub v: Vec<u16>,
+    pub probs: Vec<u16>,
+}
+
+impl KeptOperands {
+    /// Keeps the bf16 copies of `q`, `k`, `v` (`super::bf16_shared::keep`) and sizes `probs`
+    /// to `probs_len` for the forward to fill, or leaves all four empty off the native route.
+    pub fn keep_inputs<A: Element>(&mut self, q: &[A], k: &[A], v: &[A], probs_len: usize) {
+        super::bf16_shared::keep(q, &mut self.q);
+        super::bf16_shared::keep(k, &mut self.k);
+        super::bf16_shared::keep(v, &mut self.v);
+        self.probs.clear();
+        if !self.q.is_empty() {
+            self.probs.resize(probs_len, 0);
+        }
+    }
+}
+
+/// One thread's share of [`KeptOperands`]: its sequences' rows (all empty when nothing is
+/// kept). `probs` is written by the forward and read by the backward.
+pub(crate) struct KeptPart<'a, P> {
+    pub q: &'a [u16],
+    pub k: &'a [u16],
+    pub v: &'a [u16],
+    pub probs: P,
+}
+
 /// The heads of a `[b * t, c]` buffer as `[b, h, t, d]`.
 fn heads(dims: &AttentionDims<'_>) -> Strided4 {
     let (t, c, d) = (dims.t, dims.h * dims.d, dims.d);
@@ -68,7 +115,9 @@ fn dropped<'p, A: Element>(probs: &'p [A], out: &'p mut [A], dims: &AttentionDim
     &out[..n]
 }
 
-/// Forward for this thread's sequences: fills `probs` (before dropout) and `ctx`.
+/// Forward for this thread's sequences: fills `probs` (before dropout) and `ctx`, and
+/// `kept.probs` (when not empty) with the bf16 copy of the probabilities after dropout.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward_seqs<A: Element>(
     ctx: &mut [A],
     probs: &mut [A],
@@ -76,13 +125,16 @@ pub(crate) fn forward_seqs<A: Element>(
     q: &[A],
     k: &[A],
     v: &[A],
+    kept: KeptPart<'_, &mut [u16]>,
     dims: &AttentionDims<'_>,
 ) {
     let (b, t, h) = (dims.b, dims.t, dims.h);
     let scale = A::one() / A::of(dims.d as f64).sqrt();
     let (hv, bl) = (heads(dims), blocks(dims));
     COPIES.with_borrow_mut(|[q16, k16, v16, p16, ..]| {
-        let (q16, k16, v16) = (copy(q, q16), copy(k, k16), copy(v, v16));
+        let q16 = kept_or_copy(kept.q, q, q16);
+        let k16 = kept_or_copy(kept.k, k, k16);
+        let v16 = kept_or_copy(kept.v, v, v16);
         // S = Q K^T / sqrt(d), every (sequence, head) at once.
         gemm_batched(
             scale,
@@ -99,7 +151,12 @@ pub(crate) fn forward_seqs<A: Element>(
         }
         // ctx = P' V.
         let p = dropped(probs, scratch, dims);
-        let p16 = copy(p, p16);
+        let p16 = if kept.probs.is_empty() {
+            copy(p, p16)
+        } else {
+            super::bf16::native_copy_into(p, kept.probs);
+            Some(&*kept.probs)
+        };
         gemm_batched(A::one(), (p, p16, bl), (v, v16, hv), A::zero(), (ctx, hv));
     });
 }
@@ -116,6 +173,7 @@ pub(crate) fn backward_seqs<A: Element>(
     q: &[A],
     k: &[A],
     v: &[A],
+    kept: KeptPart<'_, &[u16]>,
     dims: &AttentionDims<'_>,
 ) {
     let (b, t, h) = (dims.b, dims.t, dims.h);
@@ -124,10 +182,10 @@ pub(crate) fn backward_seqs<A: Element>(
     let (hv, bl) = (heads(dims), blocks(dims));
     let (drop_buf, dp) = scratch[..2 * b * h * tt].split_at_mut(b * h * tt);
     COPIES.with_borrow_mut(|[dctx16, v16, k16, q16, p16, ds16]| {
-        let (dctx16, v16) = (copy(dctx, dctx16), copy(v, v16));
+        let (dctx16, v16) = (copy(dctx, dctx16), kept_or_copy(kept.v, v, v16));
         // dV = P'^T dctx.
         let p_used = dropped(probs, drop_buf, dims);
-        let p16 = copy(p_used, p16);
+        let p16 = kept_or_copy(kept.probs, p_used, p16);
         gemm_batched(
             A::one(),
             (p_used, p16, bl.t()),
@@ -155,7 +213,8 @@ pub(crate) fn backward_seqs<A: Element>(
             }
         }
         // dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d).
-        let (ds16, k16, q16) = (copy(dp, ds16), copy(k, k16), copy(q, q16));
+        let ds16 = copy(dp, ds16);
+        let (k16, q16) = (kept_or_copy(kept.k, k, k16), kept_or_copy(kept.q, q, q16));
         gemm_batched(scale, (&*dp, ds16, bl), (k, k16, hv), A::zero(), (dq, hv));
         gemm_batched(
             scale,
@@ -218,7 +277,28 @@ mod tests {
         let mut scratch = vec![A::zero(); 2 * B * H * T * T];
         let (mut dq, mut dk, mut dv) = (vec![A::zero(); n], vec![A::zero(); n], vec![A::zero(); n]);
         if batched {
-            super::forward_seqs(&mut ctx, &mut probs, &mut scratch, &q, &k, &v, &dims);
+            let kept = || super::KeptPart {
+                q: &[],
+                k: &[],
+                v: &[],
+                probs: &mut [][..],
+            };
+            super::forward_seqs(
+                &mut ctx,
+                &mut probs,
+                &mut scratch,
+                &q,
+                &k,
+                &v,
+                kept(),
+                &dims,
+            );
+            let none = super::KeptPart {
+                q: &[],
+                k: &[],
+                v: &[],
+                probs: &[][..],
+            };
             super::backward_seqs(
                 &mut dq,
                 &mut dk,
@@ -229,6 +309,7 @@ mod tests {
                 &q,
                 &k,
                 &v,
+                none,
                 &dims,
             );
         } else {

@@ -344,6 +344,21 @@ pub(crate) fn native_copy<A: 'static>(x: &[A], out: &mut Vec<u16>) -> bool {
     true
 }
 
+/// Writes the bf16 bit patterns of `x` into `out` (`out.len() == x.len()`), on this thread
+/// only: for an operand kept in a buffer its caller sized (see `super::attention_batched`).
+///
+/// Panics unless `A` is f32 and the lengths agree (a caller's bug: only the native route keeps
+/// copies, and only of f32).
+pub(crate) fn native_copy_into<A: 'static>(x: &[A], out: &mut [u16]) {
+    assert!(
+        TypeId::of::<A>() == TypeId::of::<f32>() && out.len() == x.len(),
+        "a kept bf16 copy is of f32 and as long as its operand"
+    );
+    // SAFETY: `A` is f32 (checked above): same size, alignment and validity.
+    let x = unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) };
+    bf16_convert::convert_slice(out, x);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

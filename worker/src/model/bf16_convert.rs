@@ -25,6 +25,22 @@ pub(crate) fn extend_bits(out: &mut Vec<u16>, x: &[f32]) {
     unsafe { out.set_len(start + x.len()) };
 }
 
+/// Writes the bf16 bit patterns of `x` into `out` (`out.len() == x.len()`) on this thread: for
+/// a caller that is already one of the model's threads.
+///
+/// Panics if the lengths differ (a caller's bug).
+pub(crate) fn convert_slice(out: &mut [u16], x: &[f32]) {
+    assert_eq!(out.len(), x.len(), "one output per input");
+    // SAFETY: u16 and MaybeUninit<u16> have the same layout; every element is written.
+    let out = unsafe {
+        std::slice::from_raw_parts_mut(
+            out.as_mut_ptr().cast::<std::mem::MaybeUninit<u16>>(),
+            out.len(),
+        )
+    };
+    convert_into(out, x);
+}
+
 /// Fewest elements worth a thread of their own (a few microseconds of work).
 const MIN_PER_THREAD: usize = 1 << 16;
 

@@ -11,9 +11,15 @@
 //! The values the GEMMs see are the same bits as before (the same rounding of the same
 //! numbers), so results are bit-identical; only the number of passes over memory changes.
 //!
-//! Scoping: the guard borrows the slice for its whole life, so safe code cannot change the
-//! slice while the copy is in use. Registrations are per thread (the GEMMs that read them are
-//! started on the thread that shared them); a GEMM on another thread converts as before.
+//! A copy can also outlive one scope: [`keep`] rounds an activation into a buffer the caller
+//! owns (a layer's cache), and [`share_kept`] lends that buffer to the GEMMs of a later scope.
+//! A layer's forward keeps the bf16 copies of its GEMMs' inputs and its backward reads them
+//! for the weight gradients, instead of rounding the same activations a second time.
+//!
+//! Scoping: the guard borrows the slice (and a kept copy) for its whole life, so safe code
+//! cannot change either while the copy is in use. Registrations are per thread (the GEMMs that
+//! read them are started on the thread that shared them); a GEMM on another thread converts as
+//! before.
 
 use std::any::TypeId;
 use std::cell::RefCell;
@@ -29,7 +35,27 @@ struct Region {
     /// Length in f32 elements.
     len: usize,
     /// `[len]` bf16 bit patterns, element `i` of the slice at `copy[i]`.
-    copy: Vec<u16>,
+    copy: Copy16,
+}
+
+/// Where a region's bf16 bit patterns live.
+enum Copy16 {
+    /// Made by [`share`], dropped (its buffer kept for reuse) with the guard.
+    Owned(Vec<u16>),
+    /// A caller's buffer lent by [`share_kept`]: `[len]` u16 at this address, valid while the
+    /// guard lives (the guard borrows it).
+    Lent(*const u16),
+}
+
+impl Region {
+    fn bits(&self) -> &[u16] {
+        match &self.copy {
+            Copy16::Owned(v) => v,
+            // SAFETY: `share_kept` registered `len` elements of a slice that its guard borrows,
+            // and the region is popped when that guard drops.
+            Copy16::Lent(p) => unsafe { std::slice::from_raw_parts(*p, self.len) },
+        }
+    }
 }
 
 thread_local! {
@@ -40,13 +66,30 @@ thread_local! {
     static SPARE: RefCell<Vec<Vec<u16>>> = const { RefCell::new(Vec::new()) };
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Set by [`keeping_nothing`]: [`keep`] then keeps nothing, so every GEMM rounds its own
+    /// operands, as before copies were kept.
+    static KEEP_NOTHING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with [`keep`] keeping nothing on this thread: the reference the kept copies must
+/// reproduce bit for bit (`super::bf16_kept_tests`).
+#[cfg(test)]
+pub(crate) fn keeping_nothing<R>(f: impl FnOnce() -> R) -> R {
+    KEEP_NOTHING.set(true);
+    let r = f();
+    KEEP_NOTHING.set(false);
+    r
+}
+
 /// While alive, native bf16 GEMMs on this thread read operands inside the shared slice from
 /// its bf16 copy. Dropping it forgets the copy (its buffer is kept for reuse).
 #[must_use = "the copy is used only while the guard lives"]
 pub(crate) struct Shared<'a> {
     /// Whether a region was pushed (false off the native route: nothing to undo).
     pushed: bool,
-    /// Keeps the shared slice borrowed, hence unchanged, while the copy is in use.
+    /// Keeps the shared slice (and a lent copy) borrowed, hence unchanged, while in use.
     _slice: PhantomData<&'a [f32]>,
 }
 
@@ -56,8 +99,12 @@ impl Drop for Shared<'_> {
             return;
         }
         let region = REGIONS.with(|r| r.borrow_mut().pop());
-        if let Some(region) = region {
-            SPARE.with(|s| s.borrow_mut().push(region.copy));
+        if let Some(Region {
+            copy: Copy16::Owned(copy),
+            ..
+        }) = region
+        {
+            SPARE.with(|s| s.borrow_mut().push(copy));
         }
     }
 }
@@ -66,22 +113,60 @@ impl Drop for Shared<'_> {
 /// lives. Does nothing (a guard with nothing to undo) unless `A` is f32 and this thread's
 /// GEMMs run natively in bf16 (`super::bf16::current`, `super::bf16::support`).
 pub(crate) fn share<A: 'static>(x: &[A]) -> Shared<'_> {
-    let none = Shared {
-        pushed: false,
-        _slice: PhantomData,
+    let Some(x) = native_f32(x) else {
+        return Shared::none();
     };
+    let mut copy = SPARE.with(|s| s.borrow_mut().pop()).unwrap_or_default();
+    copy.clear();
+    super::bf16::extend_bits(&mut copy, x);
+    push(x, Copy16::Owned(copy))
+}
+
+/// Rounds `x` `[len]` to bf16 into `copy` (cleared first) for GEMMs of later scopes to read
+/// through [`share_kept`]; leaves `copy` empty unless `A` is f32 and this thread's GEMMs run
+/// natively in bf16 (as [`share`]).
+pub(crate) fn keep<A: 'static>(x: &[A], copy: &mut Vec<u16>) {
+    copy.clear();
+    #[cfg(test)]
+    if KEEP_NOTHING.get() {
+        return;
+    }
+    if let Some(x) = native_f32(x) {
+        super::bf16::extend_bits(copy, x);
+    }
+}
+
+/// As [`share`], with the bf16 copy of `x` that [`keep`] wrote into `copy` from the same
+/// values (the caller's promise: `x` has not changed since). An empty `copy` (nothing kept:
+/// not the native route) shares nothing.
+///
+/// Panics if `copy` is neither empty nor `x.len()` long (a caller's bug).
+pub(crate) fn share_kept<'a, A: 'static>(x: &'a [A], copy: &'a [u16]) -> Shared<'a> {
+    if copy.is_empty() {
+        return Shared::none();
+    }
+    assert_eq!(copy.len(), x.len(), "a kept bf16 copy covers its slice");
+    let Some(x) = native_f32(x) else {
+        return Shared::none();
+    };
+    push(x, Copy16::Lent(copy.as_ptr()))
+}
+
+/// `x` as f32 when `A` is f32, `x` is not empty and this thread's GEMMs run natively in bf16.
+fn native_f32<A: 'static>(x: &[A]) -> Option<&[f32]> {
     if TypeId::of::<A>() != TypeId::of::<f32>()
         || super::bf16::current() != Precision::Bf16
         || !super::bf16::support().native
         || x.is_empty()
     {
-        return none;
+        return None;
     }
     // SAFETY: `A` is f32 (checked above): same size, alignment and validity.
-    let x = unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) };
-    let mut copy = SPARE.with(|s| s.borrow_mut().pop()).unwrap_or_default();
-    copy.clear();
-    super::bf16::extend_bits(&mut copy, x);
+    Some(unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) })
+}
+
+/// Registers `copy` as the bf16 bits of `x` until the returned guard drops.
+fn push<'a>(x: &'a [f32], copy: Copy16) -> Shared<'a> {
     REGIONS.with(|r| {
         r.borrow_mut().push(Region {
             start: x.as_ptr() as usize,
@@ -92,6 +177,16 @@ pub(crate) fn share<A: 'static>(x: &[A]) -> Shared<'_> {
     Shared {
         pushed: true,
         _slice: PhantomData,
+    }
+}
+
+impl Shared<'_> {
+    /// A guard with nothing to undo.
+    fn none() -> Self {
+        Shared {
+            pushed: false,
+            _slice: PhantomData,
+        }
     }
 }
 
@@ -126,7 +221,7 @@ fn view_in<'r>(region: &'r Region, v: &ArrayView2<'_, f32>) -> Option<ArrayView2
     if last >= region.len {
         return None;
     }
-    ArrayView2::from_shape((rows, cols).strides((rs, cs)), &region.copy[first..]).ok()
+    ArrayView2::from_shape((rows, cols).strides((rs, cs)), &region.bits()[first..]).ok()
 }
 
 #[cfg(test)]
@@ -143,7 +238,7 @@ mod tests {
         Region {
             start: x.as_ptr() as usize,
             len: x.len(),
-            copy,
+            copy: Copy16::Owned(copy),
         }
     }
 

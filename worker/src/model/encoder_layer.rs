@@ -17,6 +17,7 @@ use keel_proto::params::ParamLayout;
 use super::Element;
 use super::activation;
 use super::attention::{self, AttentionDims};
+use super::attention_batched::KeptOperands;
 use super::bf16_shared;
 use super::dropout::{self, DropoutKey, Site};
 use super::element::grow;
@@ -65,6 +66,15 @@ pub(crate) struct LayerCache<A> {
     /// LN2 normalised input `[n, c]` and inverse std `[n]`.
     pub xhat2: Vec<A>,
     pub rstd2: Vec<A>,
+    /// bf16 copies of the Linears' inputs (the layer's input `x`, `ctx`, `h1` `[n, c]`; `act`
+    /// `[n, f]`), rounded once by the forward's GEMMs and read again by the backward's weight
+    /// gradients (`bf16_shared::keep`); empty off the native bf16 route.
+    pub x_bf16: Vec<u16>,
+    pub ctx_bf16: Vec<u16>,
+    pub h1_bf16: Vec<u16>,
+    pub act_bf16: Vec<u16>,
+    /// bf16 copies of attention's operands (`q`, `k`, `v`, the probabilities after dropout).
+    pub attention_bf16: KeptOperands,
 }
 
 /// Backward scratch shared by all layers.
@@ -160,7 +170,8 @@ impl EncoderLayer {
         let (b, t) = (inputs.b, inputs.t);
         let (n, c, f, h) = (b * t, self.query.out, self.intermediate.out, self.heads);
         let x = &x[..n * c];
-        let x16 = bf16_shared::share(x);
+        bf16_shared::keep(x, &mut cache.x_bf16);
+        let x16 = bf16_shared::share_kept(x, &cache.x_bf16);
         let q = grow(&mut cache.q, n * c);
         self.query.forward(q, x, params, n);
         let k = grow(&mut cache.k, n * c);
@@ -177,11 +188,17 @@ impl EncoderLayer {
             &cache.q[..n * c],
             &cache.k[..n * c],
             &cache.v[..n * c],
+            &mut cache.attention_bf16,
             &self.dims(inputs),
         );
 
         let a = grow(tmp, n * c);
-        self.attn_out.forward(a, &cache.ctx[..n * c], params, n);
+        bf16_shared::keep(&cache.ctx[..n * c], &mut cache.ctx_bf16);
+        {
+            let ctx = &cache.ctx[..n * c];
+            let _ctx16 = bf16_shared::share_kept(ctx, &cache.ctx_bf16);
+            self.attn_out.forward(a, ctx, params, n);
+        }
         self.hidden_dropout(a, inputs, Site::AttentionOutput);
         let h1 = grow(&mut cache.h1, n * c);
         let xhat1 = grow(&mut cache.xhat1, n * c);
@@ -189,13 +206,22 @@ impl EncoderLayer {
         self.ln1.forward(h1, xhat1, rstd1, a, Some(x), params, n);
 
         let pre = grow(&mut cache.pre, n * f);
-        self.intermediate
-            .forward(pre, &cache.h1[..n * c], params, n);
+        bf16_shared::keep(&cache.h1[..n * c], &mut cache.h1_bf16);
+        {
+            let h1 = &cache.h1[..n * c];
+            let _h1_16 = bf16_shared::share_kept(h1, &cache.h1_bf16);
+            self.intermediate.forward(pre, h1, params, n);
+        }
         let act = grow(&mut cache.act, n * f);
         activation::forward(self.act, act, &cache.pre[..n * f]);
 
         let o = grow(tmp, n * c);
-        self.output.forward(o, &cache.act[..n * f], params, n);
+        bf16_shared::keep(&cache.act[..n * f], &mut cache.act_bf16);
+        {
+            let act = &cache.act[..n * f];
+            let _act16 = bf16_shared::share_kept(act, &cache.act_bf16);
+            self.output.forward(o, act, params, n);
+        }
         self.hidden_dropout(o, inputs, Site::FeedForwardOutput);
         let xhat2 = grow(&mut cache.xhat2, n * c);
         let rstd2 = grow(&mut cache.rstd2, n);
@@ -245,11 +271,19 @@ impl EncoderLayer {
         self.hidden_dropout(da, inputs, Site::FeedForwardOutput);
         // Output projection, activation, intermediate projection.
         let dg = grow(&mut s.dg, n * f);
-        self.output
-            .backward(Some((&mut *dg, false)), da, &cache.act, params, grads, n);
+        {
+            let act = &cache.act[..n * f];
+            let _act16 = bf16_shared::share_kept(act, &cache.act_bf16);
+            self.output
+                .backward(Some((&mut *dg, false)), da, act, params, grads, n);
+        }
         activation::backward(self.act, dg, &cache.pre[..n * f]);
-        self.intermediate
-            .backward(Some((&mut *dh1, true)), dg, &cache.h1, params, grads, n);
+        {
+            let h1 = &cache.h1[..n * c];
+            let _h1_16 = bf16_shared::share_kept(h1, &cache.h1_bf16);
+            self.intermediate
+                .backward(Some((&mut *dh1, true)), dg, h1, params, grads, n);
+        }
         // LN1: d(a_dropped + x)
         self.ln1
             .backward(da, dh1, &cache.xhat1, &cache.rstd1, params, grads, n);
@@ -257,8 +291,12 @@ impl EncoderLayer {
         self.hidden_dropout(da, inputs, Site::AttentionOutput);
         // Attention output projection; reuse dh1 for d ctx.
         let dctx = &mut *dh1;
-        self.attn_out
-            .backward(Some((&mut *dctx, false)), da, &cache.ctx, params, grads, n);
+        {
+            let ctx = &cache.ctx[..n * c];
+            let _ctx16 = bf16_shared::share_kept(ctx, &cache.ctx_bf16);
+            self.attn_out
+                .backward(Some((&mut *dctx, false)), da, ctx, params, grads, n);
+        }
         let dq = grow(&mut s.dq, n * c);
         let dk = grow(&mut s.dk, n * c);
         let dv = grow(&mut s.dv, n * c);
@@ -272,9 +310,10 @@ impl EncoderLayer {
             &cache.q,
             &cache.k,
             &cache.v,
+            &cache.attention_bf16,
             &self.dims(inputs),
         );
-        let _x16 = bf16_shared::share(x);
+        let _x16 = bf16_shared::share_kept(x, &cache.x_bf16);
         self.query
             .backward(Some((&mut *dx, true)), dq, x, params, grads, n);
         self.key

@@ -9,6 +9,7 @@ use keel_proto::params::{Heads, ParamLayout};
 
 use super::activation;
 use super::attention::{self, AttentionDims};
+use super::attention_batched::KeptOperands;
 use super::dropout::DropoutKey;
 use super::embeddings::{Embeddings, EmbeddingsCache, TokenInputs};
 use super::encoder_layer::{EncoderLayer, LayerCache, LayerInputs, LayerScratch};
@@ -213,7 +214,8 @@ fn attention_with_padding_and_dropout() {
         let forward = |q: &[f64], k: &[f64], v: &[f64]| {
             let (mut ctx, mut probs, mut s) =
                 (vec![0.0; n * c], vec![0.0; B * h * T * T], vec![0.0; T * T]);
-            attention::forward(&mut ctx, &mut probs, &mut s, q, k, v, &dims);
+            let mut kept = KeptOperands::default();
+            attention::forward(&mut ctx, &mut probs, &mut s, q, k, v, &mut kept, &dims);
             (dot(&ctx, &w), probs)
         };
         let (_, probs) = forward(&q, &k, &v);
@@ -234,8 +236,9 @@ fn attention_with_padding_and_dropout() {
             vec![0.0; n * c],
             vec![0.0; 2 * T * T],
         );
+        let kept = KeptOperands::default();
         attention::backward(
-            &mut dq, &mut dk, &mut dv, &mut s, &w, &probs, &q, &k, &v, &dims,
+            &mut dq, &mut dk, &mut dv, &mut s, &w, &probs, &q, &k, &v, &kept, &dims,
         );
         check("attention dq", &q, &dq, 0..n * c, |q| forward(q, &k, &v).0);
         check("attention dk", &k, &dk, 0..n * c, |k| forward(&q, k, &v).0);

@@ -31,6 +31,8 @@ mod bf16_convert;
 mod bf16_cpu;
 #[cfg(test)]
 mod bf16_gemm_tests;
+#[cfg(test)]
+mod bf16_kept_tests;
 mod bf16_shared;
 mod dropout;
 mod element;
