@@ -6,6 +6,12 @@
 //! `erf` is Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7), the formula PyTorch's own
 //! vectorised CPU `erf` uses; `exp` is Cephes' `expf` (range reduction by ln 2, degree-6
 //! polynomial, ~1 ulp).
+//!
+//! Why the loops are shaped so: each GELU element is a chain of ~50 dependent operations, and
+//! with one vector in flight the CPU waits on their latency. On the AMX Xeon (2026-12-04, 4 M
+//! elements, 1 thread) GELU backward took 2.8 ns an element written plainly, 1.9 with the
+//! multiply-adds fused, 0.96 with four AVX-512 vectors stepped together ([`LANES`]); forward
+//! 1.55, 0.92, 0.78. A streaming pass of the same bytes runs at ~0.46 ns an element there.
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
@@ -18,12 +24,13 @@ const INV_SQRT_2PI: f32 = 0.398_942_3;
 fn exp(x: f32) -> f32 {
     let x = x.clamp(-87.3, 88.3);
     let n = (x * LOG2E + 0.5).floor(); // in [-126, 127]
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let p = ((((1.987_569_2e-4 * r + 1.398_2e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
-        + 1.666_666_5e-1)
-        * r
-        + 0.5;
-    let y = p * r * r + r + 1.0;
+    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
+    let p = 1.987_569_2e-4f32.mul_add(r, 1.398_2e-3);
+    let p = p.mul_add(r, 8.333_452e-3);
+    let p = p.mul_add(r, 4.166_579_6e-2);
+    let p = p.mul_add(r, 1.666_666_5e-1);
+    let p = p.mul_add(r, 0.5);
+    let y = (p * r).mul_add(r, r) + 1.0;
     // 2^n from the exponent bits. The integer n + 127 in [1, 254] is read off the mantissa of
     // (n + 127) + 2^23 (an exact float add), which vectorises, unlike a saturating `as i32`.
     let biased = (n + 127.0 + 8_388_608.0)
@@ -37,45 +44,76 @@ fn exp(x: f32) -> f32 {
 fn cdf_pdf(x: f32) -> (f32, f32) {
     let z = x * FRAC_1_SQRT_2;
     let az = z.abs();
-    let t = 1.0 / (1.0 + 0.327_591_1 * az);
-    let poly = ((((1.061_405_4 * t - 1.453_152_1) * t + 1.421_413_8) * t - 0.284_496_74) * t
-        + 0.254_829_6)
-        * t;
+    let t = 1.0 / 0.327_591_1f32.mul_add(az, 1.0);
+    let poly = 1.061_405_4f32.mul_add(t, -1.453_152_1);
+    let poly = poly.mul_add(t, 1.421_413_8);
+    let poly = poly.mul_add(t, -0.284_496_74);
+    let poly = poly.mul_add(t, 0.254_829_6);
+    let poly = poly * t;
     let e = exp(-az * az); // = exp(-x^2 / 2)
-    let erf_abs = 1.0 - poly * e;
+    let erf_abs = (-poly).mul_add(e, 1.0);
     let erf = if z < 0.0 { -erf_abs } else { erf_abs };
     (0.5 * (1.0 + erf), INV_SQRT_2PI * e)
 }
 
+/// Elements per step of the elementwise loops: four AVX-512 vectors (eight AVX2), whose
+/// independent dependency chains the CPU then overlaps; one vector at a time left the GELU
+/// waiting on the latency of its ~50 chained operations.
+const LANES: usize = 64;
+
 #[inline(always)]
 fn gelu_forward_body(y: &mut [f32], x: &[f32]) {
-    for (o, &v) in y.iter_mut().zip(x) {
+    let n = y.len().min(x.len());
+    let (y, x) = (&mut y[..n], &x[..n]);
+    let mut yc = y.chunks_exact_mut(LANES);
+    let mut xc = x.chunks_exact(LANES);
+    for (yb, xb) in (&mut yc).zip(&mut xc) {
+        for (o, &v) in yb.iter_mut().zip(xb) {
+            *o = v * cdf_pdf(v).0;
+        }
+    }
+    for (o, &v) in yc.into_remainder().iter_mut().zip(xc.remainder()) {
         *o = v * cdf_pdf(v).0;
     }
 }
 
 #[inline(always)]
 fn gelu_backward_body(d: &mut [f32], x: &[f32]) {
-    for (g, &v) in d.iter_mut().zip(x) {
+    let n = d.len().min(x.len());
+    let (d, x) = (&mut d[..n], &x[..n]);
+    let mut dc = d.chunks_exact_mut(LANES);
+    let mut xc = x.chunks_exact(LANES);
+    for (db, xb) in (&mut dc).zip(&mut xc) {
+        for (g, &v) in db.iter_mut().zip(xb) {
+            let (cdf, pdf) = cdf_pdf(v);
+            *g *= v.mul_add(pdf, cdf);
+        }
+    }
+    for (g, &v) in dc.into_remainder().iter_mut().zip(xc.remainder()) {
         let (cdf, pdf) = cdf_pdf(v);
-        *g *= cdf + v * pdf;
+        *g *= v.mul_add(pdf, cdf);
     }
 }
 
 #[inline(always)]
 fn exp_shifted_sum_body(row: &mut [f32], shift: f32) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let mut chunks = row.chunks_exact_mut(8);
-    for c in &mut chunks {
-        for (a, v) in acc.iter_mut().zip(c.iter_mut()) {
+    // The exponentials LANES at a time (independent chains, as in the GELU loops), then the
+    // sum over 16 running sums.
+    for c in row.chunks_mut(LANES) {
+        for v in c.iter_mut() {
             *v = exp(*v - shift);
-            *a += *v;
+        }
+    }
+    let mut acc = [0.0f32; 16];
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v;
         }
     }
     let mut sum: f32 = acc.iter().sum();
-    for v in chunks.into_remainder() {
-        *v = exp(*v - shift);
-        sum += *v;
+    for &v in chunks.remainder() {
+        sum += v;
     }
     sum
 }
@@ -132,8 +170,10 @@ macro_rules! dispatch {
 }
 
 /// The widest vectors this CPU runs the kernels with. Each lane computes the same operations in
-/// the same order whatever the width (no contraction into FMA: Rust does not allow it), so the
-/// results do not depend on it.
+/// the same order whatever the width, so the results do not depend on it: the fused
+/// multiply-adds are written out (`mul_add`), which the AVX2 and AVX-512 builds run as FMA
+/// instructions and the baseline build as libm's `fmaf`, correctly rounded like them (the same
+/// bits, slowly, on a CPU without FMA).
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 enum Width {
@@ -209,6 +249,35 @@ mod tests {
         let want: f64 = row.iter().map(|&v| ((v - m) as f64).exp()).sum();
         let got = super::exp_shifted_sum(&mut row, m) as f64;
         assert!((got - want).abs() / want < 1e-6);
+    }
+
+    /// The wide builds give the bits of the baseline build (the body compiled without
+    /// `target_feature`, its `mul_add`s through libm): the results do not depend on the CPU's
+    /// vector width. Lengths around the LANES steps cover the remainders.
+    #[test]
+    fn wide_builds_give_the_baseline_bits() {
+        for len in [1, 15, 63, 64, 65, 200, 1000] {
+            let xs: Vec<f32> = (0..len).map(|i| (i as f32 * 0.173).sin() * 6.0).collect();
+            let (mut wide, mut base) = (vec![0.0f32; len], vec![0.0f32; len]);
+            super::gelu_forward(&mut wide, &xs);
+            super::gelu_forward_body(&mut base, &xs);
+            assert_eq!(bits(&wide), bits(&base), "gelu forward, len {len}");
+            let (mut wide, mut base) = (vec![0.7f32; len], vec![0.7f32; len]);
+            super::gelu_backward(&mut wide, &xs);
+            super::gelu_backward_body(&mut base, &xs);
+            assert_eq!(bits(&wide), bits(&base), "gelu backward, len {len}");
+            let (mut wide, mut base) = (xs.clone(), xs.clone());
+            let (sw, sb) = (
+                super::exp_shifted_sum(&mut wide, 2.0),
+                super::exp_shifted_sum_body(&mut base, 2.0),
+            );
+            assert_eq!(bits(&wide), bits(&base), "exp, len {len}");
+            assert_eq!(sw.to_bits(), sb.to_bits(), "exp sum, len {len}");
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
     }
 
     fn unsafe_erf(x: f64) -> f64 {
