@@ -8,9 +8,12 @@ What it does, and how it matches Keel:
   every line has `ids` and `shard`; the training shards are used, `heldout.keel` is not.
   Rank r takes the sequences r, r+N, r+2N, ... of a seeded shuffle, a new shuffle per epoch.
 - Model: the job's HF `config.json` as Keel wrote it (`--config`), random init (seeded).
-- Masking: dynamic, a new mask per sequence each time it is drawn, BERT's rule
-  (create_pretraining_data.py): min(max_predictions_per_seq, max(1, round(n * masked_lm_prob)))
-  of the n non-special positions, of which 80% become [MASK], 10% a random token, 10% stay.
+- Masking: dynamic, a new mask per sequence each time it is drawn:
+  min(max_predictions_per_seq, max(1, round(n * masked_lm_prob))) of the non-special
+  positions, of which 80% become [MASK], 10% a random token, 10% stay. By default n counts the
+  non-special positions; with `--count-specials` it is the sequence's whole length, [CLS] and
+  [SEP] included, as BERT's create_pretraining_data.py and Keel count it (5 predictions in a
+  full 32-token sequence instead of 4).
 - Loss: the MLM head on the masked positions only (the hidden states are gathered first), as
   Keel computes it; the model is wrapped so that DDP sees the whole forward.
 - Optimizer: torch.optim.AdamW (bias correction, as Keel's AdamW), betas (0.9, 0.999),
@@ -94,7 +97,8 @@ def make_batch(seqs, rng, specials, vocab_size, a):
     for b, s in enumerate(seqs):
         s = list(s)
         cand = [i for i, t in enumerate(s) if t not in skip]
-        k = min(a.max_predictions_per_seq, max(1, int(round(len(cand) * a.masked_lm_prob))))
+        n = len(s) if a.count_specials else len(cand)
+        k = min(a.max_predictions_per_seq, max(1, int(round(n * a.masked_lm_prob))))
         for i in sorted(rng.sample(cand, min(k, len(cand)))):
             rows.append(b)
             cols.append(i)
@@ -217,6 +221,8 @@ def main():
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--masked-lm-prob", type=float, default=0.15)
     p.add_argument("--max-predictions-per-seq", type=int, default=20)
+    p.add_argument("--count-specials", action="store_true",
+                   help="count [CLS] and [SEP] in the length the masked count is taken of (BERT, Keel)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--budget-seconds", type=float, default=600)
     p.add_argument("--checkpoint-every-seconds", type=float, default=60)
