@@ -8,7 +8,8 @@
 #  2. The peer: PyTorch DDP over gloo, 2 processes x 1 thread (scripts/peer/mlm_ddp_train.py):
 #     HF BertForMaskedLM, MLM head on the masked positions, the same config.json, vocabulary,
 #     sequences (Keel's prepared shards, exported with `keel inspect`), global batch, AdamW
-#     hyperparameters, warmup and schedule; its precision is its faster of fp32 and bf16
+#     hyperparameters, warmup and schedule, and Keel's masking rule (BERT's count of masked
+#     tokens, `--count-specials`; its own dynamic masks); its precision is its faster of fp32 and bf16
 #     autocast on this CPU (measured first with scripts/peer/pytorch_bert_bench.py). Same budget;
 #     checkpoints every 30 s of wall time.
 #  3. One evaluator (scripts/bench/ttq_eval.py, transformers fp32) on one fixed pre-masked
@@ -132,7 +133,7 @@ t0=$(date +%s.%N)
   --learning-rate "$(value learning_rate)" --warmup-steps "$(value warmup_steps)" \
   --weight-decay "$(value weight_decay)" --max-grad-norm "$(value max_grad_norm)" \
   --masked-lm-prob "$(value masked_lm_prob)" --max-predictions-per-seq "$(value max_predictions_per_seq)" \
-  --seed "$(value seed)" --budget-seconds "$budget" --checkpoint-every-seconds 30 --t0 "$t0" \
+  --count-specials --seed "$(value seed)" --budget-seconds "$budget" --checkpoint-every-seconds 30 --t0 "$t0" \
   > "$out/peer.log" 2>&1 || { echo "time_to_quality: the peer failed; see $out/peer.log" >&2; tail -n 20 "$out/peer.log" >&2; exit 1; }
 echo "peer checkpoints: $(wc -l < "$out/peer/checkpoints.jsonl"), last: $(tail -n1 "$out/peer/checkpoints.jsonl")"
 
