@@ -131,9 +131,14 @@ pub(crate) fn keep<A: 'static>(x: &[A], copy: &mut Vec<u16>) {
     if KEEP_NOTHING.get() {
         return;
     }
-    if let Some(x) = native_f32(x) {
-        super::bf16::extend_bits(copy, x);
-    }
+    super::bf16::native_copy(x, copy);
+}
+
+/// [`keep`] then [`share_kept`]: rounds `x` into `copy` and lends it to the GEMMs of this
+/// scope, leaving it in `copy` for a later scope's [`share_kept`].
+pub(crate) fn keep_and_share<'a, A: 'static>(x: &'a [A], copy: &'a mut Vec<u16>) -> Shared<'a> {
+    keep(x, copy);
+    share_kept(x, copy)
 }
 
 /// As [`share`], with the bf16 copy of `x` that [`keep`] wrote into `copy` from the same

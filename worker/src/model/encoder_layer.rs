@@ -170,8 +170,7 @@ impl EncoderLayer {
         let (b, t) = (inputs.b, inputs.t);
         let (n, c, f, h) = (b * t, self.query.out, self.intermediate.out, self.heads);
         let x = &x[..n * c];
-        bf16_shared::keep(x, &mut cache.x_bf16);
-        let x16 = bf16_shared::share_kept(x, &cache.x_bf16);
+        let x16 = bf16_shared::keep_and_share(x, &mut cache.x_bf16);
         let q = grow(&mut cache.q, n * c);
         self.query.forward(q, x, params, n);
         let k = grow(&mut cache.k, n * c);
@@ -193,10 +192,9 @@ impl EncoderLayer {
         );
 
         let a = grow(tmp, n * c);
-        bf16_shared::keep(&cache.ctx[..n * c], &mut cache.ctx_bf16);
         {
             let ctx = &cache.ctx[..n * c];
-            let _ctx16 = bf16_shared::share_kept(ctx, &cache.ctx_bf16);
+            let _ctx16 = bf16_shared::keep_and_share(ctx, &mut cache.ctx_bf16);
             self.attn_out.forward(a, ctx, params, n);
         }
         self.hidden_dropout(a, inputs, Site::AttentionOutput);
@@ -206,20 +204,18 @@ impl EncoderLayer {
         self.ln1.forward(h1, xhat1, rstd1, a, Some(x), params, n);
 
         let pre = grow(&mut cache.pre, n * f);
-        bf16_shared::keep(&cache.h1[..n * c], &mut cache.h1_bf16);
         {
             let h1 = &cache.h1[..n * c];
-            let _h1_16 = bf16_shared::share_kept(h1, &cache.h1_bf16);
+            let _h1_16 = bf16_shared::keep_and_share(h1, &mut cache.h1_bf16);
             self.intermediate.forward(pre, h1, params, n);
         }
         let act = grow(&mut cache.act, n * f);
         activation::forward(self.act, act, &cache.pre[..n * f]);
 
         let o = grow(tmp, n * c);
-        bf16_shared::keep(&cache.act[..n * f], &mut cache.act_bf16);
         {
             let act = &cache.act[..n * f];
-            let _act16 = bf16_shared::share_kept(act, &cache.act_bf16);
+            let _act16 = bf16_shared::keep_and_share(act, &mut cache.act_bf16);
             self.output.forward(o, act, params, n);
         }
         self.hidden_dropout(o, inputs, Site::FeedForwardOutput);

@@ -61,38 +61,34 @@ fn cdf_pdf(x: f32) -> (f32, f32) {
 /// waiting on the latency of its ~50 chained operations.
 const LANES: usize = 64;
 
+/// `f(&mut y[i], x[i])` for every `i`, [`LANES`] elements per step, then the tail.
 #[inline(always)]
-fn gelu_forward_body(y: &mut [f32], x: &[f32]) {
+fn in_lanes(y: &mut [f32], x: &[f32], f: impl Fn(&mut f32, f32)) {
     let n = y.len().min(x.len());
     let (y, x) = (&mut y[..n], &x[..n]);
     let mut yc = y.chunks_exact_mut(LANES);
     let mut xc = x.chunks_exact(LANES);
     for (yb, xb) in (&mut yc).zip(&mut xc) {
         for (o, &v) in yb.iter_mut().zip(xb) {
-            *o = v * cdf_pdf(v).0;
+            f(o, v);
         }
     }
     for (o, &v) in yc.into_remainder().iter_mut().zip(xc.remainder()) {
-        *o = v * cdf_pdf(v).0;
+        f(o, v);
     }
 }
 
 #[inline(always)]
+fn gelu_forward_body(y: &mut [f32], x: &[f32]) {
+    in_lanes(y, x, |o, v| *o = v * cdf_pdf(v).0);
+}
+
+#[inline(always)]
 fn gelu_backward_body(d: &mut [f32], x: &[f32]) {
-    let n = d.len().min(x.len());
-    let (d, x) = (&mut d[..n], &x[..n]);
-    let mut dc = d.chunks_exact_mut(LANES);
-    let mut xc = x.chunks_exact(LANES);
-    for (db, xb) in (&mut dc).zip(&mut xc) {
-        for (g, &v) in db.iter_mut().zip(xb) {
-            let (cdf, pdf) = cdf_pdf(v);
-            *g *= v.mul_add(pdf, cdf);
-        }
-    }
-    for (g, &v) in dc.into_remainder().iter_mut().zip(xc.remainder()) {
+    in_lanes(d, x, |g, v| {
         let (cdf, pdf) = cdf_pdf(v);
         *g *= v.mul_add(pdf, cdf);
-    }
+    });
 }
 
 #[inline(always)]
