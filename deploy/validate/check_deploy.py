@@ -52,6 +52,7 @@ CONTRACT_FLAGS: dict[str, set[str]] = {
         "--listen",
         "--advertise-addr",
         "--threads",
+        "--io-threads",  # issue 18: threads of the network runtime
         "--cache-dir",
         "--token-file",
         "--tls-cert",
@@ -75,6 +76,7 @@ CONTRACT_ENV = {
     "KEEL_COORDINATOR",
     "KEEL_ADVERTISE_ADDR",
     "KEEL_THREADS",
+    "KEEL_IO_THREADS",  # --io-threads (worker): threads of the network runtime, default 1
     "KEEL_CACHE_DIR",
     "KEEL_TOKEN_FILE",
     "KEEL_TLS_CERT",  # optional TLS: server certificate chain (PEM)

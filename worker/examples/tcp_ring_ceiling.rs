@@ -239,14 +239,17 @@ fn child(args: &Args, rank: usize, n: usize, port: u16) {
     for &mib in &args.sizes_mib {
         let mut buf = vec![1f32; mib * (1 << 20) / 4];
         let mut times = Vec::new();
+        let mut cpu = Vec::new();
         for it in 0..args.warmup + args.iters {
             let mut token = vec![0f32; n];
             all_reduce(&mut token, rank, n, &mut right, &mut left, frame_elems);
+            let cpu0 = process_cpu_seconds();
             let t0 = Instant::now();
             all_reduce(&mut buf, rank, n, &mut right, &mut left, frame_elems);
             let dt = t0.elapsed().as_secs_f64();
             if it >= args.warmup {
                 times.push(dt);
+                cpu.push(process_cpu_seconds() - cpu0);
             }
         }
         // Slowest rank per iteration: an all-reduce of the times with max, done as a sum of
@@ -256,6 +259,9 @@ fn child(args: &Args, rank: usize, n: usize, port: u16) {
             table[rank * times.len() + i] = *t as f32;
         }
         all_reduce(&mut table, rank, n, &mut right, &mut left, frame_elems);
+        // CPU seconds of the timed all-reduces, summed over the ranks (as bench-allreduce).
+        let mut cpu_sum = vec![cpu.iter().sum::<f64>() as f32];
+        all_reduce(&mut cpu_sum, rank, n, &mut right, &mut left, frame_elems);
         if rank == 0 {
             let mut slowest: Vec<f64> = (0..times.len())
                 .map(|i| {
@@ -271,12 +277,23 @@ fn child(args: &Args, rank: usize, n: usize, port: u16) {
             let want = (n as f32).powi((args.warmup + args.iters) as i32);
             let ok = buf.iter().all(|&x| x == want);
             println!(
-                "{{\"peer\":\"tcp-ring\",\"workers\":{n},\"bytes\":{},\"iters\":{},\"seconds\":{s:.6},\"busbw_gb_s\":{:.3},\"sums_exact\":{ok}}}",
+                "{{\"peer\":\"tcp-ring\",\"workers\":{n},\"bytes\":{},\"iters\":{},\"seconds\":{s:.6},\"busbw_gb_s\":{:.3},\"cpu_seconds_all_ranks\":{:.4},\"sums_exact\":{ok}}}",
                 mib << 20,
                 times.len(),
-                2.0 * (n as f64 - 1.0) / n as f64 * b / s / 1e9
+                2.0 * (n as f64 - 1.0) / n as f64 * b / s / 1e9,
+                cpu_sum[0] as f64 / times.len() as f64
             );
             let _ = std::io::stdout().flush();
         }
     }
+}
+
+/// User + system CPU time of this process (all threads), seconds.
+fn process_cpu_seconds() -> f64 {
+    // SAFETY: getrusage only writes the struct we pass; an all-zero rusage is a valid value.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF with a valid pointer cannot fail.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
 }

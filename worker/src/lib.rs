@@ -36,6 +36,7 @@ pub mod buckets;
 pub mod client;
 pub mod control;
 pub mod data;
+pub mod io_runtime;
 pub mod job;
 pub mod model;
 pub mod optim;

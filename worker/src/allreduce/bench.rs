@@ -54,8 +54,9 @@ pub struct Args {
     /// Frame payload, KiB.
     #[arg(long, default_value_t = 512)]
     pub frame_kib: usize,
-    /// Tokio worker threads per peer process.
-    #[arg(long, default_value_t = 2)]
+    /// Network runtime threads per peer process, as a worker's `--io-threads` (1: every task
+    /// on one thread, the worker's default).
+    #[arg(long, default_value_t = crate::io_runtime::DEFAULT_IO_THREADS)]
     pub threads: usize,
     /// Ring timeout, and the bound on each wait of the parent, seconds.
     #[arg(long, default_value_t = 120)]
@@ -89,7 +90,7 @@ pub struct PeerArgs {
     /// Frame payload, KiB.
     #[arg(long)]
     pub frame_kib: usize,
-    /// Tokio worker threads.
+    /// Network runtime threads (see [`Args::threads`]).
     #[arg(long)]
     pub threads: usize,
     /// Ring timeout, seconds.
@@ -303,12 +304,14 @@ static REPORTED_ALL: AtomicBool = AtomicBool::new(false);
 
 /// Runs one benchmark peer (see the module docs for its stdin/stdout protocol).
 pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(args.threads.max(1))
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
-    rt.block_on(peer_main(args))
+    let rt = crate::io_runtime::io_runtime(args.threads).context("starting the tokio runtime")?;
+    // Spawned, as a worker's all-reduces are (`ringlink`): on a multi-threaded runtime it then
+    // runs on the worker threads, not on this one.
+    rt.block_on(async {
+        tokio::spawn(peer_main(args))
+            .await
+            .context("the benchmark peer's task")?
+    })
 }
 
 async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {

@@ -310,6 +310,11 @@ impl Ring {
                     received += 1;
                     last_arrival = Instant::now();
                     absorb_or_defer(n, dtype, collective, &buf, frame, slot.range, &mut outbox, &mut readers, &mut deferred);
+                    // Let the connections read and write before the next frame's add: on a
+                    // one-thread runtime (`io_runtime`) a run of queued frames would otherwise
+                    // keep the sockets unserved for as long as it lasts (measured: 64 MiB with
+                    // 2 workers at 0.7 GB/s without this, 1.4 with it).
+                    tokio::task::yield_now().await;
                 }
                 () = sleep_until(last_arrival + self.cfg.timeout), if received < expected => {
                     return Err(self.timeout_error(

@@ -36,6 +36,11 @@ pub struct Args {
     /// default: all cores.
     #[arg(long, env = "KEEL_THREADS")]
     pub threads: Option<usize>,
+    /// Threads of the network runtime (the ring, calls to the coordinator, the metrics port);
+    /// 1 runs them all on one thread, which passes ring frames between tasks without waking
+    /// other threads (see `io_runtime`). More for links one core cannot feed.
+    #[arg(long, env = "KEEL_IO_THREADS", default_value_t = crate::io_runtime::DEFAULT_IO_THREADS)]
+    pub io_threads: usize,
     /// Folder caching shards and holding checkpoints before upload.
     #[arg(long, env = "KEEL_CACHE_DIR", default_value = "keel-cache")]
     pub cache_dir: PathBuf,
@@ -164,12 +169,12 @@ pub fn main(args: Args) -> anyhow::Result<()> {
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .max(1);
-    let runtime = tokio::runtime::Runtime::new()?;
+    let runtime = crate::io_runtime::io_runtime(args.io_threads)?;
     runtime.block_on(async {
         let listener = TcpListener::bind(&args.listen)
             .await
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
-        tracing::info!(listen = %listener.local_addr()?, advertise = %advertise_addr, threads, memory_limit = ?args.memory_limit, "worker starting");
+        tracing::info!(listen = %listener.local_addr()?, advertise = %advertise_addr, threads, io_threads = args.io_threads.max(1), memory_limit = ?args.memory_limit, "worker starting");
         let config = Config {
             coordinator: args.coordinator.clone(),
             advertise_addr,

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The ring all-reduce against the bare TCP ring, in the same minutes (issue 18's measurement):
+# per round, `keel-worker bench-allreduce --threads T` for each T of --io-threads (the worker's
+# `--io-threads`: 1 is its default, every ring task on one thread) and then
+# `tcp_ring_ceiling` (the same pipelined ring over plain blocking sockets, no HTTP/2 and no
+# async runtime: an upper bound for a ring over TCP here), all on 127.0.0.1, alternated round
+# by round. Also the 1-element all-reduce (the ring's latency, 2 (n - 1) hops of nothing).
+#
+# Prints one JSON line per (round, peer, workers, size) and then a Markdown table: bus
+# bandwidth in GB/s (2 (n - 1) / n x bytes / seconds, median over rounds of each run's median
+# of the slowest rank), and Keel / bare TCP ring.
+#
+# Usage: scripts/bench-ring.sh [--workers 2,3,4] [--sizes-mib 1,4,16,64] [--rounds 3]
+#                              [--iters 40] [--io-threads 1,2] [--bin-dir DIR] [--out FILE.jsonl]
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+WORKERS=2,3,4
+SIZES=1,4,16,64
+ROUNDS=3
+ITERS=40
+IO_THREADS=1,2
+BIN_DIR="${CARGO_TARGET_DIR:-$REPO/target}/release"
+OUT="$REPO/target/bench-ring.jsonl"
+
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
+die() { echo "bench-ring: $*" >&2; exit 1; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --workers) WORKERS="${2:?--workers needs a list}"; shift ;;
+    --sizes-mib) SIZES="${2:?--sizes-mib needs a list}"; shift ;;
+    --rounds) ROUNDS="${2:?--rounds needs a number}"; shift ;;
+    --iters) ITERS="${2:?--iters needs a number}"; shift ;;
+    --io-threads) IO_THREADS="${2:?--io-threads needs a list}"; shift ;;
+    --bin-dir) BIN_DIR="${2:?--bin-dir needs a directory}"; shift ;;
+    --out) OUT="${2:?--out needs a file}"; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument $1 (see --help)" ;;
+  esac
+  shift
+done
+
+[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive number, got $ROUNDS"
+[[ "$ITERS" =~ ^[1-9][0-9]*$ ]] || die "--iters must be a positive number, got $ITERS"
+[[ "$SIZES" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--sizes-mib must be whole MiB (the bare ring takes no fractions), got $SIZES"
+[ -x "$BIN_DIR/keel-worker" ] || die "$BIN_DIR/keel-worker not found (cargo build --release)"
+CEILING="$BIN_DIR/examples/tcp_ring_ceiling"
+[ -x "$CEILING" ] || die "$CEILING not found (cargo build --release -p keel-worker --example tcp_ring_ceiling)"
+command -v python3 >/dev/null || die "python3 not found (it writes the table)"
+
+echo "bench-ring: $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //'), $(nproc) cores, $(date -u +%FT%TZ)" >&2
+mkdir -p "$(dirname "$OUT")"
+: > "$OUT"
+tag() { python3 -c '
+import json, sys
+for line in sys.stdin:
+    row = json.loads(line)
+    row.update(peer=sys.argv[1], round=int(sys.argv[2]))
+    print(json.dumps(row), flush=True)
+' "$1" "$2"; }
+for round in $(seq 1 "$ROUNDS"); do
+  for t in ${IO_THREADS//,/ }; do
+    timeout 900 "$BIN_DIR/keel-worker" bench-allreduce --workers "$WORKERS" \
+        --sizes-mib "0.000004,$SIZES" --iters "$ITERS" --warmup 3 --threads "$t" \
+      | tag "keel-io$t" "$round" | tee -a "$OUT"
+  done
+  timeout 900 "$CEILING" --workers "$WORKERS" --sizes-mib "$SIZES" --iters "$ITERS" --warmup 3 \
+    | tag tcp "$round" | tee -a "$OUT"
+done
+
+python3 - "$OUT" <<'PY'
+import json, statistics, sys
+from collections import defaultdict
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+bus, lat = defaultdict(list), defaultdict(list)
+for r in rows:
+    if r["bytes"] < 1024:
+        lat[(r["peer"], r["workers"])].append(r["seconds"])
+    else:
+        bus[(r["peer"], r["workers"], r["bytes"])].append(r["busbw_gb_s"])
+peers = sorted({p for p, *_ in bus if p != "tcp"})
+print("\n1-element all-reduce, ms (median over rounds; per hop = / 2 (n - 1)):")
+for (p, w), v in sorted(lat.items()):
+    s = statistics.median(v)
+    print(f"- {p}, {w} workers: {s * 1e3:.3f} ms, {s * 1e6 / (2 * (w - 1)):.0f} us per hop")
+cols = " | ".join(f"{p} GB/s | {p} / tcp" for p in peers)
+print(f"\n| workers | MiB | tcp GB/s | {cols} |")
+print("|---|---|---|" + "---|---|" * len(peers))
+for (w, b) in sorted({(k[1], k[2]) for k in bus}):
+    tcp = bus.get(("tcp", w, b))
+    if not tcp:
+        continue
+    t = statistics.median(tcp)
+    cells = []
+    for p in peers:
+        v = bus.get((p, w, b))
+        cells.append(f"{statistics.median(v):.2f} | {statistics.median(v) / t:.2f}" if v else "- | -")
+    print(f"| {w} | {b >> 20} | {t:.2f} | " + " | ".join(cells) + " |")
+PY

@@ -1,0 +1,73 @@
+//! The tokio runtime a worker's network runs on: the ring (its server, its connections to the
+//! right neighbour, the all-reduce task), the calls to the coordinator and the metrics port.
+//! The math runs on its own threads (`job`), never here.
+//!
+//! One thread by default. Every ring hop passes a frame between several tasks (the HTTP/2
+//! connection reading the socket, the `Ring/Stream` call, the mailbox, the all-reduce, the link
+//! to the right neighbour, the connection writing its socket); on a multi-threaded runtime those
+//! tasks land on different threads, and each hand-off can wake a parked thread (a futex, and on
+//! a VM an idle virtual CPU's wake-up). On one thread a hand-off is a queue push. Measured with
+//! `keel-worker bench-allreduce` on a 2-core Intel Xeon (2026-12-04, 2 workers, 40 all-reduces
+//! per size, 3 alternated rounds): 4 MiB at 2.5-2.9 GB/s bus bandwidth on one thread against
+//! 1.0-1.6 on two, 16 MiB at 2.3-2.4 against 1.5-1.6 ("The ring on one thread" in the README).
+//! Links faster than one core can feed (10 Gbit/s and up on a slow core) may want more:
+//! `--io-threads`.
+
+use tokio::runtime::{Builder, Runtime};
+
+/// The default of `--io-threads`.
+pub const DEFAULT_IO_THREADS: usize = 1;
+
+/// A runtime with IO and timers for the network: `threads == 1` (or 0) builds a
+/// current-thread runtime, which runs every task on the thread that calls
+/// [`Runtime::block_on`]; more builds a multi-threaded one with that many worker threads.
+/// `spawn_blocking` works on both (the math uses it).
+///
+/// Errors: the OS refusing a thread or the IO driver (as [`Builder::build`]).
+pub fn io_runtime(threads: usize) -> std::io::Result<Runtime> {
+    if threads <= 1 {
+        Builder::new_current_thread().enable_all().build()
+    } else {
+        Builder::new_multi_thread()
+            .worker_threads(threads)
+            .enable_all()
+            .build()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::runtime::RuntimeFlavor;
+
+    #[test]
+    fn one_thread_is_a_current_thread_runtime_and_more_is_multi_threaded() {
+        for (threads, flavor) in [
+            (0, RuntimeFlavor::CurrentThread),
+            (1, RuntimeFlavor::CurrentThread),
+            (2, RuntimeFlavor::MultiThread),
+        ] {
+            let rt = io_runtime(threads).expect("runtime");
+            assert_eq!(rt.handle().runtime_flavor(), flavor, "{threads} threads");
+        }
+    }
+
+    #[test]
+    fn blocking_work_and_timers_run_beside_the_one_thread() {
+        // The math runs in `spawn_blocking` and waits on the ring through channels; the one
+        // network thread must keep serving timers and tasks meanwhile.
+        let rt = io_runtime(1).expect("runtime");
+        let sum = rt.block_on(async {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let math = tokio::task::spawn_blocking(move || rx.blocking_recv().expect("reply") + 1);
+            let net_thread = std::thread::current().id();
+            tokio::spawn(async move {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                assert_eq!(std::thread::current().id(), net_thread);
+                tx.send(41u32).expect("send");
+            });
+            math.await.expect("join")
+        });
+        assert_eq!(sum, 42);
+    }
+}
