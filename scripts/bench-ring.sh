@@ -6,12 +6,15 @@
 # async runtime: an upper bound for a ring over TCP here), all on 127.0.0.1, alternated round
 # by round. Also the 1-element all-reduce (the ring's latency, 2 (n - 1) hops of nothing).
 #
-# Prints one JSON line per (round, peer, workers, size) and then a Markdown table: bus
+# Prints one JSON line per (round, peer, workers, size) and then two Markdown tables: bus
 # bandwidth in GB/s (2 (n - 1) / n x bytes / seconds, median over rounds of each run's median
-# of the slowest rank), and Keel / bare TCP ring.
+# of the slowest rank) and Keel / bare TCP ring; and the CPU time all ranks spent per byte
+# sent (user + system, ns; on a machine with fewer cores than ranks this is what bounds the
+# bandwidth) and Keel / bare TCP ring.
 #
 # Usage: scripts/bench-ring.sh [--workers 2,3,4] [--sizes-mib 1,4,16,64] [--rounds 3]
 #                              [--iters 40] [--io-threads 1,2] [--bin-dir DIR] [--out FILE.jsonl]
+#        scripts/bench-ring.sh --summary FILE.jsonl      (the tables of an earlier run)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,6 +23,7 @@ SIZES=1,4,16,64
 ROUNDS=3
 ITERS=40
 IO_THREADS=1,2
+SUMMARY=""
 BIN_DIR="${CARGO_TARGET_DIR:-$REPO/target}/release"
 OUT="$REPO/target/bench-ring.jsonl"
 
@@ -35,11 +39,69 @@ while [ $# -gt 0 ]; do
     --io-threads) IO_THREADS="${2:?--io-threads needs a list}"; shift ;;
     --bin-dir) BIN_DIR="${2:?--bin-dir needs a directory}"; shift ;;
     --out) OUT="${2:?--out needs a file}"; shift ;;
+    --summary) SUMMARY="${2:?--summary needs a file}"; shift ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
   shift
 done
+
+summary() {
+  python3 - "$1" <<'PY'
+import json, statistics, sys
+from collections import defaultdict
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+bus, lat = defaultdict(list), defaultdict(list)
+for r in rows:
+    if r["bytes"] < 1024:
+        lat[(r["peer"], r["workers"])].append(r["seconds"])
+    else:
+        bus[(r["peer"], r["workers"], r["bytes"])].append(r["busbw_gb_s"])
+peers = sorted({p for p, *_ in bus if p != "tcp"})
+print("\n1-element all-reduce, ms (median over rounds; per hop = / 2 (n - 1)):")
+for (p, w), v in sorted(lat.items()):
+    s = statistics.median(v)
+    print(f"- {p}, {w} workers: {s * 1e3:.3f} ms, {s * 1e6 / (2 * (w - 1)):.0f} us per hop")
+cols = " | ".join(f"{p} GB/s | {p} / tcp" for p in peers)
+print(f"\n| workers | MiB | tcp GB/s | {cols} |")
+print("|---|---|---|" + "---|---|" * len(peers))
+for (w, b) in sorted({(k[1], k[2]) for k in bus}):
+    tcp = bus.get(("tcp", w, b))
+    if not tcp:
+        continue
+    t = statistics.median(tcp)
+    cells = []
+    for p in peers:
+        v = bus.get((p, w, b))
+        cells.append(f"{statistics.median(v):.2f} | {statistics.median(v) / t:.2f}" if v else "- | -")
+    print(f"| {w} | {b >> 20} | {t:.2f} | " + " | ".join(cells) + " |")
+# CPU per byte sent: every rank sends 2 (n - 1) / n x bytes.
+cpu = defaultdict(list)
+for r in rows:
+    if r["bytes"] >= 1024 and r.get("cpu_seconds_all_ranks"):
+        sent = 2 * (r["workers"] - 1) * r["bytes"]
+        cpu[(r["peer"], r["workers"], r["bytes"])].append(r["cpu_seconds_all_ranks"] / sent * 1e9)
+cols = " | ".join(f"{p} ns/B | {p} / tcp" for p in peers)
+print(f"\nCPU time of all ranks per byte sent, ns (median over rounds):\n\n| workers | MiB | tcp ns/B | {cols} |")
+print("|---|---|---|" + "---|---|" * len(peers))
+for (w, b) in sorted({(k[1], k[2]) for k in cpu}):
+    tcp = cpu.get(("tcp", w, b))
+    if not tcp:
+        continue
+    t = statistics.median(tcp)
+    cells = []
+    for p in peers:
+        v = cpu.get((p, w, b))
+        cells.append(f"{statistics.median(v):.3f} | {statistics.median(v) / t:.2f}" if v else "- | -")
+    print(f"| {w} | {b >> 20} | {t:.3f} | " + " | ".join(cells) + " |")
+PY
+}
+
+if [ -n "$SUMMARY" ]; then
+  [ -f "$SUMMARY" ] || die "$SUMMARY not found"
+  summary "$SUMMARY"
+  exit 0
+fi
 
 [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive number, got $ROUNDS"
 [[ "$ITERS" =~ ^[1-9][0-9]*$ ]] || die "--iters must be a positive number, got $ITERS"
@@ -69,32 +131,4 @@ for round in $(seq 1 "$ROUNDS"); do
     | tag tcp "$round" | tee -a "$OUT"
 done
 
-python3 - "$OUT" <<'PY'
-import json, statistics, sys
-from collections import defaultdict
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-bus, lat = defaultdict(list), defaultdict(list)
-for r in rows:
-    if r["bytes"] < 1024:
-        lat[(r["peer"], r["workers"])].append(r["seconds"])
-    else:
-        bus[(r["peer"], r["workers"], r["bytes"])].append(r["busbw_gb_s"])
-peers = sorted({p for p, *_ in bus if p != "tcp"})
-print("\n1-element all-reduce, ms (median over rounds; per hop = / 2 (n - 1)):")
-for (p, w), v in sorted(lat.items()):
-    s = statistics.median(v)
-    print(f"- {p}, {w} workers: {s * 1e3:.3f} ms, {s * 1e6 / (2 * (w - 1)):.0f} us per hop")
-cols = " | ".join(f"{p} GB/s | {p} / tcp" for p in peers)
-print(f"\n| workers | MiB | tcp GB/s | {cols} |")
-print("|---|---|---|" + "---|---|" * len(peers))
-for (w, b) in sorted({(k[1], k[2]) for k in bus}):
-    tcp = bus.get(("tcp", w, b))
-    if not tcp:
-        continue
-    t = statistics.median(tcp)
-    cells = []
-    for p in peers:
-        v = bus.get((p, w, b))
-        cells.append(f"{statistics.median(v):.2f} | {statistics.median(v) / t:.2f}" if v else "- | -")
-    print(f"| {w} | {b >> 20} | {t:.2f} | " + " | ".join(cells) + " |")
-PY
+summary "$OUT"

@@ -7,10 +7,11 @@
 //! to the right neighbour, the connection writing its socket); on a multi-threaded runtime those
 //! tasks land on different threads, and each hand-off can wake a parked thread (a futex, and on
 //! a VM an idle virtual CPU's wake-up). On one thread a hand-off is a queue push. Measured with
-//! `keel-worker bench-allreduce` on a 2-core Intel Xeon (2026-12-04, 2 workers, 40 all-reduces
-//! per size, 3 alternated rounds): 4 MiB at 2.5-2.9 GB/s bus bandwidth on one thread against
-//! 1.0-1.6 on two, 16 MiB at 2.3-2.4 against 1.5-1.6 ("The ring on one thread" in the README).
-//! Links faster than one core can feed (10 Gbit/s and up on a slow core) may want more:
+//! `scripts/bench-ring.sh` on a 2-core Intel Xeon (2026-12-04, medians of 3 alternated rounds;
+//! "The ring on one thread" in the README): with 2 workers, 4 MiB at 3.07 GB/s bus bandwidth on
+//! one thread against 1.33 on two, 16 MiB at 1.61 against 1.33; a hop of a 1-element
+//! all-reduce takes 15-26 us with 2-4 workers against 18-60 us.
+//! Links faster than one core can feed (25 Gbit/s on this Xeon, by the scale model) may want more:
 //! `--io-threads`.
 
 use tokio::runtime::{Builder, Runtime};
