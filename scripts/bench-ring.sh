@@ -5,6 +5,8 @@
 # `tcp_ring_ceiling` (the same pipelined ring over plain blocking sockets, no HTTP/2 and no
 # async runtime: an upper bound for a ring over TCP here), all on 127.0.0.1, alternated round
 # by round. Also the 1-element all-reduce (the ring's latency, 2 (n - 1) hops of nothing).
+# With --gloo PYTHON, each round also runs PyTorch's gloo all_reduce with that interpreter
+# (`scripts/peer/gloo_allreduce_bench.py`; needs torch, not a Keel dependency).
 #
 # Prints one JSON line per (round, peer, workers, size) and then two Markdown tables: bus
 # bandwidth in GB/s (2 (n - 1) / n x bytes / seconds, median over rounds of each run's median
@@ -13,7 +15,8 @@
 # bandwidth) and Keel / bare TCP ring.
 #
 # Usage: scripts/bench-ring.sh [--workers 2,3,4] [--sizes-mib 1,4,16,64] [--rounds 3]
-#                              [--iters 40] [--io-threads 1,2] [--bin-dir DIR] [--out FILE.jsonl]
+#                              [--iters 40] [--io-threads 1,2] [--gloo PYTHON] [--bin-dir DIR]
+#                              [--out FILE.jsonl]
 #        scripts/bench-ring.sh --summary FILE.jsonl      (the tables of an earlier run)
 set -euo pipefail
 
@@ -24,6 +27,7 @@ ROUNDS=3
 ITERS=40
 IO_THREADS=1,2
 SUMMARY=""
+GLOO_PYTHON=""
 BIN_DIR="${CARGO_TARGET_DIR:-$REPO/target}/release"
 OUT="$REPO/target/bench-ring.jsonl"
 
@@ -39,6 +43,7 @@ while [ $# -gt 0 ]; do
     --io-threads) IO_THREADS="${2:?--io-threads needs a list}"; shift ;;
     --bin-dir) BIN_DIR="${2:?--bin-dir needs a directory}"; shift ;;
     --out) OUT="${2:?--out needs a file}"; shift ;;
+    --gloo) GLOO_PYTHON="${2:?--gloo needs a python interpreter with torch}"; shift ;;
     --summary) SUMMARY="${2:?--summary needs a file}"; shift ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
@@ -129,6 +134,11 @@ for round in $(seq 1 "$ROUNDS"); do
   done
   timeout 900 "$CEILING" --workers "$WORKERS" --sizes-mib "$SIZES" --iters "$ITERS" --warmup 3 \
     | tag tcp "$round" | tee -a "$OUT"
+  if [ -n "$GLOO_PYTHON" ]; then
+    timeout 900 "$GLOO_PYTHON" "$REPO/scripts/peer/gloo_allreduce_bench.py" --workers "$WORKERS" \
+        --sizes-mib "$SIZES" --iters "$ITERS" \
+      | tag gloo "$round" | tee -a "$OUT"
+  fi
 done
 
 summary "$OUT"
