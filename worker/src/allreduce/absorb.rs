@@ -140,19 +140,17 @@ unsafe fn absorb(
 }
 
 /// Elements decoded per block by [`for_each_block`] (a 2 KiB stack buffer).
+#[cfg(not(target_endian = "little"))]
 const BLOCK: usize = 512;
 
 /// Calls `f(start, block)` for consecutive blocks of `incoming` (little-endian f32 bytes)
-/// decoded into an aligned stack buffer, so the arithmetic runs on plain `f32` slices (the
-/// frame's bytes sit at any alignment inside the HTTP/2 DATA frame they arrived in).
+/// decoded into a stack buffer: the big-endian path of [`copy_le`].
+#[cfg(not(target_endian = "little"))]
 fn for_each_block(incoming: &[u8], mut f: impl FnMut(usize, &[f32])) {
     let mut buf = [0.0f32; BLOCK];
     for (i, bytes) in incoming.chunks(BLOCK * 4).enumerate() {
         let elems = bytes.len() / 4;
         let block = &mut buf[..elems];
-        #[cfg(target_endian = "little")]
-        bytemuck::cast_slice_mut::<f32, u8>(block).copy_from_slice(&bytes[..elems * 4]);
-        #[cfg(not(target_endian = "little"))]
         for (x, b) in block.iter_mut().zip(bytes.chunks_exact(4)) {
             *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
@@ -161,12 +159,14 @@ fn for_each_block(incoming: &[u8], mut f: impl FnMut(usize, &[f32])) {
 }
 
 /// `local[i] += incoming[i]` (`incoming`: `local.len() * 4` little-endian bytes).
+///
+/// Reads each element straight from the frame's bytes (an unaligned load on little-endian
+/// machines; the compiler makes it a vector loop). Staging each block in an aligned buffer first,
+/// as this did before, added a `memcpy` of every reduce-scatter byte.
 fn add_le(local: &mut [f32], incoming: &[u8]) {
-    for_each_block(incoming, |start, block| {
-        for (a, b) in local[start..start + block.len()].iter_mut().zip(block) {
-            *a += b;
-        }
-    });
+    for (a, b) in local.iter_mut().zip(incoming.chunks_exact(4)) {
+        *a += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
 }
 
 /// `local[i] = incoming[i]` (a memcpy on little-endian machines).
@@ -205,5 +205,23 @@ mod tests {
         assert!(local.iter().enumerate().all(|(i, &x)| x == i as f32 * 1.5));
         copy_le(&mut local, &incoming);
         assert!(local.iter().enumerate().all(|(i, &x)| x == i as f32 * 0.5));
+    }
+
+    #[test]
+    fn add_reads_frames_at_any_byte_alignment() {
+        // A frame's bytes sit anywhere inside the HTTP/2 DATA frame they came in.
+        for skew in 0..4 {
+            let mut wire = vec![0xAAu8; skew];
+            wire.extend((0..1001).flat_map(|i| (i as f32 - 500.0).to_le_bytes()));
+            let mut local = vec![0.25f32; 1001];
+            add_le(&mut local, &wire[skew..]);
+            assert!(
+                local
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &x)| x == i as f32 - 500.0 + 0.25),
+                "skew {skew}"
+            );
+        }
     }
 }
