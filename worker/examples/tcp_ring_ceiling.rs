@@ -74,11 +74,16 @@ fn main() {
     }
 }
 
-/// Starts `world` children per world size and prints rank 0's JSON lines.
+/// Starts `world` children per world size and prints rank 0's JSON lines. A child that fails
+/// (a port taken after all, a broken connection) fails the run: the others are killed rather
+/// than left waiting for it.
 fn parent(args: &Args) {
     let exe = std::env::current_exe().expect("own path");
-    for (i, &world) in args.workers.iter().enumerate() {
-        let port = 41000 + 16 * i as u16 + (std::process::id() % 1000) as u16 * 16 % 8000;
+    for &world in &args.workers {
+        let port = free_ports(world).unwrap_or_else(|| {
+            eprintln!("no {world} consecutive free ports on 127.0.0.1 found");
+            std::process::exit(1);
+        });
         let mut children: Vec<_> = (0..world)
             .map(|rank| {
                 Command::new(&exe)
@@ -104,13 +109,47 @@ fn parent(args: &Args) {
             })
             .collect();
         let out = children[0].stdout.take().expect("rank 0's stdout");
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            println!("{line}");
+        let printer = std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                println!("{line}");
+            }
+        });
+        let mut running = world;
+        while running > 0 {
+            running = 0;
+            for (rank, c) in children.iter_mut().enumerate() {
+                match c.try_wait() {
+                    Ok(None) => running += 1,
+                    Ok(Some(status)) if status.success() => {}
+                    Ok(Some(status)) => {
+                        eprintln!("ring process rank {rank} of {world} failed ({status})");
+                        for other in children.iter_mut() {
+                            let _ = other.kill();
+                            let _ = other.wait();
+                        }
+                        std::process::exit(1);
+                    }
+                    Err(e) => panic!("waiting for rank {rank}: {e}"),
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
-        for mut c in children {
-            let _ = c.wait();
-        }
+        let _ = printer.join();
     }
+}
+
+/// A first port `p` such that `p .. p + n` can all be bound on 127.0.0.1 now (tried from a
+/// start that differs by process, so that runs side by side seldom collide).
+fn free_ports(n: usize) -> Option<u16> {
+    let start = 20000 + (std::process::id() % 2000) as u16 * 16;
+    (0..200u16)
+        .map(|k| start.wrapping_add(k * 64) % 40000 + 20000)
+        .find(|&base| {
+            let held: Vec<_> = (0..n as u16)
+                .map_while(|r| TcpListener::bind(("127.0.0.1", base + r)).ok())
+                .collect();
+            held.len() == n
+        })
 }
 
 fn join(v: &[usize]) -> String {
