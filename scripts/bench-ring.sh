@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The ring all-reduce against the bare TCP ring, in the same minutes (issue 18's measurement):
+# The ring all-reduce against the bare TCP ring, in the same minutes:
 # per round, `keel-worker bench-allreduce --threads T` for each T of --io-threads (the worker's
 # `--io-threads`: 1 is its default, every ring task on one thread) and then
 # `tcp_ring_ceiling` (the same pipelined ring over plain blocking sockets, no HTTP/2 and no
@@ -55,7 +55,16 @@ summary() {
   python3 - "$1" <<'PY'
 import json, statistics, sys
 from collections import defaultdict
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = []
+for n, line in enumerate(open(sys.argv[1]), 1):
+    if line.strip():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            sys.exit(f"bench-ring: {sys.argv[1]} line {n} is not JSON ({e.msg})")
+rows = [r for r in rows if r.get("workers", 0) >= 2 and "peer" in r]
+if not any(r["peer"] == "tcp" for r in rows) or not any(r["peer"] != "tcp" for r in rows):
+    sys.exit(f"bench-ring: {sys.argv[1]} holds no pair of bare-ring and Keel runs to compare")
 bus, lat = defaultdict(list), defaultdict(list)
 for r in rows:
     if r["bytes"] < 1024:
@@ -109,6 +118,12 @@ if [ -n "$SUMMARY" ]; then
 fi
 
 [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive number, got $ROUNDS"
+[[ "$WORKERS" =~ ^([2-9]|[1-9][0-9]+)(,([2-9]|[1-9][0-9]+))*$ ]] || die "--workers must be world sizes of 2 or more, comma-separated, got $WORKERS"
+[[ "$IO_THREADS" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || die "--io-threads must be positive thread counts, comma-separated, got $IO_THREADS"
+if [ -n "$GLOO_PYTHON" ]; then
+  "$GLOO_PYTHON" -c 'import torch.distributed' 2>/dev/null \
+    || die "--gloo $GLOO_PYTHON: not a python that can import torch.distributed"
+fi
 [[ "$ITERS" =~ ^[1-9][0-9]*$ ]] || die "--iters must be a positive number, got $ITERS"
 [[ "$SIZES" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--sizes-mib must be whole MiB (the bare ring takes no fractions), got $SIZES"
 [ -x "$BIN_DIR/keel-worker" ] || die "$BIN_DIR/keel-worker not found (cargo build --release)"

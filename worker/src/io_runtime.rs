@@ -8,9 +8,9 @@
 //! tasks land on different threads, and each hand-off can wake a parked thread (a futex, and on
 //! a VM an idle virtual CPU's wake-up). On one thread a hand-off is a queue push. Measured with
 //! `scripts/bench-ring.sh` on a 2-core Intel Xeon (2026-12-04, medians of 3 alternated rounds;
-//! "The ring on one thread" in the README): with 2 workers, 4 MiB at 3.07 GB/s bus bandwidth on
-//! one thread against 1.33 on two, 16 MiB at 1.61 against 1.33; a hop of a 1-element
-//! all-reduce takes 15-26 us with 2-4 workers against 18-60 us.
+//! "The ring on one thread" in the README): with 2 workers, 4 MiB at 2.91 GB/s bus bandwidth on
+//! one thread against 1.49 on two, 16 MiB at 1.66 against 1.46; a hop of a 1-element
+//! all-reduce takes 15-27 us with 2-4 workers against 19-56 us.
 //! Links faster than one core can feed (25 Gbit/s on this Xeon, by the scale model) may want more:
 //! `--io-threads`.
 
@@ -19,8 +19,24 @@ use tokio::runtime::{Builder, Runtime};
 /// The default of `--io-threads`.
 pub const DEFAULT_IO_THREADS: usize = 1;
 
-/// A runtime with IO and timers for the network: `threads == 1` (or 0) builds a
-/// current-thread runtime, which runs every task on the thread that calls
+/// The most `--io-threads` accepted: far above any network's need, and far below what would
+/// exhaust the process's memory for thread stacks.
+pub const MAX_IO_THREADS: usize = 64;
+
+/// Parses `--io-threads` (clap's `value_parser`): a whole number from 1 to [`MAX_IO_THREADS`].
+///
+/// Errors: a message saying what was expected.
+pub fn parse_io_threads(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_IO_THREADS).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "expected a whole number of threads from 1 to {MAX_IO_THREADS}, got {s:?}"
+        )),
+    }
+}
+
+/// A runtime with IO and timers for the network: `threads == 1` builds a current-thread
+/// runtime, which runs every task on the thread that calls
 /// [`Runtime::block_on`]; more builds a multi-threaded one with that many worker threads.
 /// `spawn_blocking` works on both (the math uses it).
 ///
@@ -50,6 +66,16 @@ mod tests {
         ] {
             let rt = io_runtime(threads).expect("runtime");
             assert_eq!(rt.handle().runtime_flavor(), flavor, "{threads} threads");
+        }
+    }
+
+    #[test]
+    fn io_threads_outside_1_to_64_are_refused_with_the_range() {
+        assert_eq!(parse_io_threads("1"), Ok(1));
+        assert_eq!(parse_io_threads("64"), Ok(64));
+        for bad in ["0", "65", "100000", "-1", "abc", ""] {
+            let err = parse_io_threads(bad).expect_err(bad);
+            assert!(err.contains("from 1 to 64"), "{bad}: {err}");
         }
     }
 

@@ -54,9 +54,9 @@ pub struct Args {
     /// Frame payload, KiB.
     #[arg(long, default_value_t = 512)]
     pub frame_kib: usize,
-    /// Network runtime threads per peer process, as a worker's `--io-threads` (1: every task
-    /// on one thread, the worker's default).
-    #[arg(long, default_value_t = crate::io_runtime::DEFAULT_IO_THREADS)]
+    /// Network runtime threads per peer process, 1 to 64, as a worker's `--io-threads` (1:
+    /// every task on one thread, the worker's default).
+    #[arg(long, default_value_t = crate::io_runtime::DEFAULT_IO_THREADS, value_parser = crate::io_runtime::parse_io_threads)]
     pub threads: usize,
     /// Ring timeout, and the bound on each wait of the parent, seconds.
     #[arg(long, default_value_t = 120)]
@@ -158,10 +158,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     {
         bail!("--sizes-mib must be positive numbers, got {bad}");
     }
+    if let Some(bad) = args.workers.iter().find(|&&n| n < 2) {
+        bail!("--workers must be world sizes of 2 or more (a ring needs a neighbour), got {bad}");
+    }
     for &n in &args.workers {
-        if n == 0 {
-            bail!("--workers must be positive");
-        }
         run_world(&args, n)?;
     }
     Ok(())
@@ -291,6 +291,7 @@ fn run_world(args: &Args, n: usize) -> anyhow::Result<()> {
                 "iters": args.iters,
                 "streams_per_link": args.streams_per_link,
                 "frame_bytes": args.frame_kib * 1024,
+                "threads": args.threads,
                 "dtype": args.dtype.as_str(),
             })
         );

@@ -36,10 +36,12 @@ pub struct Args {
     /// default: all cores.
     #[arg(long, env = "KEEL_THREADS")]
     pub threads: Option<usize>,
-    /// Threads of the network runtime (the ring, calls to the coordinator, the metrics port);
-    /// 1 runs them all on one thread, which passes ring frames between tasks without waking
-    /// other threads (see `io_runtime`). More for links one core cannot feed.
-    #[arg(long, env = "KEEL_IO_THREADS", default_value_t = crate::io_runtime::DEFAULT_IO_THREADS)]
+    /// Threads of the network runtime (the ring, calls to the coordinator, the metrics port),
+    /// 1 to 64. With 1 they all run on one thread, which passes ring frames between tasks
+    /// without waking other threads: the fastest measured on loopback and 1 Gbit/s links. Raise
+    /// it only for links faster than one core can feed (25 Gbit/s and up; README, "The ring on
+    /// one thread").
+    #[arg(long, env = "KEEL_IO_THREADS", default_value_t = crate::io_runtime::DEFAULT_IO_THREADS, value_parser = crate::io_runtime::parse_io_threads)]
     pub io_threads: usize,
     /// Folder caching shards and holding checkpoints before upload.
     #[arg(long, env = "KEEL_CACHE_DIR", default_value = "keel-cache")]
@@ -174,7 +176,7 @@ pub fn main(args: Args) -> anyhow::Result<()> {
         let listener = TcpListener::bind(&args.listen)
             .await
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
-        tracing::info!(listen = %listener.local_addr()?, advertise = %advertise_addr, threads, io_threads = args.io_threads.max(1), memory_limit = ?args.memory_limit, "worker starting");
+        tracing::info!(listen = %listener.local_addr()?, advertise = %advertise_addr, threads, io_threads = args.io_threads, memory_limit = ?args.memory_limit, "worker starting");
         let config = Config {
             coordinator: args.coordinator.clone(),
             advertise_addr,
