@@ -439,3 +439,37 @@ fn is_known_sum(data: &[f32], n: usize) -> bool {
             .all(|(k, &x)| x == (n * (n + 1) / 2 + n * k) as f32)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    #[test]
+    fn a_world_of_one_is_refused_before_any_world_runs() {
+        // `--workers 1` used to time a no-op and print 17,476 GB/s; `2,0` ran world 2 first.
+        for workers in ["1", "2,1", "2,0"] {
+            let cli = Cli::try_parse_from(["bench", "--workers", workers]).expect("parse");
+            let err = run(cli.args).expect_err(workers).to_string();
+            assert!(err.contains("2 or more"), "{workers}: {err}");
+        }
+    }
+
+    #[test]
+    fn threads_outside_1_to_64_do_not_parse() {
+        for threads in ["0", "65", "100000"] {
+            assert!(
+                Cli::try_parse_from(["bench", "--threads", threads]).is_err(),
+                "{threads}"
+            );
+        }
+        let cli = Cli::try_parse_from(["bench", "--threads", "2"]).expect("parse");
+        assert_eq!(cli.args.threads, 2);
+    }
+}
