@@ -20,7 +20,7 @@ fn bench_allreduce_with_bf16_on_the_wire_checks_its_sums() {
 
 fn bench_allreduce_in(dtype: &str) {
     let out = Command::new(EXE)
-        .args(["bench-allreduce", "--workers", "1,3", "--sizes-mib", "1,2"])
+        .args(["bench-allreduce", "--workers", "2,3", "--sizes-mib", "1,2"])
         .args(["--iters", "2", "--timeout-secs", "60", "--dtype", dtype])
         .output()
         .unwrap();
@@ -35,8 +35,9 @@ fn bench_allreduce_in(dtype: &str) {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(lines.len(), 4);
-    for (line, (workers, mib)) in lines.iter().zip([(1, 1), (1, 2), (3, 1), (3, 2)]) {
+    for (line, (workers, mib)) in lines.iter().zip([(2, 1), (2, 2), (3, 1), (3, 2)]) {
         assert_eq!(line["workers"], workers);
+        assert_eq!(line["threads"], 1, "the worker's default network runtime");
         assert_eq!(line["dtype"], dtype);
         assert_eq!(line["bytes"], mib << 20);
         assert!(line["seconds"].as_f64().unwrap() > 0.0);
