@@ -76,38 +76,36 @@ print("\n1-element all-reduce, ms (median over rounds; per hop = / 2 (n - 1)):")
 for (p, w), v in sorted(lat.items()):
     s = statistics.median(v)
     print(f"- {p}, {w} workers: {s * 1e3:.3f} ms, {s * 1e6 / (2 * (w - 1)):.0f} us per hop")
-cols = " | ".join(f"{p} GB/s | {p} / tcp" for p in peers)
-print(f"\n| workers | MiB | tcp GB/s | {cols} |")
-print("|---|---|---|" + "---|---|" * len(peers))
-for (w, b) in sorted({(k[1], k[2]) for k in bus}):
-    tcp = bus.get(("tcp", w, b))
-    if not tcp:
-        continue
-    t = statistics.median(tcp)
-    cells = []
-    for p in peers:
-        v = bus.get((p, w, b))
-        cells.append(f"{statistics.median(v):.2f} | {statistics.median(v) / t:.2f}" if v else "- | -")
-    print(f"| {w} | {b >> 20} | {t:.2f} | " + " | ".join(cells) + " |")
+
+
+def table(values, unit, digits):
+    """Rows (workers, MiB): the bare ring's median of `values`, then each Keel (or gloo) peer's
+    median and its ratio to the bare ring."""
+    cols = " | ".join(f"{p} {unit} | {p} / tcp" for p in peers)
+    print(f"| workers | MiB | tcp {unit} | {cols} |")
+    print("|---|---|---|" + "---|---|" * len(peers))
+    for (w, b) in sorted({(k[1], k[2]) for k in values}):
+        tcp = values.get(("tcp", w, b))
+        if not tcp:
+            continue
+        t = statistics.median(tcp)
+        cells = []
+        for p in peers:
+            v = values.get((p, w, b))
+            cells.append(f"{statistics.median(v):.{digits}f} | {statistics.median(v) / t:.2f}" if v else "- | -")
+        print(f"| {w} | {b >> 20} | {t:.{digits}f} | " + " | ".join(cells) + " |")
+
+
+print()
+table(bus, "GB/s", 2)
 # CPU per byte sent: every rank sends 2 (n - 1) / n x bytes.
 cpu = defaultdict(list)
 for r in rows:
     if r["bytes"] >= 1024 and r.get("cpu_seconds_all_ranks"):
         sent = 2 * (r["workers"] - 1) * r["bytes"]
         cpu[(r["peer"], r["workers"], r["bytes"])].append(r["cpu_seconds_all_ranks"] / sent * 1e9)
-cols = " | ".join(f"{p} ns/B | {p} / tcp" for p in peers)
-print(f"\nCPU time of all ranks per byte sent, ns (median over rounds):\n\n| workers | MiB | tcp ns/B | {cols} |")
-print("|---|---|---|" + "---|---|" * len(peers))
-for (w, b) in sorted({(k[1], k[2]) for k in cpu}):
-    tcp = cpu.get(("tcp", w, b))
-    if not tcp:
-        continue
-    t = statistics.median(tcp)
-    cells = []
-    for p in peers:
-        v = cpu.get((p, w, b))
-        cells.append(f"{statistics.median(v):.3f} | {statistics.median(v) / t:.2f}" if v else "- | -")
-    print(f"| {w} | {b >> 20} | {t:.3f} | " + " | ".join(cells) + " |")
+print("\nCPU time of all ranks per byte sent, ns (median over rounds):\n")
+table(cpu, "ns/B", 3)
 PY
 }
 
