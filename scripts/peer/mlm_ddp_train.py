@@ -6,7 +6,10 @@ sequences Keel trained on, with the same hyperparameters, for a wall-clock budge
 What it does, and how it matches Keel:
 - Data: `--sequences` is the JSON-lines export of Keel's prepared folder (`keel inspect DIR`):
   every line has `ids` and `shard`; the training shards are used, `heldout.keel` is not.
-  Rank r takes the sequences r, r+N, r+2N, ... of a seeded shuffle, a new shuffle per epoch.
+  Rank r takes the sequences r, r+N, r+2N, ... of a seeded shuffle, a new shuffle per epoch
+  (`--order shuffle`, the default). `--order keel` trains in Keel's order instead: every global
+  batch the same sequences at the same step as in Keel, the same order in every epoch (see
+  `epoch_order`).
 - Model: the job's HF `config.json` as Keel wrote it (`--config`), random init (seeded).
 - Masking: dynamic, a new mask per sequence each time it is drawn:
   min(max_predictions_per_seq, max(1, round(n * masked_lm_prob))) of the non-special
@@ -129,6 +132,21 @@ def save(model, out, step, t0, log):
     log.flush()
 
 
+def epoch_order(n, rank, a, order_rng):
+    """This rank's sequence indices for the next epoch, in the order it trains on them.
+
+    `shuffle` (default): a new seeded shuffle of all sequences each epoch, rank r taking every
+    N-th. `keel`: Keel's plan (`keel_proto::split`): the export's order (prepare shuffled it
+    once) in every epoch, global batch p = sequences [p*B, (p+1)*B), rank r its rows
+    [r*b, (r+1)*b); the last N mod B sequences unused."""
+    if a.order == "shuffle":
+        order = list(range(n))
+        order_rng.shuffle(order)
+        return order[rank :: a.world_size]
+    b, big_b = a.micro_batch_size, a.micro_batch_size * a.world_size
+    return [p * big_b + rank * b + i for p in range(n // big_b) for i in range(b)]
+
+
 def run(rank, a):
     torch.set_num_threads(a.threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -159,9 +177,7 @@ def run(rank, a):
     order, pos, step = [], 0, 0
     while step < a.max_steps:
         if pos + a.micro_batch_size > len(order):
-            order = list(range(len(seqs)))
-            order_rng.shuffle(order)
-            order = order[rank :: a.world_size]
+            order = epoch_order(len(seqs), rank, a, order_rng)
             pos = 0
         batch = [seqs[i] for i in order[pos : pos + a.micro_batch_size]]
         pos += a.micro_batch_size
@@ -224,6 +240,8 @@ def main():
     p.add_argument("--count-specials", action="store_true",
                    help="count [CLS] and [SEP] in the length the masked count is taken of (BERT, Keel)")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--order", choices=["shuffle", "keel"], default="shuffle",
+                   help="the order of sequences over epochs (see epoch_order)")
     p.add_argument("--budget-seconds", type=float, default=600)
     p.add_argument("--checkpoint-every-seconds", type=float, default=60)
     p.add_argument("--t0", type=float, default=None, help="Unix time the run counts from")
