@@ -81,8 +81,16 @@ fn check_forward<A: Element>(f: &Fixture, params: &[A], tol: f64) {
 /// sequences), checking the reported ranges: in the order `ready_ranges` gives, covering the
 /// buffer exactly once. With `split_lookup`, the word embeddings' lookup share goes through
 /// [`LookupGrads`] (rows for the batch's tokens and two unused ids) and is added back after.
-fn gradients<A: Element>(f: &Fixture, params: &[A], split_lookup: bool) -> (LossSums<A>, Vec<A>) {
+/// `unpad` as [`Bert::set_unpadding`]: the fixture's batch has padding, and `Some(1)` computes
+/// only its real tokens' rows.
+fn gradients<A: Element>(
+    f: &Fixture,
+    params: &[A],
+    split_lookup: bool,
+    unpad: Option<usize>,
+) -> (LossSums<A>, Vec<A>) {
     let mut model = Bert::<A>::new(&f.config, f.heads).unwrap();
+    model.set_unpadding(unpad);
     let mut grads = vec![A::zero(); f.layout.total_len()];
     let opts = StepOptions {
         mlm_scale: A::one() / A::of(f.batch.masked_positions.len() as f64),
@@ -131,6 +139,11 @@ fn gradients<A: Element>(f: &Fixture, params: &[A], split_lookup: bool) -> (Loss
             .forward_backward(params, &mut grads, &f.batch, &opts, &mut on_ready)
             .unwrap()
     };
+    let rows = model.rows_computed();
+    match unpad {
+        None => assert_eq!(rows, f.batch.input_ids.len()),
+        Some(_) => assert_eq!(rows, f.batch.real_tokens(), "only the real tokens' rows"),
+    }
     assert_eq!(ranges, model.ready_ranges(split_lookup));
     ranges.sort_by_key(|r| r.start);
     let mut next = 0;
@@ -144,7 +157,9 @@ fn gradients<A: Element>(f: &Fixture, params: &[A], split_lookup: bool) -> (Loss
 
 fn check_gradients<A: Element>(f: &Fixture, params: &[A], loss_tol: f64, grad_tol: f64) {
     for split_lookup in [false, true] {
-        check_gradients_of(f, params, loss_tol, grad_tol, split_lookup);
+        for unpad in [None, Some(1)] {
+            check_gradients_of(f, params, loss_tol, grad_tol, split_lookup, unpad);
+        }
     }
 }
 
@@ -154,8 +169,9 @@ fn check_gradients_of<A: Element>(
     loss_tol: f64,
     grad_tol: f64,
     split_lookup: bool,
+    unpad: Option<usize>,
 ) {
-    let (sums, grads) = gradients(f, params, split_lookup);
+    let (sums, grads) = gradients(f, params, split_lookup, unpad);
     let n_masked = f.expected["n_masked"].as_u64().unwrap() as usize;
     assert_eq!(sums.mlm_count, n_masked);
     let mlm_sum = f.expected["mlm_loss_sum"].as_f64().unwrap();

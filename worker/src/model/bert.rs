@@ -2,8 +2,9 @@
 //! `BertForPreTraining`): embeddings, `L` encoder layers, the MLM head at the masked positions
 //! and, for PreTraining, the NSP head.
 //!
-//! Shapes: `b` sequences, `t` tokens per sequence, `n = b * t`, `c` hidden, `m` masked
-//! positions, `v` vocabulary.
+//! Shapes: `b` sequences, `t` tokens per sequence, `n` token rows (`b * t`, or only the real
+//! tokens when training and evaluation leave padding out: `super::packing`), `c` hidden, `m`
+//! masked positions, `v` vocabulary.
 
 use keel_proto::precision::Precision;
 use std::ops::Range;
@@ -21,6 +22,7 @@ use super::lookup_grads::LookupGrads;
 use super::loss::cross_entropy;
 use super::mlm_head::{MlmCache, MlmHead};
 use super::nsp_head::{NspCache, NspHead};
+use super::packing::Packing;
 use super::{Element, LossSums, ModelError, StepOptions};
 use crate::batch::Batch;
 
@@ -46,6 +48,9 @@ pub struct Bert<A: Element> {
     state: State<A>,
     /// Precision of every GEMM of forward and backward (fp32 unless set).
     precision: Precision,
+    /// Training and evaluation leave padding rows out, the rest rounded up to a multiple of
+    /// this many rows (`super::packing`); `None`: every padded row.
+    unpad: Option<usize>,
 }
 
 /// The flat-buffer ranges that become final together during the backward.
@@ -77,6 +82,8 @@ struct State<A> {
     dhidden: [Vec<A>; 2],
     mlm: MlmCache<A>,
     nsp: NspCache<A>,
+    /// The rows of the last `encode`d batch.
+    packing: Packing,
 }
 
 /// Everything the eval forward computes, for comparing with HF (eval mode, no dropout).
@@ -148,6 +155,7 @@ impl<A: Element> Bert<A> {
             ready,
             state,
             precision: Precision::Fp32,
+            unpad: Some(super::packing::DEFAULT_ROW_MULTIPLE),
         })
     }
 
@@ -160,6 +168,21 @@ impl<A: Element> Bert<A> {
     /// The precision set by [`Bert::set_precision`] (fp32 by default).
     pub fn precision(&self) -> Precision {
         self.precision
+    }
+
+    /// Whether [`Bert::forward_backward`] and [`Bert::forward_loss`] compute only the real
+    /// tokens' rows, rounded up to a multiple of `Some(rows)` (the default:
+    /// [`UNPAD_ROW_MULTIPLE`](super::UNPAD_ROW_MULTIPLE); batches whose rounded rows would not
+    /// be fewer keep all of theirs), or every row of the padded batch (`None`: the same losses
+    /// and gradients to rounding, more work; for comparisons). See `super::packing`.
+    pub fn set_unpadding(&mut self, unpad: Option<usize>) {
+        self.unpad = unpad;
+    }
+
+    /// Token rows the last forward computed: `b * t` of its batch, or fewer where padding was
+    /// left out (see [`Bert::set_unpadding`]).
+    pub fn rows_computed(&self) -> usize {
+        self.state.packing.rows()
     }
 
     /// The parameter layout this model reads its flat buffers with.
@@ -177,16 +200,28 @@ impl<A: Element> Bert<A> {
         self.heads
     }
 
-    /// Embeddings and encoder: fills `state.hidden[0..=L]`.
-    fn encode(&mut self, params: &[A], tok: &Tokens<'_>, dropout: Option<(DropoutKey, &[u64])>) {
-        let (n, c) = (tok.b * tok.t, self.config.hidden_size);
+    /// Embeddings and encoder: plans `state.packing` (padding left out, rows rounded up to a
+    /// multiple of `pack`, see `super::packing`; `masked` `[m]` are the flat positions the
+    /// heads will read) and fills
+    /// `state.hidden[0..=L]`, `[n, c]` each.
+    fn encode(
+        &mut self,
+        params: &[A],
+        tok: &Tokens<'_>,
+        dropout: Option<(DropoutKey, &[u64])>,
+        masked: &[usize],
+        pack: Option<usize>,
+    ) {
         let st = &mut self.state;
+        st.packing.plan(tok.mask, tok.b, tok.t, masked, pack);
+        let (n, c) = (st.packing.rows(), self.config.hidden_size);
         let inputs = TokenInputs {
             input_ids: tok.ids,
             token_type_ids: tok.types,
             b: tok.b,
             t: tok.t,
             dropout,
+            packing: &st.packing,
         };
         let sum = grow(&mut st.tmp, n * c);
         let h0 = grow(&mut st.hidden[0], n * c);
@@ -197,6 +232,7 @@ impl<A: Element> Bert<A> {
             t: tok.t,
             mask: tok.mask,
             dropout,
+            packing: &st.packing,
         };
         for (l, layer) in self.layers.iter().enumerate() {
             let (before, after) = st.hidden.split_at_mut(l + 1);
@@ -304,10 +340,14 @@ impl<A: Element> Bert<A> {
             lookup.check(tok.ids, self.config.hidden_size)?;
         }
         let dropout = opts.dropout.map(|key| (key, batch.sample_ids.as_slice()));
-        self.encode(params, &tok, dropout);
+        self.encode(params, &tok, dropout, &batch.masked_positions, self.unpad);
 
         let (b, t) = (tok.b, tok.t);
-        let (n, c, v) = (b * t, self.config.hidden_size, self.config.vocab_size);
+        let (n, c, v) = (
+            self.state.packing.rows(),
+            self.config.hidden_size,
+            self.config.vocab_size,
+        );
         let num_layers = self.layers.len();
         let mut report = |range: Range<usize>, grads: &[A]| {
             if opts.report_ready {
@@ -319,8 +359,8 @@ impl<A: Element> Bert<A> {
         let dh = grow(&mut st.dhidden[0], n * c);
         dh.fill(A::zero());
 
-        // MLM head at the masked positions.
-        let positions = &batch.masked_positions;
+        // MLM head at the masked positions (their rows).
+        let positions = st.packing.positions();
         let m = positions.len();
         if m > 0 {
             self.mlm
@@ -338,12 +378,13 @@ impl<A: Element> Bert<A> {
         }
         // NSP head on [CLS].
         if let (Some(nsp), Some(labels)) = (&self.nsp, &batch.next_sentence_labels) {
-            nsp.forward(&mut st.nsp, &st.hidden[num_layers], b, t, params);
+            let cls = st.packing.firsts();
+            nsp.forward(&mut st.nsp, &st.hidden[num_layers], cls, params);
             let ce = cross_entropy(&mut st.nsp.logits[..b * 2], labels, 2, Some(opts.nsp_scale));
             sums.nsp_loss_sum = ce.loss_sum;
             sums.nsp_count = b;
             sums.nsp_correct = ce.correct;
-            nsp.backward(dh, &mut st.nsp, b, t, params, grads);
+            nsp.backward(dh, &mut st.nsp, cls, params, grads);
         }
         report(self.ready.heads.clone(), grads);
         if lookup.is_some() {
@@ -356,6 +397,7 @@ impl<A: Element> Bert<A> {
             t,
             mask: tok.mask,
             dropout,
+            packing: &st.packing,
         };
         for l in (0..num_layers).rev() {
             let [dy, dx] = &mut st.dhidden;
@@ -379,6 +421,7 @@ impl<A: Element> Bert<A> {
             b,
             t,
             dropout,
+            packing: &st.packing,
         };
         let dsum = grow(&mut st.tmp, n * c);
         self.embeddings.backward(
@@ -407,8 +450,8 @@ impl<A: Element> Bert<A> {
         self.check_buffer("params", params.len())?;
         self.check_batch(batch, false)?;
         let tok = self.tokens(batch)?;
-        self.encode(params, &tok, None);
-        let (b, t, v) = (tok.b, tok.t, self.config.vocab_size);
+        self.encode(params, &tok, None, &batch.masked_positions, self.unpad);
+        let (b, v) = (tok.b, self.config.vocab_size);
         let last = self.layers.len();
         let st = &mut self.state;
         let mut sums = LossSums::default();
@@ -417,7 +460,7 @@ impl<A: Element> Bert<A> {
             self.mlm.forward(
                 &mut st.mlm,
                 &st.hidden[last],
-                &batch.masked_positions,
+                st.packing.positions(),
                 params,
             );
             let ce = cross_entropy(&mut st.mlm.logits[..m * v], &batch.masked_labels, v, None);
@@ -426,7 +469,7 @@ impl<A: Element> Bert<A> {
             sums.mlm_correct = ce.correct;
         }
         if let (Some(nsp), Some(labels)) = (&self.nsp, &batch.next_sentence_labels) {
-            nsp.forward(&mut st.nsp, &st.hidden[last], b, t, params);
+            nsp.forward(&mut st.nsp, &st.hidden[last], st.packing.firsts(), params);
             let ce = cross_entropy(&mut st.nsp.logits[..b * 2], labels, 2, None);
             sums.nsp_loss_sum = ce.loss_sum;
             sums.nsp_count = b;
@@ -469,7 +512,7 @@ impl<A: Element> Bert<A> {
             b: 1,
             t,
         };
-        self.encode(params, &tok, None);
+        self.encode(params, &tok, None, positions, None);
         Ok(self.head_logits(params, positions))
     }
 
@@ -501,7 +544,8 @@ impl<A: Element> Bert<A> {
         let _precision = super::bf16::enter(self.precision);
         self.check_buffer("params", params.len())?;
         let tok = self.tokens(batch)?;
-        self.encode(params, &tok, None);
+        // Every row, padding too: HF returns them all.
+        self.encode(params, &tok, None, &[], None);
         let (b, t, c) = (tok.b, tok.t, self.config.hidden_size);
         let n = b * t;
         let hidden_states = self.state.hidden[..=self.layers.len()]
@@ -513,7 +557,8 @@ impl<A: Element> Bert<A> {
         let logits = self.head_logits(params, &all);
         let seq_relationship_logits = match &self.nsp {
             Some(nsp) => {
-                nsp.forward(&mut self.state.nsp, &self.state.hidden[last], b, t, params);
+                let st = &mut self.state;
+                nsp.forward(&mut st.nsp, &st.hidden[last], st.packing.firsts(), params);
                 Some(
                     Array2::from_shape_vec((b, 2), self.state.nsp.logits[..b * 2].to_vec())
                         .expect("b * 2 logits"),

@@ -10,6 +10,7 @@
 //! index, which vectorises (AVX-512 or AVX2, picked at run time).
 
 use super::Element;
+use super::packing::Packing;
 
 /// Training-mode dropout key: the job's seed and the optimizer step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -140,24 +141,23 @@ impl Mask {
     }
 }
 
-/// Hidden-state dropout of `b` sequences of `row` elements each (`x` `[b, row]`, sequence
-/// `i` keyed by `sample_ids[i]`), split among the model's threads.
+/// Hidden-state dropout of every sequence of a batch, in place on `x` `[rows, c]` laid out
+/// by `packing` (sequence `i`'s rows keyed by `sample_ids[i]`, its element `j` at index `j`
+/// of its mask stream, so padded and packed rows get the same masks), split among the
+/// model's threads.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn apply_sequences<A: Element>(
     x: &mut [A],
-    row: usize,
+    c: usize,
+    packing: &Packing,
     key: DropoutKey,
     sample_ids: &[u64],
     layer: usize,
     site: Site,
     p: f64,
 ) {
-    let b = sample_ids.len();
-    let min_rows = (1usize << 15).div_ceil(row.max(1));
-    super::parallel::zip_units(x, row, sample_ids, 1, b, min_rows, |x, ids| {
-        for (seq, &id) in x.chunks_exact_mut(row).zip(ids) {
-            Mask::new(key, id, layer, site, p).apply(seq, 0);
-        }
+    packing.for_each_sequence(x, c, |i, seq| {
+        Mask::new(key, sample_ids[i], layer, site, p).apply(seq, 0);
     });
 }
 

@@ -2,7 +2,8 @@
 //! `x = dropout(LN(word[id] + position[col] + token_type[tt]))`.
 //!
 //! Shapes: `input_ids`, `token_type_ids` `[b, t]`; `word` `[v, c]`, `position` `[max_pos, c]`,
-//! `token_type` `[types, c]`; output `[n, c]`.
+//! `token_type` `[types, c]`; output `[n, c]`, one row per row of the batch's
+//! [`Packing`] (`n = b * t`, or only the real tokens when padding is left out).
 
 use keel_proto::config::BertConfig;
 use keel_proto::params::ParamLayout;
@@ -12,6 +13,7 @@ use super::dropout::{self, DropoutKey, Site};
 use super::layernorm::LayerNorm;
 use super::linear::find;
 use super::lookup_grads::LookupGrads;
+use super::packing::Packing;
 
 /// Offsets of the embedding tables and their LayerNorm.
 #[derive(Debug, Clone)]
@@ -46,6 +48,8 @@ pub(crate) struct TokenInputs<'a> {
     pub t: usize,
     /// Training-mode dropout: key and sample ids `[b]`.
     pub dropout: Option<(DropoutKey, &'a [u64])>,
+    /// The rows computed (`[n]` indices into the `[b, t]` batch).
+    pub packing: &'a Packing,
 }
 
 impl Embeddings {
@@ -69,12 +73,12 @@ impl Embeddings {
         inputs: &TokenInputs<'_>,
         params: &[A],
     ) {
-        let (c, n) = (self.c, inputs.b * inputs.t);
-        for r in 0..n {
-            let col = r % inputs.t;
-            let w = self.word + inputs.input_ids[r] as usize * c;
+        let (c, n) = (self.c, inputs.packing.rows());
+        for (r, &at) in inputs.packing.padded_index().iter().enumerate() {
+            let col = at % inputs.t;
+            let w = self.word + inputs.input_ids[at] as usize * c;
             let p = self.position + col * c;
-            let tt = self.token_type + inputs.token_type_ids[r] as usize * c;
+            let tt = self.token_type + inputs.token_type_ids[at] as usize * c;
             let dst = &mut sum[r * c..(r + 1) * c];
             for (i, o) in dst.iter_mut().enumerate() {
                 *o = params[w + i] + params[p + i] + params[tt + i];
@@ -96,8 +100,16 @@ impl Embeddings {
 
     fn dropout<A: Element>(&self, x: &mut [A], inputs: &TokenInputs<'_>) {
         if let Some((key, ids)) = inputs.dropout {
-            let row = inputs.t * self.c;
-            dropout::apply_sequences(x, row, key, &ids[..inputs.b], 0, Site::Embeddings, self.p);
+            dropout::apply_sequences(
+                x,
+                self.c,
+                inputs.packing,
+                key,
+                &ids[..inputs.b],
+                0,
+                Site::Embeddings,
+                self.p,
+            );
         }
     }
 
@@ -115,7 +127,7 @@ impl Embeddings {
         grads: &mut [A],
         mut lookup: Option<&mut LookupGrads<A>>,
     ) {
-        let (c, n) = (self.c, inputs.b * inputs.t);
+        let (c, n) = (self.c, inputs.packing.rows());
         self.dropout(dout, inputs);
         self.ln.backward(
             &mut dsum[..n * c],
@@ -126,10 +138,10 @@ impl Embeddings {
             grads,
             n,
         );
-        for r in 0..n {
-            let col = r % inputs.t;
+        for (r, &at) in inputs.packing.padded_index().iter().enumerate() {
+            let col = at % inputs.t;
             let d = &dsum[r * c..(r + 1) * c];
-            let id = inputs.input_ids[r];
+            let id = inputs.input_ids[at];
             let word_row = match lookup.as_deref_mut() {
                 Some(lookup) => lookup.row_mut(id),
                 None => {
@@ -142,7 +154,7 @@ impl Embeddings {
             }
             for table in [
                 self.position + col * c,
-                self.token_type + inputs.token_type_ids[r] as usize * c,
+                self.token_type + inputs.token_type_ids[at] as usize * c,
             ] {
                 for (g, &v) in grads[table..table + c].iter_mut().zip(d) {
                     *g += v;

@@ -9,7 +9,10 @@
 //! y  = LN2(dropout(g Wf^T + bf) + h1)
 //! ```
 //!
-//! Shapes: `x`, `y`, `q`, `k`, `v`, `a`, `h1` `[n, c]`; `g` `[n, f]`; `probs` `[b, h, t, t]`.
+//! Shapes: `x`, `y`, `a`, `ctx`, `h1` `[n, c]`; `g` `[n, f]`; `probs` `[b, h, t, t]`. The `n`
+//! rows are those of the batch's [`Packing`]: `b * t`, or only the real tokens when padding is
+//! left out; then attention's `q`, `k`, `v` (and in backward `dctx`, `dq`, `dk`, `dv`) are
+//! scattered into the padded `[b * t, c]` layout attention works in, and its output gathered.
 
 use keel_proto::config::{BertConfig, HiddenAct};
 use keel_proto::params::ParamLayout;
@@ -23,6 +26,7 @@ use super::dropout::{self, DropoutKey, Site};
 use super::element::grow;
 use super::layernorm::LayerNorm;
 use super::linear::Linear;
+use super::packing::Packing;
 
 /// Offsets and sizes of one encoder layer.
 #[derive(Debug, Clone)]
@@ -47,7 +51,7 @@ pub(crate) struct EncoderLayer {
 /// What the backward of one layer needs, saved by its forward. Buffers grow once and are reused.
 #[derive(Debug, Default)]
 pub(crate) struct LayerCache<A> {
-    /// `[n, c]` each.
+    /// `[b * t, c]` each (attention's padded layout).
     pub q: Vec<A>,
     pub k: Vec<A>,
     pub v: Vec<A>,
@@ -80,7 +84,7 @@ pub(crate) struct LayerCache<A> {
 /// Backward scratch shared by all layers.
 #[derive(Debug, Default)]
 pub(crate) struct LayerScratch<A> {
-    /// `[n, c]` each.
+    /// `[n, c]` each; `da`, `dq`, `dk`, `dv` grow to `[b * t, c]` when padding is left out.
     pub da: Vec<A>,
     pub dh1: Vec<A>,
     pub dq: Vec<A>,
@@ -100,6 +104,8 @@ pub(crate) struct LayerInputs<'a> {
     pub mask: &'a [u8],
     /// Training-mode dropout: key and sample ids `[b]`.
     pub dropout: Option<(DropoutKey, &'a [u64])>,
+    /// The `n` rows computed.
+    pub packing: &'a Packing,
 }
 
 impl EncoderLayer {
@@ -142,10 +148,10 @@ impl EncoderLayer {
     /// Hidden-state dropout of every sequence at `site`, in place on `[n, c]`.
     fn hidden_dropout<A: Element>(&self, x: &mut [A], inputs: &LayerInputs<'_>, site: Site) {
         if let Some((key, ids)) = inputs.dropout {
-            let row = inputs.t * self.query.out;
             dropout::apply_sequences(
                 x,
-                row,
+                self.query.out,
+                inputs.packing,
                 key,
                 &ids[..inputs.b],
                 self.index,
@@ -167,29 +173,49 @@ impl EncoderLayer {
         inputs: &LayerInputs<'_>,
         params: &[A],
     ) {
-        let (b, t) = (inputs.b, inputs.t);
-        let (n, c, f, h) = (b * t, self.query.out, self.intermediate.out, self.heads);
+        let (b, t, packing) = (inputs.b, inputs.t, inputs.packing);
+        let (n, c, f, h) = (
+            packing.rows(),
+            self.query.out,
+            self.intermediate.out,
+            self.heads,
+        );
+        let padded = b * t * c;
         let x = &x[..n * c];
         let x16 = bf16_shared::keep_and_share(x, &mut cache.x_bf16);
-        let q = grow(&mut cache.q, n * c);
-        self.query.forward(q, x, params, n);
-        let k = grow(&mut cache.k, n * c);
-        self.key.forward(k, x, params, n);
-        let v = grow(&mut cache.v, n * c);
-        self.value.forward(v, x, params, n);
+        for (linear, out) in [
+            (&self.query, &mut cache.q),
+            (&self.key, &mut cache.k),
+            (&self.value, &mut cache.v),
+        ] {
+            if packing.is_identity() {
+                linear.forward(grow(out, n * c), x, params, n);
+            } else {
+                let rows = grow(tmp, n * c);
+                linear.forward(rows, x, params, n);
+                packing.scatter(rows, grow(out, padded), c);
+            }
+        }
         drop(x16);
-        let ctx = grow(&mut cache.ctx, n * c);
         let probs = grow(&mut cache.probs, b * h * t * t);
+        let ctx_padded = if packing.is_identity() {
+            grow(&mut cache.ctx, n * c)
+        } else {
+            grow(tmp, padded)
+        };
         attention::forward(
-            ctx,
+            ctx_padded,
             probs,
             attn_scratch,
-            &cache.q[..n * c],
-            &cache.k[..n * c],
-            &cache.v[..n * c],
+            &cache.q[..padded],
+            &cache.k[..padded],
+            &cache.v[..padded],
             &mut cache.attention_bf16,
             &self.dims(inputs),
         );
+        if !packing.is_identity() {
+            packing.gather(&tmp[..padded], grow(&mut cache.ctx, n * c), c);
+        }
 
         let a = grow(tmp, n * c);
         {
@@ -246,8 +272,9 @@ impl EncoderLayer {
         params: &[A],
         grads: &mut [A],
     ) {
-        let (b, t) = (inputs.b, inputs.t);
-        let (n, c, f) = (b * t, self.query.out, self.intermediate.out);
+        let (b, t, packing) = (inputs.b, inputs.t, inputs.packing);
+        let (n, c, f) = (packing.rows(), self.query.out, self.intermediate.out);
+        let padded = b * t * c;
         let x = &x[..n * c];
         let dx = &mut dx[..n * c];
 
@@ -293,15 +320,22 @@ impl EncoderLayer {
             self.attn_out
                 .backward(Some((&mut *dctx, false)), da, ctx, params, grads, n);
         }
-        let dq = grow(&mut s.dq, n * c);
-        let dk = grow(&mut s.dk, n * c);
-        let dv = grow(&mut s.dv, n * c);
+        let dctx_padded: &[A] = if packing.is_identity() {
+            dctx
+        } else {
+            let out = grow(&mut s.da, padded);
+            packing.scatter(dctx, out, c);
+            out
+        };
+        let dq = grow(&mut s.dq, padded);
+        let dk = grow(&mut s.dk, padded);
+        let dv = grow(&mut s.dv, padded);
         attention::backward(
             dq,
             dk,
             dv,
             &mut s.attn,
-            dctx,
+            dctx_padded,
             &cache.probs,
             &cache.q,
             &cache.k,
@@ -310,11 +344,19 @@ impl EncoderLayer {
             &self.dims(inputs),
         );
         let _x16 = bf16_shared::share_kept(x, &cache.x_bf16);
-        self.query
-            .backward(Some((&mut *dx, true)), dq, x, params, grads, n);
-        self.key
-            .backward(Some((&mut *dx, true)), dk, x, params, grads, n);
-        self.value
-            .backward(Some((&mut *dx, true)), dv, x, params, grads, n);
+        for (linear, d) in [
+            (&self.query, &s.dq),
+            (&self.key, &s.dk),
+            (&self.value, &s.dv),
+        ] {
+            let d_rows = if packing.is_identity() {
+                &d[..n * c]
+            } else {
+                let rows = grow(&mut s.dh1, n * c);
+                packing.gather(&d[..padded], rows, c);
+                &*rows
+            };
+            linear.backward(Some((&mut *dx, true)), d_rows, x, params, grads, n);
+        }
     }
 }

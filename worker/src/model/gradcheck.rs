@@ -18,6 +18,7 @@ use super::linear::Linear;
 use super::loss::cross_entropy;
 use super::mlm_head::{MlmCache, MlmHead};
 use super::nsp_head::{NspCache, NspHead};
+use super::packing::Packing;
 
 const H: f64 = 1e-5;
 const TOL: f64 = 1e-7;
@@ -99,6 +100,15 @@ const T: usize = 5;
 const MASK: [u8; 10] = [1, 1, 1, 1, 1, 1, 1, 1, 0, 0];
 const IDS: [u64; 2] = [4, 9];
 const KEY: DropoutKey = DropoutKey { seed: 11, step: 3 };
+
+/// The rows of the `B x T` batch with `MASK`: all `B * T` (`pack = false`), or only the 8
+/// real tokens.
+fn packing(pack: bool) -> Packing {
+    let mut p = Packing::default();
+    p.plan(&MASK, B, T, &[], pack.then_some(1));
+    assert_eq!(p.is_identity(), !pack);
+    p
+}
 
 #[test]
 fn linear() {
@@ -260,17 +270,24 @@ fn cross_entropy_loss() {
 
 #[test]
 fn embeddings_with_dropout() {
+    for pack in [false, true] {
+        embeddings_with_dropout_on(&packing(pack));
+    }
+}
+
+fn embeddings_with_dropout_on(packing: &Packing) {
     let (config, layout, params) = setup(HiddenAct::Gelu, Heads::MaskedLm);
     let emb = Embeddings::new(&config, &layout);
-    let (n, c) = (B * T, config.hidden_size);
-    let ids: Vec<u32> = (0..n as u32).map(|i| (i * 7) % 19).collect();
-    let types: Vec<u32> = (0..n as u32).map(|i| u32::from(i % 5 >= 3)).collect();
+    let (n, c) = (packing.rows(), config.hidden_size);
+    let ids: Vec<u32> = (0..(B * T) as u32).map(|i| (i * 7) % 19).collect();
+    let types: Vec<u32> = (0..(B * T) as u32).map(|i| u32::from(i % 5 >= 3)).collect();
     let inputs = TokenInputs {
         input_ids: &ids,
         token_type_ids: &types,
         b: B,
         t: T,
         dropout: Some((KEY, &IDS)),
+        packing,
     };
     let w = values(14, n * c, 1.0);
     let forward = |p: &[f64]| {
@@ -298,17 +315,29 @@ fn embeddings_with_dropout() {
     });
 }
 
+/// Both layouts: the padded rows, and only the real rows (attention's inputs scattered into
+/// the padded layout and its output gathered back, `super::packing`).
 #[test]
 fn encoder_layer_with_dropout() {
-    for act in [HiddenAct::Gelu, HiddenAct::GeluNew] {
+    for pack in [false, true] {
+        let packing = packing(pack);
+        for act in [HiddenAct::Gelu, HiddenAct::GeluNew] {
+            encoder_layer_with_dropout_on(act, &packing);
+        }
+    }
+}
+
+fn encoder_layer_with_dropout_on(act: HiddenAct, packing: &Packing) {
+    {
         let (config, layout, params) = setup(act, Heads::MaskedLm);
         let layer = EncoderLayer::new(&config, &layout, 0);
-        let (n, c) = (B * T, config.hidden_size);
+        let (n, c) = (packing.rows(), config.hidden_size);
         let inputs = LayerInputs {
             b: B,
             t: T,
             mask: &MASK,
             dropout: Some((KEY, &IDS)),
+            packing,
         };
         let x = values(15, n * c, 1.0);
         let w = values(16, n * c, 1.0);
@@ -375,6 +404,9 @@ fn mlm_head() {
     });
 }
 
+/// The `[CLS]` rows of the `B x T` batch.
+const CLS: [usize; B] = [0, T];
+
 #[test]
 fn nsp_head() {
     let (config, layout, params) = setup(HiddenAct::Gelu, Heads::PreTraining);
@@ -384,14 +416,14 @@ fn nsp_head() {
     let w = values(20, B * 2, 1.0);
     let forward = |p: &[f64], h: &[f64]| {
         let mut cache = NspCache::default();
-        head.forward(&mut cache, h, B, T, p);
+        head.forward(&mut cache, h, &CLS, p);
         (dot(&cache.logits[..B * 2], &w), cache)
     };
     let (_, mut cache) = forward(&params, &hidden);
     cache.logits[..B * 2].copy_from_slice(&w);
     let mut grads = vec![0.0; params.len()];
     let mut dh = vec![0.0; n * c];
-    head.backward(&mut dh, &mut cache, B, T, &params, &mut grads);
+    head.backward(&mut dh, &mut cache, &CLS, &params, &mut grads);
     check("nsp head dhidden", &hidden, &dh, 0..n * c, |h| {
         forward(&params, h).0
     });

@@ -4,8 +4,9 @@
 //! 2019; Vaswani et al. 2017 for the attention), in f32 for training and f64 for the checks.
 //!
 //! Shape legend used in every file: `b` batch (sequences), `t` sequence length (tokens, padded),
-//! `n = b * t` token rows, `c` hidden size, `f` intermediate size, `h` heads, `d` head size
-//! (`c / h`), `m` masked positions, `v` vocabulary size.
+//! `n` token rows (`b * t`, or fewer when padding is left out: `packing`), `c` hidden size,
+//! `f` intermediate size, `h` heads, `d` head size (`c / h`), `m` masked positions, `v`
+//! vocabulary size.
 //!
 //! # Layout
 //! - `element`: the scalar trait ([`Element`], implemented for f32 and f64).
@@ -17,6 +18,8 @@
 //! - One file per layer, each a forward/backward pair side by side: `linear`, `layernorm`,
 //!   `activation` (GELU, tanh-GELU, ReLU), `dropout`, `attention`, `embeddings`,
 //!   `encoder_layer`, `mlm_head`, `nsp_head`, `loss` (cross-entropy).
+//! - `packing`: the rows a batch is computed on: only the real tokens', padding left out
+//!   (attention's operands scattered into the padded layout and back).
 //! - `bert`: the whole model ([`Bert`]) over one flat parameter buffer.
 //! - `init`: HF's `_init_weights` ([`init_params`]).
 //! - `lookup_grads`: the word embeddings' lookup share of the gradient, kept apart from the
@@ -49,6 +52,7 @@ mod loss;
 mod mlm_head;
 mod nsp_head;
 mod onednn;
+mod packing;
 mod parallel;
 mod vmath;
 
@@ -58,6 +62,7 @@ pub use element::Element;
 pub use init::init_params;
 pub use lookup_grads::LookupGrads;
 pub use onednn::Strided4;
+pub use packing::DEFAULT_ROW_MULTIPLE as UNPAD_ROW_MULTIPLE;
 
 /// Errors of running the model on a batch.
 #[derive(Debug, thiserror::Error)]

@@ -44,19 +44,18 @@ impl NspHead {
         }
     }
 
-    /// Fills `cache.logits[..b * 2]` from `hidden` `[b * t, c]`.
+    /// Fills `cache.logits[..b * 2]` from `hidden` `[n, c]`, whose `[CLS]` rows are `cls` `[b]`.
     pub fn forward<A: Element>(
         &self,
         cache: &mut NspCache<A>,
         hidden: &[A],
-        b: usize,
-        t: usize,
+        cls: &[usize],
         params: &[A],
     ) {
-        let c = self.pooler.inp;
+        let (b, c) = (cls.len(), self.pooler.inp);
         let x = grow(&mut cache.x, b * c);
-        for (bi, row) in x.chunks_exact_mut(c).enumerate() {
-            row.copy_from_slice(&hidden[bi * t * c..bi * t * c + c]);
+        for (row, &r) in x.chunks_exact_mut(c).zip(cls) {
+            row.copy_from_slice(&hidden[r * c..(r + 1) * c]);
         }
         let pre = grow(&mut cache.pre, b * c);
         self.pooler.forward(pre, &cache.x[..b * c], params, b);
@@ -68,18 +67,16 @@ impl NspHead {
     }
 
     /// Given `cache.logits` holding `d loss / d logits`: accumulates the head's gradients and
-    /// adds `d loss / d hidden` into the `[CLS]` rows of `dhidden` `[b * t, c]`.
-    #[allow(clippy::too_many_arguments)]
+    /// adds `d loss / d hidden` into the `[CLS]` rows `cls` `[b]` of `dhidden` `[n, c]`.
     pub fn backward<A: Element>(
         &self,
         dhidden: &mut [A],
         cache: &mut NspCache<A>,
-        b: usize,
-        t: usize,
+        cls: &[usize],
         params: &[A],
         grads: &mut [A],
     ) {
-        let c = self.pooler.inp;
+        let (b, c) = (cls.len(), self.pooler.inp);
         let dpooled = grow(&mut cache.d, b * c);
         self.classifier.backward(
             Some((&mut *dpooled, false)),
@@ -99,8 +96,8 @@ impl NspHead {
             grads,
             b,
         );
-        for (bi, row) in cache.pre[..b * c].chunks_exact(c).enumerate() {
-            for (g, &d) in dhidden[bi * t * c..bi * t * c + c].iter_mut().zip(row) {
+        for (row, &r) in cache.pre[..b * c].chunks_exact(c).zip(cls) {
+            for (g, &d) in dhidden[r * c..(r + 1) * c].iter_mut().zip(row) {
                 *g += d;
             }
         }
