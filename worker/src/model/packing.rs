@@ -34,7 +34,7 @@ const MIN_ELEMENTS_PER_THREAD: usize = 1 << 15;
 /// Each row count is a new GEMM shape, for which oneDNN compiles a primitive (0.1 to several
 /// ms); rounding keeps a job's shapes to a handful. Exact counts (a new one every batch, two
 /// alternating in `keel-worker bench`) also ran slower: a mini bf16 step with 17% padding
-/// saved 6% with them and 10-14% rounded to 64 (Intel Xeon with AMX, 2026-12-04).
+/// saved 6% with them and 9-13% rounded to 64 (Intel Xeon with AMX, 2026-12-04).
 pub const DEFAULT_ROW_MULTIPLE: usize = 64;
 
 /// The rows one batch is computed on. Buffers are reused from batch to batch.
