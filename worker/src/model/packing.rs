@@ -16,7 +16,7 @@
 //!
 //! Same math as the padded layout: the real rows see the same values, so losses and
 //! gradients differ only in the rounding of GEMMs whose blocking depends on the row count
-//! (`tests` below and `super::packing_tests` compare the two).
+//! (`tests/unpadding.rs` and `tests/unpadding_threads.rs` compare the two).
 //!
 //! Not packed (the padded rows are used as they are, [`Packing::is_identity`]): batches
 //! without padding, a mask that is not real tokens followed by padding, a sequence with no
@@ -213,10 +213,12 @@ impl Packing {
         if threads == 1 || self.b == 0 {
             return std::iter::once(0..self.b).collect();
         }
+        // Cut by the sequences' rows (the spare rows after them belong to no part).
+        let real = self.starts[self.b];
         let mut parts = Vec::with_capacity(threads);
         let mut first = 0;
         for p in 1..threads {
-            let target = self.rows() * p / threads;
+            let target = real * p / threads;
             let end = self
                 .starts
                 .partition_point(|&s| s < target)
@@ -226,7 +228,9 @@ impl Packing {
                 first = end;
             }
         }
-        parts.push(first..self.b);
+        if first < self.b {
+            parts.push(first..self.b);
+        }
         parts
     }
 }
@@ -344,6 +348,17 @@ mod tests {
             }
             assert_eq!(next, lens.len());
             assert!(parts.len() == threads, "{threads} threads: {parts:?}");
+        }
+        // Many spare rows (9 real rows rounded up to 64): still no empty part.
+        p.plan(&mask(&[3, 3, 3], 32), 3, 32, &[], Some(64));
+        assert_eq!(p.rows(), 64);
+        for threads in 1..5 {
+            let parts = p.parts_among(threads);
+            assert!(
+                parts.iter().all(|r| !r.is_empty()),
+                "{threads} threads: {parts:?}"
+            );
+            assert_eq!(parts.last().map(|r| r.end), Some(3));
         }
     }
 }
