@@ -3,7 +3,6 @@
 //! the rounding of GEMMs whose blocking depends on the row count. A batch with sequences of
 //! many lengths, dropout on, both heads (MLM and NSP).
 
-use keel_proto::config::BertConfig;
 use keel_proto::params::{Heads, ParamLayout};
 use keel_proto::precision::Precision;
 use keel_worker::batch::Batch;
@@ -11,11 +10,13 @@ use keel_worker::model::bf16;
 use keel_worker::model::{
     Bert, DropoutKey, Element, LossSums, StepOptions, UNPAD_ROW_MULTIPLE, init_params,
 };
-use ndarray::Array2;
+
+mod padded;
+use padded::config;
 
 /// `b` sequences of lengths from `t` down to 2 (every tenth full), padded to `t`; masked
-/// positions on real tokens only, `[CLS]`-first NSP labels.
-fn batch(b: usize, t: usize, vocab: u32) -> Batch {
+/// positions on real tokens only.
+fn batch(b: usize, t: usize) -> Batch {
     let lens: Vec<usize> = (0..b)
         .map(|i| {
             if i % 10 == 0 {
@@ -25,37 +26,7 @@ fn batch(b: usize, t: usize, vocab: u32) -> Batch {
             }
         })
         .collect();
-    let masked: Vec<usize> = (0..b * t)
-        .filter(|p| p % 5 == 2 && p % t < lens[p / t])
-        .collect();
-    Batch {
-        input_ids: Array2::from_shape_fn((b, t), |(i, j)| {
-            if j < lens[i] {
-                5 + ((i * 31 + j * 17) as u32 % (vocab - 5))
-            } else {
-                0
-            }
-        }),
-        token_type_ids: Array2::from_shape_fn((b, t), |(i, j)| {
-            u32::from(j >= lens[i] / 2 && j < lens[i])
-        }),
-        attention_mask: Array2::from_shape_fn((b, t), |(i, j)| u8::from(j < lens[i])),
-        masked_labels: masked
-            .iter()
-            .map(|&p| 5 + (p as u32 * 13) % (vocab - 5))
-            .collect(),
-        masked_positions: masked,
-        next_sentence_labels: Some((0..b as u32).map(|i| i % 2).collect()),
-        sample_ids: (100..100 + b as u64).collect(),
-    }
-}
-
-fn config() -> BertConfig {
-    BertConfig {
-        hidden_dropout_prob: 0.1,
-        attention_probs_dropout_prob: 0.1,
-        ..BertConfig::preset("tiny", 97).unwrap()
-    }
+    padded::batch(&lens, t, false)
 }
 
 /// One training step's loss sums and gradients, then the eval losses, in one layout, and
@@ -106,7 +77,7 @@ fn compare<A: Element>(precision: Precision, loss_tol: f64, grad_tol: f64) {
         .iter()
         .map(|&x| A::of(x as f64))
         .collect();
-    let batch = batch(23, 32, config.vocab_size as u32);
+    let batch = batch(23, 32);
     let padding = batch.attention_mask.iter().filter(|&&m| m == 0).count();
     assert!(
         padding > 23 * 32 / 4,

@@ -4,59 +4,17 @@
 //! the packing's copies and dropout are cut among them. A separate test binary, because the
 //! thread count is process-wide. (First written by a reviewer of the change, 2026-12-04.)
 
-use keel_proto::config::BertConfig;
 use keel_proto::params::{Heads, ParamLayout};
 use keel_worker::batch::Batch;
 use keel_worker::model::{
     Bert, DropoutKey, LookupGrads, StepOptions, init_params, set_blas_threads,
 };
-use ndarray::Array2;
 
-const VOCAB: u32 = 97;
-
-/// Sequences of these real lengths padded to `t`; masked positions on real tokens, and with
-/// `masked_on_padding` one more on the first padded sequence's last (padding) position, which
-/// the model must refuse to pack.
-fn batch(lens: &[usize], t: usize, masked_on_padding: bool) -> Batch {
-    let b = lens.len();
-    let mut masked: Vec<usize> = (0..b * t)
-        .filter(|p| p % 5 == 2 && p % t < lens[p / t])
-        .collect();
-    if masked_on_padding && let Some(i) = lens.iter().position(|&l| l < t) {
-        masked.push(i * t + t - 1);
-    }
-    Batch {
-        input_ids: Array2::from_shape_fn((b, t), |(i, j)| {
-            if j < lens[i] {
-                5 + ((i * 31 + j * 17) as u32 % (VOCAB - 5))
-            } else {
-                0
-            }
-        }),
-        token_type_ids: Array2::from_shape_fn((b, t), |(i, j)| {
-            u32::from(j >= lens[i] / 2 && j < lens[i])
-        }),
-        attention_mask: Array2::from_shape_fn((b, t), |(i, j)| u8::from(j < lens[i])),
-        masked_labels: masked
-            .iter()
-            .map(|&p| 5 + (p as u32 * 13) % (VOCAB - 5))
-            .collect(),
-        masked_positions: masked,
-        next_sentence_labels: Some((0..b as u32).map(|i| i % 2).collect()),
-        sample_ids: (100..100 + b as u64).collect(),
-    }
-}
+mod padded;
+use padded::{VOCAB, batch, config};
 
 fn lengths(b: usize, t: usize, seed: usize) -> Vec<usize> {
     (0..b).map(|i| 1 + (i * 7 + seed * 3) % t).collect()
-}
-
-fn config() -> BertConfig {
-    BertConfig {
-        hidden_dropout_prob: 0.1,
-        attention_probs_dropout_prob: 0.1,
-        ..BertConfig::preset("tiny", VOCAB as usize).unwrap()
-    }
 }
 
 fn params() -> Vec<f64> {
