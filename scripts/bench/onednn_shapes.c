@@ -31,7 +31,7 @@ static void run(int m, int k, int n, int layout) {
     if (layout == 1) { bs[0] = 1; bs[1] = k; } else { bs[0] = n; bs[1] = 1; }
     struct keel_matmul *mm = NULL;
     char impl[128];
-    int st = keel_dnnl_matmul_create(1, 2, ad, as, bd, bs, cd, cs, 1.0f, 0.0f, &mm, impl, sizeof impl);
+    int st = keel_dnnl_matmul_create(1, 2, ad, as, bd, bs, cd, cs, 1.0f, 0.0f, 0, &mm, impl, sizeof impl);
     if (st) {
         printf("[%d, %d] x [%d, %d] %s: oneDNN could not create it (status %d)\n", m, k, k, n,
                LAYOUT[layout], st);
@@ -42,12 +42,12 @@ static void run(int m, int k, int n, int layout) {
     if (!a || !b || !c) { puts("out of memory"); exit(1); }
     for (size_t i = 0; i < (size_t)m * k; i++) a[i] = 0x3f80 + (i % 7); /* ~1.0 in bf16 */
     for (size_t i = 0; i < (size_t)k * n; i++) b[i] = 0x3c00 + (i % 5); /* ~0.008 */
-    for (int w = 0; w < 3; w++) keel_dnnl_matmul_run(mm, a, b, c);
+    for (int w = 0; w < 3; w++) keel_dnnl_matmul_run(mm, a, b, NULL, c);
     double best = 1e9;
     for (int r = 0; r < 5; r++) {
         double t = now();
         int it = 0;
-        while (now() - t < 0.15) { keel_dnnl_matmul_run(mm, a, b, c); it++; }
+        while (now() - t < 0.15) { keel_dnnl_matmul_run(mm, a, b, NULL, c); it++; }
         double dt = (now() - t) / it;
         if (dt < best) best = dt;
     }

@@ -2,10 +2,14 @@
  * Rust side never has to mirror oneDNN's large memory-descriptor struct. See
  * worker/src/model/onednn.rs for the safe wrapper, the primitive cache and why.
  *
- * One primitive computes C[m, n] = alpha * A[m, k] B[k, n] + beta * C with any (positive)
- * element strides for A, B and C, A and B both f32 or both bf16, C f32, or the same for a
- * batch of such products (up to two leading batch dimensions: attention's [batch, heads]):
+ * One primitive computes C[m, n] = alpha * A[m, k] B[k, n] (+ bias[n]) + beta * C with any
+ * (positive) element strides for A, B and C, A and B both f32 or both bf16, C and the bias f32,
+ * or the same for a batch of such products (up to two leading batch dimensions: attention's
+ * [batch, heads]):
  *   - alpha is oneDNN's output scale, beta a "sum" post-op (dst = alpha*AB + beta*dst).
+ *   - the bias (optional, dense [n], the same for every row) is oneDNN's matmul bias, added
+ *     to each output as it is written: a Linear's bias without first filling C with it and
+ *     reading it back (beta = 1).
  *   - The scratchpad is in user mode: each call allocates its own, so one primitive may be run
  *     from several threads at once (oneDNN's library scratchpad is shared state otherwise).
  *   - Each call first sets this thread's OpenMP team size to 1: Keel owns the threads (it cuts
@@ -21,7 +25,8 @@
 
 struct keel_matmul {
     dnnl_primitive_t prim;
-    dnnl_memory_desc_t a_md, b_md, c_md;
+    dnnl_memory_desc_t a_md, b_md, c_md, bias_md;
+    int has_bias;
     size_t scratch_bytes;
     dnnl_memory_desc_t scratch_md;
 };
@@ -44,13 +49,14 @@ static void keel_make_engine(void) {
     } while (0)
 
 /* Creates the primitive. bf16 != 0: A and B are bf16 (uint16 bit patterns); else f32.
+ * bias != 0: the runs pass a dense f32 bias of C's last dimension (n) added to every row.
  * ndims (2 to 4) dimensions each: A [..., m, k], B [..., k, n], C [..., m, n], where the
  * leading (batch) dimensions of A and B are C's or 1 (broadcast); dims and strides (in
  * elements, outermost first) as oneDNN's matmul takes them. On success *out owns it, and
  * impl (impl_len bytes, NUL-terminated) names the implementation oneDNN chose. */
 int keel_dnnl_matmul_create(int bf16, int ndims, const int64_t *a_dims, const int64_t *a_str,
                             const int64_t *b_dims, const int64_t *b_str, const int64_t *c_dims,
-                            const int64_t *c_str, float alpha, float beta,
+                            const int64_t *c_str, float alpha, float beta, int bias,
                             struct keel_matmul **out, char *impl, size_t impl_len) {
     dnnl_status_t status = dnnl_success;
     dnnl_primitive_attr_t attr = NULL;
@@ -71,8 +77,18 @@ int keel_dnnl_matmul_create(int bf16, int ndims, const int64_t *a_dims, const in
     CHECK(dnnl_memory_desc_init_by_strides(&mm->a_md, ndims, ad, in, as));
     CHECK(dnnl_memory_desc_init_by_strides(&mm->b_md, ndims, bd, in, bs));
     CHECK(dnnl_memory_desc_init_by_strides(&mm->c_md, ndims, cd, dnnl_f32, cs));
+    if (bias) {
+        /* [1, ..., 1, n], dense: broadcast over every row (and batch). */
+        dnnl_dims_t zd, zs;
+        for (int i = 0; i < ndims; i++) zd[i] = 1, zs[i] = cd[ndims - 1];
+        zd[ndims - 1] = cd[ndims - 1];
+        zs[ndims - 1] = 1;
+        CHECK(dnnl_memory_desc_init_by_strides(&mm->bias_md, ndims, zd, dnnl_f32, zs));
+        mm->has_bias = 1;
+    }
     dnnl_matmul_desc_t desc;
-    CHECK(dnnl_matmul_desc_init(&desc, &mm->a_md, &mm->b_md, NULL, &mm->c_md));
+    CHECK(dnnl_matmul_desc_init(&desc, &mm->a_md, &mm->b_md, bias ? &mm->bias_md : NULL,
+                                &mm->c_md));
     CHECK(dnnl_primitive_attr_create(&attr));
     CHECK(dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user));
     if (alpha != 1.0f) CHECK(dnnl_primitive_attr_set_output_scales(attr, 1, 0, &alpha));
@@ -106,19 +122,20 @@ done:
     return status;
 }
 
-/* Runs it on this thread: c = alpha * a b + beta * c. */
-int keel_dnnl_matmul_run(const struct keel_matmul *mm, const void *a, const void *b, float *c) {
+/* Runs it on this thread: c = alpha * a b (+ bias) + beta * c. bias: n floats when the
+ * primitive was created with one, else ignored (may be NULL). */
+int keel_dnnl_matmul_run(const struct keel_matmul *mm, const void *a, const void *b,
+                         const float *bias, float *c) {
     dnnl_status_t status = dnnl_success;
     dnnl_stream_t stream = NULL;
-    dnnl_memory_t am = NULL, bm = NULL, cm = NULL, sm = NULL;
+    dnnl_memory_t am = NULL, bm = NULL, cm = NULL, sm = NULL, zm = NULL;
     void *scratch = NULL;
     omp_set_num_threads(1);
     CHECK(dnnl_stream_create(&stream, keel_engine, dnnl_stream_default_flags));
     CHECK(dnnl_memory_create(&am, &mm->a_md, keel_engine, (void *)a));
     CHECK(dnnl_memory_create(&bm, &mm->b_md, keel_engine, (void *)b));
     CHECK(dnnl_memory_create(&cm, &mm->c_md, keel_engine, c));
-    dnnl_exec_arg_t args[4] = {
-        {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}, {DNNL_ARG_SCRATCHPAD, NULL}};
+    dnnl_exec_arg_t args[5] = {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
     int nargs = 3;
     if (mm->scratch_bytes > 0) {
         scratch = malloc(mm->scratch_bytes);
@@ -127,12 +144,22 @@ int keel_dnnl_matmul_run(const struct keel_matmul *mm, const void *a, const void
             goto done;
         }
         CHECK(dnnl_memory_create(&sm, &mm->scratch_md, keel_engine, scratch));
-        args[3].memory = sm;
-        nargs = 4;
+        args[nargs].arg = DNNL_ARG_SCRATCHPAD;
+        args[nargs++].memory = sm;
+    }
+    if (mm->has_bias) {
+        if (!bias) {
+            status = dnnl_invalid_arguments;
+            goto done;
+        }
+        CHECK(dnnl_memory_create(&zm, &mm->bias_md, keel_engine, (void *)bias));
+        args[nargs].arg = DNNL_ARG_BIAS;
+        args[nargs++].memory = zm;
     }
     CHECK(dnnl_primitive_execute(mm->prim, stream, nargs, args));
     CHECK(dnnl_stream_wait(stream));
 done:
+    if (zm) dnnl_memory_destroy(zm);
     if (sm) dnnl_memory_destroy(sm);
     if (cm) dnnl_memory_destroy(cm);
     if (bm) dnnl_memory_destroy(bm);

@@ -235,7 +235,7 @@ pub(crate) fn gemm<A: Element>(
     c: &mut ArrayViewMut2<'_, A>,
     parts: usize,
 ) -> Bf16Backend {
-    if A::gemm_bf16_native(alpha, a, b, beta, c, parts) {
+    if A::gemm_bf16_native(alpha, a, b, None, beta, c, parts) {
         return Bf16Backend::Native;
     }
     with_scratch::<A, _>(|ba, bb| {
@@ -247,15 +247,15 @@ pub(crate) fn gemm<A: Element>(
     Bf16Backend::Emulated
 }
 
-/// The native route for f32: both operands to bf16 bit patterns, then oneDNN per part.
+/// The native route for f32: `c = alpha * bf16(a) bf16(b) (+ bias) + beta * c`, both operands
+/// to bf16 bit patterns, then oneDNN per part (each part given its columns of `bias` `[n]`).
 /// Returns false (nothing done) when this process has no native bf16.
 ///
 /// Panics if oneDNN fails to create or run a bf16 matmul after the startup probe created and
 /// ran one (an invariant: it fails on bad arguments or no memory, not on data).
 pub(crate) fn native_gemm_f32(
-    alpha: f32,
-    a: &ArrayView2<'_, f32>,
-    b: &ArrayView2<'_, f32>,
+    (alpha, a, b): (f32, &ArrayView2<'_, f32>, &ArrayView2<'_, f32>),
+    bias: Option<&[f32]>,
     beta: f32,
     c: &mut ArrayViewMut2<'_, f32>,
     parts: usize,
@@ -276,8 +276,9 @@ pub(crate) fn native_gemm_f32(
                     Some(v) => v.reborrow(),
                     None => converted_bits(b, bb),
                 };
-                super::gemm::split_keeping_c_layout(&a16, &b16, c, parts, &|a, b, c| {
-                    if let Err(e) = onednn::matmul(InputType::Bf16, alpha, a, b, beta, c) {
+                super::gemm::split_keeping_c_layout(&a16, &b16, c, parts, &|a, b, c, cols| {
+                    let bias = bias.map(|z| &z[cols]);
+                    if let Err(e) = onednn::matmul(InputType::Bf16, (alpha, a, b), bias, beta, c) {
                         panic!("oneDNN bf16 matmul failed after the startup probe succeeded: {e}");
                     }
                 });

@@ -118,9 +118,8 @@ fn probe_onednn() -> Result<String, super::onednn::DnnlError> {
     let mut c = Array2::<f32>::zeros((32, 32));
     let name = super::onednn::matmul(
         super::onednn::InputType::Bf16,
-        1.0,
-        &a.view(),
-        &a.t(),
+        (1.0, &a.view(), &a.t()),
+        None,
         0.0,
         &mut c.view_mut(),
     )?;
@@ -227,9 +226,8 @@ fn race() -> Result<Race, super::onednn::DnnlError> {
             };
             matmul(
                 InputType::Bf16,
-                1.0,
-                &a16.view(),
-                &b16.view(),
+                (1.0, &a16.view(), &b16.view()),
+                None,
                 0.0,
                 &mut c.view_mut(),
             )?;

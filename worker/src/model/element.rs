@@ -40,13 +40,15 @@ pub trait Element:
     /// (`super::bf16::round_bf16_f32` / `round_bf16_f64`).
     fn round_bf16(self) -> Self;
 
-    /// `c = alpha * bf16(a) bf16(b) + beta * c` on bf16 hardware, cut into `parts` (shapes as
-    /// in `super::gemm::gemm`); false, with nothing done, where this type or process has none
-    /// (the caller then emulates it).
+    /// `c = alpha * bf16(a) bf16(b) (+ bias) + beta * c` on bf16 hardware, cut into `parts`
+    /// (shapes as in `super::gemm::gemm`; `bias` `[n]` added to every row, as
+    /// `super::gemm::gemm_bias`); false, with nothing done, where this type or process has
+    /// none (the caller then emulates it).
     fn gemm_bf16_native(
         _alpha: Self,
         _a: &ndarray::ArrayView2<'_, Self>,
         _b: &ndarray::ArrayView2<'_, Self>,
+        _bias: Option<&[Self]>,
         _beta: Self,
         _c: &mut ndarray::ArrayViewMut2<'_, Self>,
         _parts: usize,
@@ -134,11 +136,12 @@ impl Element for f32 {
         alpha: f32,
         a: &ndarray::ArrayView2<'_, f32>,
         b: &ndarray::ArrayView2<'_, f32>,
+        bias: Option<&[f32]>,
         beta: f32,
         c: &mut ndarray::ArrayViewMut2<'_, f32>,
         parts: usize,
     ) -> bool {
-        super::bf16::native_gemm_f32(alpha, a, b, beta, c, parts)
+        super::bf16::native_gemm_f32((alpha, a, b), bias, beta, c, parts)
     }
 
     fn gemm_batched_bf16_native(

@@ -1,4 +1,5 @@
-//! The one matrix-multiply entry point: `C = alpha * A B + beta * C` through ndarray, which
+//! The matrix-multiply entry points: `C = alpha * A B + beta * C` ([`gemm`]) and a Linear's
+//! `C = A B + bias` ([`gemm_bias`]), through ndarray, which
 //! hands row-major, transposed (`.t()`) and row-strided views to OpenBLAS's `sgemm`/`dgemm`
 //! without copies. Every call is counted (time and flops) so the bench can report the share
 //! of a step spent in GEMM.
@@ -16,6 +17,7 @@
 //! every call are also counted per GEMM class (the calling file: `linear`, `attention`,
 //! `mlm_head`) and per backend, so the bench can say what ran where.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -154,14 +156,79 @@ pub(crate) fn gemm<A: Element>(
     }
     let start = Instant::now();
     let flops = 2 * m * n * k;
-    let extent = m.max(n);
-    let parts = parallel::available_threads()
-        .min(flops / MIN_SPLIT_FLOPS)
-        .min(extent / MIN_SPLIT_EXTENT)
-        .max(1);
+    let parts = parts_for(m, k, n);
     let class = class_of(std::panic::Location::caller().file());
     let backend = block(alpha, a, b, beta, c, parts);
     count(class, backend, flops, start);
+}
+
+/// `c = a b + bias`, the bias `[n]` added to every row of the product (a Linear's forward):
+/// `a` `[m, k]`, `b` `[k, n]`, `c` `[m, n]` (views as for [`gemm`]), in this thread's
+/// precision. Where bf16 GEMMs run natively, oneDNN adds the bias as it writes `c` (its matmul
+/// bias); elsewhere `c` is first filled with the bias rows and the product added to it
+/// (`beta = 1`). Both add the bias once to the finished fp32 sum, so they give the same bits
+/// (`onednn_tests::bias_gives_the_bits_of_a_bias_filled_output_and_beta_one`); the native
+/// route saves writing `c` once and reading it back (for the MLM decoder, `[masked, vocab]`).
+///
+/// Panics if `bias` is not `n` long (a caller's bug).
+#[track_caller]
+pub(crate) fn gemm_bias<A: Element>(
+    a: &ArrayView2<'_, A>,
+    b: &ArrayView2<'_, A>,
+    bias: &[A],
+    c: &mut ArrayViewMut2<'_, A>,
+) {
+    let (m, k) = a.dim();
+    let n = b.ncols();
+    assert_eq!(bias.len(), n, "bias of a [{m}, {k}] x [{k}, {n}] product");
+    if m == 0 || n == 0 {
+        return;
+    }
+    let parts = parts_for(m, k, n);
+    if k > 0 && bf16::current() == Precision::Bf16 {
+        let start = Instant::now();
+        if A::gemm_bf16_native(A::one(), a, b, Some(bias), A::zero(), c, parts) {
+            let class = class_of(std::panic::Location::caller().file());
+            count(class, 2, 2 * m * n * k, start);
+            return;
+        }
+    }
+    fill_rows(c, bias);
+    if k == 0 {
+        return;
+    }
+    let start = Instant::now();
+    let class = class_of(std::panic::Location::caller().file());
+    let backend = block(A::one(), a, b, A::one(), c, parts);
+    count(class, backend, 2 * m * n * k, start);
+}
+
+/// Every row of `c` set to `bias`, cut among the model's threads when `c` is one dense block.
+fn fill_rows<A: Element>(c: &mut ArrayViewMut2<'_, A>, bias: &[A]) {
+    /// Fewest rows per thread: a row is a few hundred bytes to a few KiB.
+    const MIN_ROWS_PER_THREAD: usize = 64;
+    let (m, n) = c.dim();
+    if let Some(all) = c.as_slice_mut() {
+        let none: &[A] = &[];
+        parallel::zip_units(all, n, none, 0, m, MIN_ROWS_PER_THREAD, |rows, _| {
+            for row in rows.chunks_exact_mut(n) {
+                row.copy_from_slice(bias);
+            }
+        });
+    } else {
+        for mut row in c.rows_mut() {
+            row.assign(&ndarray::aview1(bias));
+        }
+    }
+}
+
+/// Threads to cut an `[m, k] x [k, n]` product among: none below [`MIN_SPLIT_FLOPS`] or
+/// [`MIN_SPLIT_EXTENT`] rows (or columns) a part.
+fn parts_for(m: usize, k: usize, n: usize) -> usize {
+    parallel::available_threads()
+        .min(2 * m * n * k / MIN_SPLIT_FLOPS)
+        .min(m.max(n) / MIN_SPLIT_EXTENT)
+        .max(1)
 }
 
 /// One product in this thread's precision on `parts` threads; returns the backend's index in
@@ -290,6 +357,12 @@ pub(crate) fn multiply<A: Element>(
 pub(crate) type Kernel<'k, T, C> =
     dyn Fn(&ArrayView2<'_, T>, &ArrayView2<'_, T>, &mut ArrayViewMut2<'_, C>) + Sync + 'k;
 
+/// A [`Kernel`] that is also told which columns of the whole `C` its part holds (to take
+/// the matching part of a bias).
+pub(crate) type ColumnKernel<'k, T, C> = dyn Fn(&ArrayView2<'_, T>, &ArrayView2<'_, T>, &mut ArrayViewMut2<'_, C>, Range<usize>)
+    + Sync
+    + 'k;
+
 /// Runs `kernel(a, b, c)` on `parts` threads: `c` cut by rows, or by columns when it is wider
 /// than tall (`C^T = B^T A^T`: the same call on transposed views).
 pub(crate) fn split_among<T: Sync, C: Send>(
@@ -301,7 +374,7 @@ pub(crate) fn split_among<T: Sync, C: Send>(
 ) {
     if parts <= 1 || a.nrows() >= b.ncols() {
         // One call, or cut by rows: the same as keeping C's layout.
-        split_keeping_c_layout(a, b, c, parts, kernel);
+        split_keeping_c_layout(a, b, c, parts, &|a, b, c, _| kernel(a, b, c));
     } else {
         split_rows(
             &b.t(),
@@ -318,27 +391,29 @@ pub(crate) fn split_among<T: Sync, C: Send>(
 /// kernels take only a row-major `C`; handed the transposed one that [`split_among`] makes
 /// of a wide `C` (the MLM decoder's `[masked, vocab]`), oneDNN 2.6.3 falls back to its
 /// reference kernel, ~200x slower (measured: 0.9 GFLOP/s on the Zen 5 EPYC with 2 threads).
+/// Each call is told its part's columns of `C`.
 pub(crate) fn split_keeping_c_layout<T: Sync, C: Send>(
     a: &ArrayView2<'_, T>,
     b: &ArrayView2<'_, T>,
     c: &mut ArrayViewMut2<'_, C>,
     parts: usize,
-    kernel: &Kernel<'_, T, C>,
+    kernel: &ColumnKernel<'_, T, C>,
 ) {
+    let n = b.ncols();
     if parts <= 1 {
-        kernel(a, b, c);
-    } else if a.nrows() >= b.ncols() {
-        split_rows(a, b, c, parts, kernel);
+        kernel(a, b, c, 0..n);
+    } else if a.nrows() >= n {
+        split_rows(a, b, c, parts, &|a, b, c| kernel(a, b, c, 0..n));
     } else {
         let mut blocks = Vec::with_capacity(parts);
         let mut rest = c.view_mut();
-        for r in parallel::split(b.ncols(), parts) {
+        for r in parallel::split(n, parts) {
             let (block, tail) = rest.split_at(Axis(1), r.len());
             rest = tail;
-            blocks.push((b.slice(s![.., r]), block));
+            blocks.push((b.slice(s![.., r.clone()]), block, r));
         }
-        parallel::run_parts(blocks, |(b_block, mut c_block)| {
-            kernel(a, &b_block, &mut c_block);
+        parallel::run_parts(blocks, |(b_block, mut c_block, cols)| {
+            kernel(a, &b_block, &mut c_block, cols);
         });
     }
 }

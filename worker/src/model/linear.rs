@@ -5,10 +5,7 @@
 use keel_proto::params::ParamLayout;
 
 use super::Element;
-use super::gemm::{gemm, mat, mat_mut};
-
-/// Fewest rows of `y` worth a thread of their own when the bias is written into them.
-const MIN_ROWS_PER_THREAD: usize = 64;
+use super::gemm::{gemm, gemm_bias, mat, mat_mut};
 
 /// Where a Linear's weight and bias live in the flat buffer.
 #[derive(Debug, Clone)]
@@ -40,30 +37,14 @@ impl Linear {
         self.out * self.inp
     }
 
-    /// `y[n, o] = x[n, i] W^T + b`.
+    /// `y[n, o] = x[n, i] W^T + b` (the bias added by the GEMM: [`super::gemm::gemm_bias`]).
     pub fn forward<A: Element>(&self, y: &mut [A], x: &[A], params: &[A], n: usize) {
         let bias = &params[self.b..self.b + self.out];
-        // The bias in every row, cut among the model's threads (a pass over all of `y`).
-        let none: &[A] = &[];
-        super::parallel::zip_units(
-            &mut y[..n * self.out],
-            self.out,
-            none,
-            0,
-            n,
-            MIN_ROWS_PER_THREAD,
-            |rows, _| {
-                for row in rows.chunks_exact_mut(self.out) {
-                    row.copy_from_slice(bias);
-                }
-            },
-        );
         let w = mat(&params[self.w..], self.out, self.inp);
-        gemm(
-            A::one(),
+        gemm_bias(
             &mat(x, n, self.inp),
             &w.t(),
-            A::one(),
+            bias,
             &mut mat_mut(y, n, self.out),
         );
     }

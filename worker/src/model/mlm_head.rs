@@ -13,7 +13,7 @@ use keel_proto::params::ParamLayout;
 use super::Element;
 use super::activation;
 use super::element::grow;
-use super::gemm::{gemm, mat, mat_mut};
+use super::gemm::{gemm, gemm_bias, mat, mat_mut};
 use super::layernorm::LayerNorm;
 use super::linear::{Linear, find};
 
@@ -93,15 +93,11 @@ impl MlmHead {
             .forward(z, xhat, rstd, &cache.act[..m * c], None, params, m);
         let logits = grow(&mut cache.logits, m * v);
         let bias = &params[self.bias..self.bias + v];
-        for row in logits.chunks_exact_mut(v) {
-            row.copy_from_slice(bias);
-        }
         let e = mat(&params[self.word..], v, c);
-        gemm(
-            A::one(),
+        gemm_bias(
             &mat(&cache.z, m, c),
             &e.t(),
-            A::one(),
+            bias,
             &mut mat_mut(logits, m, v),
         );
     }

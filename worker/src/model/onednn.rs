@@ -1,6 +1,6 @@
 //! oneDNN's matmul primitive (Intel's deep-learning primitives, what PyTorch uses on CPU;
 //! Debian 12 ships 2.6.3 as `libdnnl2`) through the C shim `csrc/dnnl_matmul.c`, with the
-//! primitives cached per shape, strides, data type, alpha and beta.
+//! primitives cached per shape, strides, data type, alpha, beta and whether a bias is added.
 //!
 //! Why oneDNN: it is the only library in Debian 12 with a fast bf16 GEMM (OpenBLAS 0.3.21
 //! there is built without `sbgemm`); with AMX its bf16 matmul ran at 290-1,000 GFLOP/s on one
@@ -39,6 +39,7 @@ unsafe extern "C" {
         c_strides: *const i64,
         alpha: f32,
         beta: f32,
+        bias: c_int,
         out: *mut *mut RawMatmul,
         impl_name: *mut c_char,
         impl_len: usize,
@@ -47,6 +48,7 @@ unsafe extern "C" {
         mm: *const RawMatmul,
         a: *const c_void,
         b: *const c_void,
+        bias: *const f32,
         c: *mut f32,
     ) -> c_int;
     fn keel_dnnl_matmul_destroy(mm: *mut RawMatmul);
@@ -106,12 +108,20 @@ struct Key {
     strides: [[i64; 4]; 3],
     alpha: u32,
     beta: u32,
+    /// A dense f32 bias `[n]` is added to every row.
+    bias: bool,
 }
 
 impl Key {
     /// The key of a plain `[m, k] x [k, n]` product with these (row, column) strides of A,
-    /// B and C.
-    fn plain(input: InputType, [m, k, n]: [usize; 3], s: [i64; 6], alpha: f32, beta: f32) -> Key {
+    /// B and C, with or without a bias.
+    fn plain(
+        input: InputType,
+        [m, k, n]: [usize; 3],
+        s: [i64; 6],
+        (alpha, beta): (f32, f32),
+        bias: bool,
+    ) -> Key {
         let (m, k, n) = (m as i64, k as i64, n as i64);
         Key {
             input,
@@ -120,6 +130,7 @@ impl Key {
             strides: [[s[0], s[1], 0, 0], [s[2], s[3], 0, 0], [s[4], s[5], 0, 0]],
             alpha: alpha.to_bits(),
             beta: beta.to_bits(),
+            bias,
         }
     }
 
@@ -197,6 +208,7 @@ fn primitive(key: Key) -> Result<Arc<Matmul>, DnnlError> {
             key.strides[2].as_ptr(),
             f32::from_bits(key.alpha),
             f32::from_bits(key.beta),
+            c_int::from(key.bias),
             &mut raw,
             name.as_mut_ptr(),
             name.len(),
@@ -253,16 +265,18 @@ impl InputType {
 ///
 /// # Safety
 /// `a`, `b` and `c` must be valid for every offset the dims and strides `p` was created with
-/// reach, of `p`'s input type (`c` f32, not aliased).
+/// reach, of `p`'s input type (`c` f32, not aliased); `bias` valid for `n` floats when `p`
+/// was created with a bias (else it may be null).
 unsafe fn execute(
     p: &Matmul,
     input: InputType,
     a: *const c_void,
     b: *const c_void,
+    bias: *const f32,
     c: *mut f32,
 ) -> Result<String, i32> {
     // SAFETY: per the function's contract.
-    let status = unsafe { keel_dnnl_matmul_run(p.raw, a, b, c) };
+    let status = unsafe { keel_dnnl_matmul_run(p.raw, a, b, bias, c) };
     if input == InputType::Bf16 && p.implementation.starts_with("ref") {
         REFERENCE_BF16_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
@@ -272,18 +286,19 @@ unsafe fn execute(
     Ok(p.implementation.clone())
 }
 
-/// `c = alpha * a b + beta * c` by oneDNN on this thread: `a` `[m, k]`, `b` `[k, n]` of `T`
-/// (`f32` with [`InputType::F32`], bf16 bit patterns `u16` with [`InputType::Bf16`]), `c`
-/// `[m, n]` f32; any non-negative strides (transposed and row-strided views included).
+/// `c = alpha * a b (+ bias) + beta * c` by oneDNN on this thread: `a` `[m, k]`, `b` `[k, n]`
+/// of `T` (`f32` with [`InputType::F32`], bf16 bit patterns `u16` with [`InputType::Bf16`]),
+/// `c` `[m, n]` f32; any non-negative strides (transposed and row-strided views included);
+/// `bias` `[n]` f32, added to every row of `a b` before `beta * c` (oneDNN's matmul bias).
 /// Returns the name of the implementation oneDNN chose (e.g. `brg:avx512_core_amx_bf16`).
 ///
 /// Errors: [`DnnlError::Status`] when oneDNN cannot create or run the primitive (bf16 on a
 /// CPU it has no bf16 kernel for: "unimplemented"), [`DnnlError::NegativeStride`].
+/// Panics if the shapes do not chain or `bias` is not `n` long (a caller's bug).
 pub(crate) fn matmul<T: Copy>(
     input: InputType,
-    alpha: f32,
-    a: &ArrayView2<'_, T>,
-    b: &ArrayView2<'_, T>,
+    (alpha, a, b): (f32, &ArrayView2<'_, T>, &ArrayView2<'_, T>),
+    bias: Option<&[f32]>,
     beta: f32,
     c: &mut ArrayViewMut2<'_, f32>,
 ) -> Result<String, DnnlError> {
@@ -292,6 +307,9 @@ pub(crate) fn matmul<T: Copy>(
     let n = b.ncols();
     assert_eq!(b.nrows(), k, "inner dimensions");
     assert_eq!(c.dim(), (m, n), "output shape");
+    if let Some(bias) = bias {
+        assert_eq!(bias.len(), n, "bias length");
+    }
     let [a_rs, a_cs] = strides_of(a)?;
     let [b_rs, b_cs] = strides_of(b)?;
     let [c_rs, c_cs] = strides_of(&c.view())?;
@@ -299,17 +317,19 @@ pub(crate) fn matmul<T: Copy>(
         input,
         [m, k, n],
         [a_rs, a_cs, b_rs, b_cs, c_rs, c_cs],
-        alpha,
-        beta,
+        (alpha, beta),
+        bias.is_some(),
     ))?;
-    // SAFETY: the primitive was created for exactly these shapes and strides; the pointers
-    // are the views' first elements, valid for those strides; `c` is borrowed mutably.
+    // SAFETY: the primitive was created for exactly these shapes and strides (and a bias
+    // exactly when `bias` is given, `n` long: checked); the pointers are the views' first
+    // elements, valid for those strides; `c` is borrowed mutably.
     unsafe {
         execute(
             &p,
             input,
             a.as_ptr().cast(),
             b.as_ptr().cast(),
+            bias.map_or(std::ptr::null(), <[f32]>::as_ptr),
             c.as_mut_ptr(),
         )
     }
@@ -416,15 +436,18 @@ pub(crate) fn batched_matmul<T: Copy>(
         strides: [i64s(sa.strides), i64s(sb.strides), i64s(sc.strides)],
         alpha: alpha.to_bits(),
         beta: beta.to_bits(),
+        bias: false,
     })?;
-    // SAFETY: the primitive was created for exactly these dims and strides, and every offset
-    // they reach lies inside the slices (checked above); `c` is borrowed mutably.
+    // SAFETY: the primitive was created for exactly these dims and strides, without a bias,
+    // and every offset they reach lies inside the slices (checked above); `c` is borrowed
+    // mutably.
     unsafe {
         execute(
             &p,
             input,
             a.as_ptr().cast(),
             b.as_ptr().cast(),
+            std::ptr::null(),
             c.as_mut_ptr(),
         )
     }
@@ -438,186 +461,5 @@ pub(crate) fn batched_matmul<T: Copy>(
 }
 
 #[cfg(test)]
-mod tests {
-    use ndarray::{Array2, ShapeBuilder};
-
-    use super::{InputType, Key, matmul, primitive};
-    use crate::model::bf16::{bf16_bits, round_bf16_f32};
-
-    fn filled(r: usize, c: usize, seed: usize, column_major: bool) -> Array2<f32> {
-        let f = move |(i, j): (usize, usize)| {
-            (((i * 131 + j * 71 + seed * 17) % 97) as f32 - 48.0) / 37.0
-        };
-        if column_major {
-            Array2::from_shape_fn((r, c).f(), f)
-        } else {
-            Array2::from_shape_fn((r, c), f)
-        }
-    }
-
-    fn reference(
-        alpha: f64,
-        a: &Array2<f32>,
-        b: &Array2<f32>,
-        beta: f64,
-        c: &Array2<f32>,
-    ) -> Array2<f64> {
-        let a = a.mapv(f64::from);
-        let b = b.mapv(f64::from);
-        a.dot(&b) * alpha + c.mapv(f64::from) * beta
-    }
-
-    /// Largest `|x - ref|` over `sum_k |a_ik b_kj|`-scaled units: the fp32 accumulation bound
-    /// is `k * 2^-24` of that sum (Higham, "Accuracy and Stability", eq. 3.5).
-    fn worst_relative(got: &Array2<f32>, want: &Array2<f64>, scale: f64) -> f64 {
-        got.iter()
-            .zip(want.iter())
-            .map(|(g, w)| (f64::from(*g) - w).abs() / scale)
-            .fold(0.0, f64::max)
-    }
-
-    /// oneDNN's f32 matmul (works on every x86-64 CPU, AVX2 included) through the shim gives
-    /// the fp64 product within fp32 accumulation error, for all four transposes, a
-    /// row-strided output, alpha and beta, and the cache hands back the same primitive.
-    #[test]
-    fn f32_matmul_matches_fp64_for_every_layout() {
-        for &(m, k, n) in &[(96, 64, 40), (7, 300, 90), (128, 128, 64), (33, 1, 65)] {
-            for layout in 0..4 {
-                let (ta, tb) = (layout & 1 == 1, layout & 2 == 2);
-                let a = filled(m, k, 1, ta);
-                let b = filled(k, n, 2, tb);
-                let c0 = filled(m, n + 3, 3, false);
-                let (alpha, beta) = (0.75f32, 0.5f32);
-                let mut wide = c0.clone();
-                let mut c = wide.slice_mut(ndarray::s![.., ..n]);
-                let name = matmul(InputType::F32, alpha, &a.view(), &b.view(), beta, &mut c)
-                    .unwrap_or_else(|e| panic!("{m}x{k}x{n} layout {layout}: {e}"));
-                assert!(!name.is_empty());
-                let got = c.to_owned();
-                let want = reference(
-                    f64::from(alpha),
-                    &a,
-                    &b,
-                    f64::from(beta),
-                    &c0.slice(ndarray::s![.., ..n]).to_owned(),
-                );
-                let scale = (k as f64) * (48.0 / 37.0f64).powi(2);
-                let worst = worst_relative(&got, &want, scale);
-                assert!(
-                    worst <= (k as f64 + 2.0) * 2f64.powi(-24),
-                    "{m}x{k}x{n} layout {layout}: error {worst:e} of the |a||b| sum"
-                );
-                // The columns past n were not touched.
-                assert_eq!(
-                    wide.slice(ndarray::s![.., n..]),
-                    c0.slice(ndarray::s![.., n..])
-                );
-            }
-        }
-    }
-
-    /// A second request for the same shape, strides, alpha and beta gets the cached primitive.
-    #[test]
-    fn primitives_are_cached_per_key() {
-        let key = Key::plain(InputType::F32, [17, 9, 5], [9, 1, 1, 9, 5, 1], 1.0, 0.0);
-        let first = primitive(key).expect("oneDNN creates an f32 matmul on any x86-64 CPU");
-        let again = primitive(key).expect("cached");
-        assert!(std::sync::Arc::ptr_eq(&first, &again));
-        let other = primitive(Key {
-            beta: 1f32.to_bits(),
-            ..key
-        })
-        .expect("beta = 1");
-        assert!(!std::sync::Arc::ptr_eq(&first, &other));
-    }
-
-    /// oneDNN's bf16 matmul, where this CPU has one (AVX512_BF16 or AMX; on AVX2 oneDNN 2.6
-    /// cannot create it, and the test says so and checks nothing more). The products of bf16
-    /// values are exact in f32, so the result is the fp64 product of the rounded inputs within
-    /// fp32 accumulation error.
-    #[test]
-    fn bf16_matmul_matches_fp64_of_rounded_inputs_where_supported() {
-        let (m, k, n) = (64, 256, 48);
-        let a = filled(m, k, 1, false).mapv(round_bf16_f32);
-        let b = filled(k, n, 2, true).mapv(round_bf16_f32);
-        let a16 = a.mapv(bf16_bits);
-        let b16 = b.mapv(bf16_bits);
-        let b16 = {
-            let mut t = Array2::<u16>::zeros((k, n).f());
-            t.assign(&b16);
-            t
-        };
-        let mut c = Array2::<f32>::zeros((m, n));
-        match matmul(
-            InputType::Bf16,
-            1.0,
-            &a16.view(),
-            &b16.view(),
-            0.0,
-            &mut c.view_mut(),
-        ) {
-            Err(e) => {
-                println!("SKIPPED: this CPU has no oneDNN bf16 matmul ({e})");
-                return;
-            }
-            Ok(name) => println!("oneDNN bf16 implementation: {name}"),
-        }
-        let want = reference(1.0, &a, &b, 0.0, &Array2::zeros((m, n)));
-        let scale = (k as f64) * (48.0 / 37.0f64).powi(2);
-        let worst = worst_relative(&c, &want, scale);
-        assert!(
-            worst <= (k as f64 + 2.0) * 2f64.powi(-24),
-            "error {worst:e}"
-        );
-    }
-
-    /// Same inputs at different addresses (offset by 0..8 elements) and run twice: the bf16
-    /// result must be the same bits (determinism of recovery and of reruns depends on it).
-    #[test]
-    fn bf16_matmul_bits_do_not_depend_on_addresses_or_history() {
-        for (m, k, n, beta) in [
-            (512, 128, 512, 0.0f32),
-            (4096, 128, 128, 1.0),
-            (128, 4096, 128, 1.0),
-            (37, 130, 61, 0.0),
-        ] {
-            let a = filled(m, k, 3, false).mapv(bf16_bits);
-            let b = filled(k, n, 4, false).mapv(bf16_bits);
-            let c0 = filled(m, n, 5, false);
-            let mut first: Option<Array2<f32>> = None;
-            for shift in 0..8usize {
-                for _ in 0..2 {
-                    let mut abig = Array2::<u16>::zeros((m, k + 8));
-                    abig.slice_mut(ndarray::s![.., shift..shift + k]).assign(&a);
-                    let av = abig.slice(ndarray::s![.., shift..shift + k]);
-                    let mut bbig = Array2::<u16>::zeros((k, n + 8));
-                    bbig.slice_mut(ndarray::s![.., shift..shift + n]).assign(&b);
-                    let bv = bbig.slice(ndarray::s![.., shift..shift + n]);
-                    let mut cbig = Array2::<f32>::zeros((m, n + 8));
-                    cbig.slice_mut(ndarray::s![.., shift..shift + n])
-                        .assign(&c0);
-                    let mut cv = cbig.slice_mut(ndarray::s![.., shift..shift + n]);
-                    if matmul(InputType::Bf16, 1.0, &av, &bv, beta, &mut cv).is_err() {
-                        println!("SKIPPED: no oneDNN bf16 matmul here");
-                        return;
-                    }
-                    let got = cv.to_owned();
-                    match &first {
-                        None => first = Some(got),
-                        Some(f) => {
-                            let diff = f
-                                .iter()
-                                .zip(got.iter())
-                                .filter(|(x, y)| x.to_bits() != y.to_bits())
-                                .count();
-                            assert_eq!(
-                                diff, 0,
-                                "[{m},{k}]x[{k},{n}] beta {beta} shift {shift}: {diff} elements differ"
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
+#[path = "onednn_tests.rs"]
+mod tests;
