@@ -9,7 +9,8 @@
  *   - alpha is oneDNN's output scale, beta a "sum" post-op (dst = alpha*AB + beta*dst).
  *   - the bias (optional, dense [n], the same for every row) is oneDNN's matmul bias, added
  *     to each output as it is written: a Linear's bias without first filling C with it and
- *     reading it back (beta = 1).
+ *     reading it back (beta = 1). oneDNN 2.x applies the output scale after the bias
+ *     (alpha * (AB + bias)), so the Rust side passes a bias only with alpha = 1.
  *   - The scratchpad is in user mode: each call allocates its own, so one primitive may be run
  *     from several threads at once (oneDNN's library scratchpad is shared state otherwise).
  *   - Each call first sets this thread's OpenMP team size to 1: Keel owns the threads (it cuts

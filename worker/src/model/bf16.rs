@@ -248,7 +248,8 @@ pub(crate) fn gemm<A: Element>(
 }
 
 /// The native route for f32: `c = alpha * bf16(a) bf16(b) (+ bias) + beta * c`, both operands
-/// to bf16 bit patterns, then oneDNN per part (each part given its columns of `bias` `[n]`).
+/// to bf16 bit patterns, then oneDNN per part (each part given its columns of `bias` `[n]`;
+/// a bias only with `alpha = 1`, as `super::onednn::matmul` requires).
 /// Returns false (nothing done) when this process has no native bf16.
 ///
 /// Panics if oneDNN fails to create or run a bf16 matmul after the startup probe created and

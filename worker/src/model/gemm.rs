@@ -167,7 +167,7 @@ pub(crate) fn gemm<A: Element>(
 /// precision. Where bf16 GEMMs run natively, oneDNN adds the bias as it writes `c` (its matmul
 /// bias); elsewhere `c` is first filled with the bias rows and the product added to it
 /// (`beta = 1`). Both add the bias once to the finished fp32 sum, so they give the same bits
-/// (`onednn_tests::bias_gives_the_bits_of_a_bias_filled_output_and_beta_one`); the native
+/// (`onednn::tests::bias_gives_the_bits_of_a_bias_filled_output_and_beta_one`); the native
 /// route saves writing `c` once and reading it back (for the MLM decoder, `[masked, vocab]`).
 ///
 /// Panics if `bias` is not `n` long (a caller's bug).

@@ -136,7 +136,8 @@ impl Key {
 
     fn describe(&self) -> String {
         let d = |i: usize| format!("{:?}", &self.dims[i][..self.ndims]);
-        format!("{:?} {} x {} matmul", self.input, d(0), d(1))
+        let bias = if self.bias { " with a bias" } else { "" };
+        format!("{:?} {} x {} matmul{bias}", self.input, d(0), d(1))
     }
 }
 
@@ -289,12 +290,14 @@ unsafe fn execute(
 /// `c = alpha * a b (+ bias) + beta * c` by oneDNN on this thread: `a` `[m, k]`, `b` `[k, n]`
 /// of `T` (`f32` with [`InputType::F32`], bf16 bit patterns `u16` with [`InputType::Bf16`]),
 /// `c` `[m, n]` f32; any non-negative strides (transposed and row-strided views included);
-/// `bias` `[n]` f32, added to every row of `a b` before `beta * c` (oneDNN's matmul bias).
+/// `bias` `[n]` f32, added to every row of `a b` before `beta * c` (oneDNN's matmul bias;
+/// only with `alpha = 1`, since oneDNN scales the bias with the product).
 /// Returns the name of the implementation oneDNN chose (e.g. `brg:avx512_core_amx_bf16`).
 ///
 /// Errors: [`DnnlError::Status`] when oneDNN cannot create or run the primitive (bf16 on a
 /// CPU it has no bf16 kernel for: "unimplemented"), [`DnnlError::NegativeStride`].
-/// Panics if the shapes do not chain or `bias` is not `n` long (a caller's bug).
+/// Panics if the shapes do not chain, or `bias` is not `n` long or comes with `alpha != 1` (a
+/// caller's bug).
 pub(crate) fn matmul<T: Copy>(
     input: InputType,
     (alpha, a, b): (f32, &ArrayView2<'_, T>, &ArrayView2<'_, T>),
@@ -309,6 +312,10 @@ pub(crate) fn matmul<T: Copy>(
     assert_eq!(c.dim(), (m, n), "output shape");
     if let Some(bias) = bias {
         assert_eq!(bias.len(), n, "bias length");
+        assert!(
+            alpha == 1.0,
+            "a bias with alpha {alpha}: oneDNN would scale the bias too"
+        );
     }
     let [a_rs, a_cs] = strides_of(a)?;
     let [b_rs, b_cs] = strides_of(b)?;

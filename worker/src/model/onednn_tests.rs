@@ -265,3 +265,46 @@ fn bias_gives_the_bits_of_a_bias_filled_output_and_beta_one() {
         }
     }
 }
+
+/// `split_keeping_c_layout` tells each part its columns of `C`: with oneDNN's f32 matmul (every
+/// CPU), a wide output cut into 3 column blocks, each adding its own columns of the bias,
+/// gives the bits of the same cut with the output filled with the bias and `beta = 1`; a
+/// tall output (cut by rows) gets the whole bias in every part.
+#[test]
+fn column_parts_take_their_own_columns_of_the_bias() {
+    for (m, k, n) in [(40, 96, 700), (300, 96, 64)] {
+        let a = filled(m, k, 8, false);
+        let b = filled(k, n, 9, true);
+        let bias: Vec<f32> = (0..n).map(|j| (j as f32 - 300.0) / 7.0).collect();
+        let mut want = Array2::<f32>::zeros((m, n));
+        for mut row in want.rows_mut() {
+            row.assign(&ndarray::aview1(&bias));
+        }
+        let mut got = Array2::<f32>::from_elem((m, n), f32::NAN);
+        let run = |c: &mut Array2<f32>, with_bias: bool| {
+            crate::model::gemm::split_keeping_c_layout(
+                &a.view(),
+                &b.view(),
+                &mut c.view_mut(),
+                3,
+                &|a, b, c, cols| {
+                    assert_eq!(cols.len(), c.ncols());
+                    let (z, beta) = if with_bias {
+                        (Some(&bias[cols]), 0.0)
+                    } else {
+                        (None, 1.0)
+                    };
+                    matmul(InputType::F32, (1.0, a, b), z, beta, c).expect("f32 matmul");
+                },
+            )
+        };
+        run(&mut want, false);
+        run(&mut got, true);
+        let differ = got
+            .iter()
+            .zip(want.iter())
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        assert_eq!(differ, 0, "{m}x{k}x{n}: {differ} elements differ");
+    }
+}
