@@ -85,6 +85,19 @@ fn the_same_job_twice_gives_bit_identical_checkpoints() {
     let corpus = kjv_lines(dir.path(), 3000);
     let a = run(dir.path(), &corpus, (2, 6, 1), "auto", "a");
     let b = run(dir.path(), &corpus, (2, 6, 1), "auto", "b");
+    // `auto` is each worker's start-up race of bf16 against fp32 (worker/src/model/bf16_cpu.rs):
+    // the two runs must have chosen alike for their checkpoints to be comparable at all.
+    let precision = |dir: &Path| -> String {
+        let state: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("trainer_state.json")).unwrap())
+                .unwrap();
+        state["precision"].as_str().unwrap_or("missing").to_string()
+    };
+    assert_eq!(
+        precision(&a),
+        precision(&b),
+        "the two runs of one job chose different precisions (the workers' start-up race)"
+    );
     for f in ["model.safetensors", "optimizer.safetensors"] {
         let (x, y) = (
             std::fs::read(a.join(f)).unwrap(),

@@ -15,7 +15,11 @@
 //!   interleaved rounds, and takes the native route only when bf16 is at least
 //!   [`RACE_MARGIN`] times faster. The margin keeps the choice stable on one kind of machine
 //!   (the two measured cases are far from it on either side), which the job's determinism
-//!   needs: the route changes the order of the sums.
+//!   needs: the route changes the order of the sums. Each round is timed in this thread's
+//!   CPU time, not wall time: on a busy machine (a test suite compiling beside a job) the
+//!   rounds of either route lose the core to other processes at random, and wall-clock rounds
+//!   measured 75 against 56 GFLOP/s there (1.34x) where an idle machine gives 190 against 100,
+//!   close enough to the margin for two runs of one job to choose differently.
 
 use super::bf16::Bf16Support;
 
@@ -110,24 +114,30 @@ pub(crate) fn detect() -> Bf16Support {
     not("not an x86-64 CPU: no AMX".into())
 }
 
-/// Creates and runs one small bf16 matmul; returns oneDNN's implementation name.
+/// Creates and runs one small bf16 matmul, and one with a bias (the form a Linear's forward
+/// uses: `super::gemm::gemm_bias`), checking both results; returns oneDNN's implementation
+/// name. A CPU where either fails trains with emulated bf16 instead of failing a step later.
 #[cfg(target_arch = "x86_64")]
 fn probe_onednn() -> Result<String, super::onednn::DnnlError> {
     use ndarray::Array2;
     let a = Array2::<u16>::from_elem((32, 32), super::bf16::bf16_bits(1.0));
-    let mut c = Array2::<f32>::zeros((32, 32));
-    let name = super::onednn::matmul(
-        super::onednn::InputType::Bf16,
-        (1.0, &a.view(), &a.t()),
-        None,
-        0.0,
-        &mut c.view_mut(),
-    )?;
-    if c.iter().any(|&x| x != 32.0) {
-        return Err(super::onednn::DnnlError::Status {
-            what: "checking a probe matmul (wrong result)".into(),
-            status: 5,
-        });
+    let bias = [1.0f32; 32];
+    let mut name = String::new();
+    for (with_bias, want) in [(false, 32.0), (true, 33.0)] {
+        let mut c = Array2::<f32>::zeros((32, 32));
+        name = super::onednn::matmul(
+            super::onednn::InputType::Bf16,
+            (1.0, &a.view(), &a.t()),
+            with_bias.then_some(&bias[..]),
+            0.0,
+            &mut c.view_mut(),
+        )?;
+        if c.iter().any(|&x| x != want) {
+            return Err(super::onednn::DnnlError::Status {
+                what: format!("checking a probe matmul (wrong result; bias: {with_bias})"),
+                status: 5,
+            });
+        }
     }
     Ok(name)
 }
@@ -140,7 +150,7 @@ const RACE_ROUNDS: usize = 4;
 const RACE_MARGIN: f64 = 1.2;
 
 #[cfg(target_arch = "x86_64")]
-/// What [`race`] measured: seconds of the best round of each route.
+/// What [`race`] measured: CPU seconds of the best round of each route.
 #[derive(Debug, Clone, Copy)]
 struct Race {
     /// oneDNN bf16 (inputs converted from f32 on every call, as the model does).
@@ -172,6 +182,26 @@ impl Race {
     }
 }
 
+/// CPU time of the calling thread (seconds): both routes run on it alone (oneDNN with a team of
+/// one, OpenBLAS set to one thread), and time the thread spends waiting for a core is left
+/// out. Falls back to wall time where the clock is missing.
+#[cfg(target_arch = "x86_64")]
+fn thread_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec; the clock id is a constant Linux supports.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0 {
+        return ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9;
+    }
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_secs_f64()
+}
+
 /// Times BERT-shaped GEMMs (hidden 256, feed-forward 1024, 1024 tokens: a BERT-mini FFN
 /// projection `[1024, 256] x [256, 1024]` and its weight gradient `[1024, 1024]^T x [1024, 256]`)
 /// in bf16 through oneDNN and in fp32 through OpenBLAS, one thread each; see the module doc.
@@ -180,7 +210,6 @@ fn race() -> Result<Race, super::onednn::DnnlError> {
     use super::bf16::bf16_bits;
     use super::onednn::{InputType, matmul};
     use ndarray::{Array2, linalg::general_mat_mul};
-    use std::time::Instant;
 
     // OpenBLAS as the process has set it: one thread in the worker and the bench (their
     // `set_blas_threads` runs first). The probe must not change it: a result's bits depend on
@@ -206,12 +235,12 @@ fn race() -> Result<Race, super::onednn::DnnlError> {
         .collect();
     let (mut best_bf16, mut best_fp32) = (f64::INFINITY, f64::INFINITY);
     for _ in 0..RACE_ROUNDS {
-        let start = Instant::now();
+        let start = thread_cpu_seconds();
         for ((a, b), c) in shapes.iter().zip(&mut outs) {
             general_mat_mul(1.0, a, b, 0.0, c);
         }
-        best_fp32 = best_fp32.min(start.elapsed().as_secs_f64());
-        let start = Instant::now();
+        best_fp32 = best_fp32.min(thread_cpu_seconds() - start);
+        let start = thread_cpu_seconds();
         for ((a, b), c) in shapes.iter().zip(&mut outs) {
             // Converted in the operand's own memory order, as `super::bf16` does.
             let a16 = if a.is_standard_layout() {
@@ -232,7 +261,7 @@ fn race() -> Result<Race, super::onednn::DnnlError> {
                 &mut c.view_mut(),
             )?;
         }
-        best_bf16 = best_bf16.min(start.elapsed().as_secs_f64());
+        best_bf16 = best_bf16.min(thread_cpu_seconds() - start);
     }
     Ok(Race {
         bf16_s: best_bf16,
@@ -256,6 +285,26 @@ mod tests {
         assert!(!race(1.01).pays(), "1.19x faster");
         assert!(!race(2.0).pays(), "slower");
         assert!(race(0.2).describe().contains("6.00x"));
+    }
+
+    /// The race's clock counts this thread's work, not time spent waiting for a core: a sleep
+    /// adds (almost) nothing to it, a busy loop adds.
+    #[test]
+    fn the_race_clock_leaves_out_waiting() {
+        let start = thread_cpu_seconds();
+        std::thread::sleep(std::time::Duration::from_millis(60));
+        let asleep = thread_cpu_seconds() - start;
+        assert!(asleep < 0.02, "60 ms asleep counted as {asleep} s of CPU");
+        let start = thread_cpu_seconds();
+        let wall = std::time::Instant::now();
+        let mut x = 0u64;
+        while wall.elapsed().as_millis() < 30 {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        }
+        assert!(
+            thread_cpu_seconds() - start > 0.0,
+            "30 ms of spinning counted as no CPU"
+        );
     }
 
     /// On a CPU with AVX512_BF16 and no AMX the probe races the routes and says what it
