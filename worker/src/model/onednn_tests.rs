@@ -16,6 +16,14 @@ fn filled(r: usize, c: usize, seed: usize, column_major: bool) -> Array2<f32> {
     }
 }
 
+/// How many elements of two same-shaped arrays differ in their bits.
+fn differing_bits(a: &Array2<f32>, b: &Array2<f32>) -> usize {
+    a.iter()
+        .zip(b.iter())
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+}
+
 fn reference(
     alpha: f64,
     a: &Array2<f32>,
@@ -179,11 +187,7 @@ fn bf16_matmul_bits_do_not_depend_on_addresses_or_history() {
                 match &first {
                     None => first = Some(got),
                     Some(f) => {
-                        let diff = f
-                            .iter()
-                            .zip(got.iter())
-                            .filter(|(x, y)| x.to_bits() != y.to_bits())
-                            .count();
+                        let diff = differing_bits(f, &got);
                         assert_eq!(
                             diff, 0,
                             "[{m},{k}]x[{k},{n}] beta {beta} shift {shift}: {diff} elements differ"
@@ -235,11 +239,7 @@ fn bias_gives_the_bits_of_a_bias_filled_output_and_beta_one() {
             }
             run(Some(&bias), 0.0, &mut biased_c)
                 .unwrap_or_else(|e| panic!("{input:?} {m}x{k}x{n} with a bias: {e}"));
-            let differ = filled_c
-                .iter()
-                .zip(biased_c.iter())
-                .filter(|(x, y)| x.to_bits() != y.to_bits())
-                .count();
+            let differ = differing_bits(&filled_c, &biased_c);
             assert_eq!(
                 differ, 0,
                 "{input:?} {m}x{k}x{n} (b transposed: {tb}): {differ} elements differ"
@@ -300,11 +300,7 @@ fn column_parts_take_their_own_columns_of_the_bias() {
         };
         run(&mut want, false);
         run(&mut got, true);
-        let differ = got
-            .iter()
-            .zip(want.iter())
-            .filter(|(x, y)| x.to_bits() != y.to_bits())
-            .count();
+        let differ = differing_bits(&got, &want);
         assert_eq!(differ, 0, "{m}x{k}x{n}: {differ} elements differ");
     }
 }
