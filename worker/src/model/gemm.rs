@@ -165,10 +165,13 @@ pub(crate) fn gemm<A: Element>(
 /// `c = a b + bias`, the bias `[n]` added to every row of the product (a Linear's forward):
 /// `a` `[m, k]`, `b` `[k, n]`, `c` `[m, n]` (views as for [`gemm`]), in this thread's
 /// precision. Where bf16 GEMMs run natively, oneDNN adds the bias as it writes `c` (its matmul
-/// bias); elsewhere `c` is first filled with the bias rows and the product added to it
-/// (`beta = 1`). Both add the bias once to the finished fp32 sum, so they give the same bits
-/// (`onednn::tests::bias_gives_the_bits_of_a_bias_filled_output_and_beta_one`); the native
-/// route saves writing `c` once and reading it back (for the MLM decoder, `[masked, vocab]`).
+/// bias, added once to the finished fp32 sum: the bits of the product plus the bias, on every
+/// kernel oneDNN picks, `onednn::tests::bias_gives_the_bits_of_the_product_plus_the_bias`);
+/// elsewhere `c` is first filled with the bias rows and the product added to it (`beta = 1`).
+/// The two routes may differ by rounding (a kernel may fold `c` into its running sum), never
+/// beyond the fp32 accumulation bound; a job runs one route on one machine, so its bits repeat.
+/// The native route saves writing `c` once and reading it back (for the MLM decoder,
+/// `[masked, vocab]`).
 ///
 /// Panics if `bias` is not `n` long (a caller's bug).
 #[track_caller]
