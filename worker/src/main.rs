@@ -28,6 +28,9 @@ enum Command {
     /// Internal: one peer of `bench-allreduce` (started by it, not by users).
     #[command(hide = true)]
     AllreducePeer(keel_worker::allreduce::bench::PeerArgs),
+    /// Print how this machine runs bf16 GEMMs (oneDNN's kernel: AMX, AVX512_BF16, or emulated
+    /// in fp32) and why, as the worker decides at start-up; one line.
+    Bf16Probe,
 }
 
 fn main() -> std::process::ExitCode {
@@ -40,6 +43,12 @@ fn main() -> std::process::ExitCode {
         Some(Command::Bench(args)) => keel_worker::bench::run(args),
         Some(Command::BenchAllreduce(args)) => keel_worker::allreduce::bench::run(args),
         Some(Command::AllreducePeer(args)) => keel_worker::allreduce::bench::run_peer(args),
+        Some(Command::Bf16Probe) => {
+            let support = keel_worker::model::bf16::support();
+            let route = if support.native { "native" } else { "emulated" };
+            println!("bf16 GEMMs: {route}: {}", support.detail);
+            Ok(())
+        }
         None => keel_worker::serve::main(cli.serve),
     })
 }
