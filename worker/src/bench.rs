@@ -253,6 +253,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "gemm_classes": classes,
         "bf16_rate_share": stats.bf16_native_share(),
         "onednn_reference_calls": bf16::reference_kernel_calls(),
+        "onednn_gemm_jit_calls": bf16::gemm_jit_kernel_calls(),
     });
     println!("{line}");
     Ok(())

@@ -147,6 +147,13 @@ pub fn reference_kernel_calls() -> u64 {
     onednn::reference_bf16_calls()
 }
 
+/// How many native bf16 GEMMs (or parts of one) in this process ran on oneDNN's `gemm:jit`
+/// instead of a brgemm kernel (AMX or AVX512_BF16): an operand that was not dense (a
+/// row-strided view, a column block of a wider matrix) reached oneDNN.
+pub fn gemm_jit_kernel_calls() -> u64 {
+    onednn::gemm_jit_bf16_calls()
+}
+
 /// Runs `f` with this thread's reusable pair of `T` buffers.
 fn with_scratch<T: Default + Clone + 'static, R>(
     f: impl FnOnce(&mut Vec<T>, &mut Vec<T>) -> R,

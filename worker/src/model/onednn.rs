@@ -180,6 +180,16 @@ fn strides_of<T>(v: &ArrayView2<'_, T>) -> Result<[i64; 2], DnnlError> {
 
 /// bf16 matmuls run by one of oneDNN's reference kernels (see [`reference_bf16_calls`]).
 static REFERENCE_BF16_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// bf16 matmuls run by `gemm:jit` (see [`gemm_jit_bf16_calls`]).
+static GEMM_JIT_BF16_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many bf16 matmuls in this process ran on oneDNN's `gemm:jit` rather than a `brg:`
+/// (brgemm) kernel. oneDNN 2.6.3 picks `gemm:jit` when an operand is not dense (a row-strided
+/// view, a column block of a wider matrix); on an AMX CPU that is not the AMX kernel, at
+/// 0.45-0.6x its rate (measured on a 2-core AMX Xeon). The bench prints it.
+pub(crate) fn gemm_jit_bf16_calls() -> u64 {
+    GEMM_JIT_BF16_CALLS.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 /// How many bf16 matmuls in this process ran on a oneDNN reference kernel (`ref:...`): scalar
 /// loops, 100x slower or more than the `brg:` ones. The model's GEMMs should cause none; the
@@ -280,6 +290,9 @@ unsafe fn execute(
     let status = unsafe { keel_dnnl_matmul_run(p.raw, a, b, bias, c) };
     if input == InputType::Bf16 && p.implementation.starts_with("ref") {
         REFERENCE_BF16_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    if input == InputType::Bf16 && p.implementation.starts_with("gemm:") {
+        GEMM_JIT_BF16_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     if status != 0 {
         return Err(status);
