@@ -40,10 +40,12 @@ use crate::slots::{Admission, SlotPool};
 /// Default [`ConnectionLimits::max_connections`]: open connections per server. Well under the
 /// usual open-file limit (1,024), which the data files of jobs also need.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 512;
-/// Default [`ConnectionLimits::max_unauthenticated`]: half the default cap, so that strangers
-/// can never hold more than half the slots, and a newcomer has 256 newer connections' time
-/// to make its first call before it can be evicted.
-pub const DEFAULT_MAX_UNAUTHENTICATED: usize = 256;
+/// Default [`ConnectionLimits::max_unauthenticated`]: the whole cap. A proven connection never
+/// lacks room (a newcomer evicts an unproven one), so a smaller budget would only shorten the
+/// time a newcomer has to make its first call while strangers on its own address (every
+/// process of a local cluster is on 127.0.0.1) open connections: it can be evicted once this
+/// many newer connections have arrived.
+pub const DEFAULT_MAX_UNAUTHENTICATED: usize = DEFAULT_MAX_CONNECTIONS;
 /// Default [`ConnectionLimits::handshake_timeout`], seconds.
 pub const DEFAULT_HANDSHAKE_TIMEOUT_SECS: f64 = 10.0;
 /// Default [`ConnectionLimits::auth_timeout`], seconds: `keel`, the workers and ring peers
@@ -127,12 +129,12 @@ pub struct ConnectionArgs {
     /// the open-file limit (`ulimit -n`).
     #[arg(long, env = "KEEL_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
-    /// Of those, connections that have made no call with the cluster token yet, at most; a
-    /// new connection evicts the oldest of them (of the address holding the most) rather than
-    /// being refused, so that strangers cannot lock the cluster out.
-    #[arg(long, env = "KEEL_MAX_UNAUTHENTICATED_CONNECTIONS",
-          default_value_t = DEFAULT_MAX_UNAUTHENTICATED)]
-    pub max_unauthenticated_connections: usize,
+    /// Of those, connections that have made no call with the cluster token yet, at most
+    /// (default: --max-connections); a new connection evicts the oldest of them (of the
+    /// address holding the most) rather than being refused, so that strangers cannot lock the
+    /// cluster out.
+    #[arg(long, env = "KEEL_MAX_UNAUTHENTICATED_CONNECTIONS")]
+    pub max_unauthenticated_connections: Option<usize>,
     /// Seconds a new connection has to send the HTTP/2 preface (and finish TLS) before it is
     /// closed; on the HTTP port (`--metrics-listen`) also the time a request's headers may
     /// take.
@@ -161,7 +163,10 @@ impl ConnectionArgs {
                 flag: "max-connections",
             });
         }
-        if self.max_unauthenticated_connections == 0 {
+        let max_unauthenticated = self
+            .max_unauthenticated_connections
+            .unwrap_or(self.max_connections);
+        if max_unauthenticated == 0 {
             return Err(LimitsError::NoConnections {
                 flag: "max-unauthenticated-connections",
             });
@@ -174,7 +179,7 @@ impl ConnectionArgs {
         };
         Ok(ConnectionLimits {
             max_connections: self.max_connections,
-            max_unauthenticated: self.max_unauthenticated_connections,
+            max_unauthenticated,
             handshake_timeout: seconds("handshake-timeout", self.handshake_timeout)?,
             auth_timeout: seconds("auth-timeout", self.auth_timeout)?,
             idle_timeout: seconds("idle-timeout", self.idle_timeout)?,
@@ -521,14 +526,14 @@ mod tests {
     fn flags_out_of_range_are_refused() {
         let args = |max, h, i| ConnectionArgs {
             max_connections: max,
-            max_unauthenticated_connections: max,
+            max_unauthenticated_connections: None,
             handshake_timeout: h,
             auth_timeout: 600.0,
             idle_timeout: i,
         };
         assert_eq!(args(3, 0.5, 2.0).limits().unwrap(), limits(3, 500, 2000));
         let no_strangers = ConnectionArgs {
-            max_unauthenticated_connections: 0,
+            max_unauthenticated_connections: Some(0),
             ..args(3, 1.0, 1.0)
         };
         assert!(no_strangers.limits().is_err());
