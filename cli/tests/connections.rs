@@ -257,7 +257,11 @@ fn a_full_server_evicts_the_oldest_unauthenticated_connections_and_keel_gets_in(
     let log = coordinator.log_text();
     assert!(log.contains("evicted the oldest connection"), "{log}");
     // One line per 10 s, not one per eviction.
-    assert_eq!(log.matches("evicted the oldest connection").count(), 1, "{log}");
+    assert_eq!(
+        log.matches("evicted the oldest connection").count(),
+        1,
+        "{log}"
+    );
     assert!(!log.contains("connection refused"), "{log}");
     drop((held, newer));
     assert!(

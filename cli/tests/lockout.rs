@@ -6,9 +6,9 @@
 //! through the held ring port completes. The servers' cap is the default 512: before
 //! unauthenticated connections could be evicted, all four failed.
 
-mod common;
 #[path = "common/attack.rs"]
 mod attack;
+mod common;
 
 use attack::{Counts, Port};
 use common::*;
@@ -126,7 +126,10 @@ fn strangers_holding_every_port_lock_no_one_out() {
             .all(|c| c.opened.load(Ordering::Relaxed) >= HELD)
             .then_some(())
     });
-    assert!(opened.is_some(), "the stranger could not open its connections");
+    assert!(
+        opened.is_some(),
+        "the stranger could not open its connections"
+    );
     // Let the servers fill up and the stranger re-open what they closed.
     std::thread::sleep(attack::REOPEN_PAUSE * 3);
     let state = || {
@@ -152,7 +155,11 @@ fn strangers_holding_every_port_lock_no_one_out() {
     eprintln!(
         "keel jobs: {:?}; registration: {} after {registration:?}; /metrics: {scrapes:?}; {}",
         jobs.iter().map(|j| (j.0, j.1)).collect::<Vec<_>>(),
-        if w1_registered { "registered" } else { "NOT registered" },
+        if w1_registered {
+            "registered"
+        } else {
+            "NOT registered"
+        },
         state()
     );
     for (ok, took, stderr) in &jobs {

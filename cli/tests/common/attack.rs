@@ -93,7 +93,8 @@ async fn hold_h2(mut s: TcpStream, counts: &Counts) -> std::io::Result<()> {
     // One frame per round; the server's frames are few (SETTINGS, PINGs, GOAWAY).
     for _ in 0..1_000_000 {
         s.read_exact(&mut header).await?;
-        let len = usize::from(header[0]) << 16 | usize::from(header[1]) << 8 | usize::from(header[2]);
+        let len =
+            usize::from(header[0]) << 16 | usize::from(header[1]) << 8 | usize::from(header[2]);
         let (kind, flags) = (header[3], header[4]);
         // The server sends frames of at most the default 16 KiB (we announced no other).
         if len > 1 << 14 {
