@@ -36,7 +36,6 @@ use tonic::server::NamedService;
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
-use tonic::transport::server::TlsConnectInfo;
 use tonic::{Request, Status};
 
 use crate::connection::ConnInfo;
@@ -291,12 +290,11 @@ fn refusal(headers: &http::HeaderMap, token: &ClusterToken) -> Option<&'static s
     }
 }
 
-/// The connection a call came on, when it was accepted by [`crate::incoming::Incoming`]
-/// (plaintext or under TLS).
+/// The connection a call came on, when it was accepted by [`crate::incoming::Incoming`]. Under
+/// TLS tonic adds the connection's own info beside its `TlsConnectInfo`, so this finds it too
+/// (tested in `tests/proof.rs`).
 fn conn_info<B>(req: &http::Request<B>) -> Option<&ConnInfo> {
-    let ext = req.extensions();
-    ext.get::<ConnInfo>()
-        .or_else(|| ext.get::<TlsConnectInfo<ConnInfo>>().map(|i| i.get_ref()))
+    req.extensions().get::<ConnInfo>()
 }
 
 /// The caller's address, when the transport recorded it.
