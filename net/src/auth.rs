@@ -2,7 +2,9 @@
 //!
 //! Every RPC (client to coordinator, worker to coordinator, worker to worker on the ring)
 //! carries the metadata `authorization: Bearer <token>`; servers compare it with their own
-//! token in constant time and answer `UNAUTHENTICATED` to anything else,
+//! token in constant time. The first call with the token marks its connection proven
+//! ([`crate::slots`]): only proven connections are safe from eviction when strangers fill the
+//! server. Servers answer `UNAUTHENTICATED` to anything else,
 //! logging the refusal (RPC path, remote address) and doing nothing. At most one refusal per
 //! reason is logged per [`REFUSAL_LOG_INTERVAL`], with the count of those left out.
 //!
@@ -34,9 +36,9 @@ use tonic::server::NamedService;
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
-use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use tonic::{Request, Status};
 
+use crate::connection::ConnInfo;
 use crate::ratelimit::LogLimit;
 
 /// Shortest accepted token, bytes after trimming surrounding whitespace.
@@ -288,15 +290,16 @@ fn refusal(headers: &http::HeaderMap, token: &ClusterToken) -> Option<&'static s
     }
 }
 
+/// The connection a call came on, when it was accepted by [`crate::incoming::Incoming`]. Under
+/// TLS tonic adds the connection's own info beside its `TlsConnectInfo`, so this finds it too
+/// (tested in `tests/proof.rs`).
+fn conn_info<B>(req: &http::Request<B>) -> Option<&ConnInfo> {
+    req.extensions().get::<ConnInfo>()
+}
+
 /// The caller's address, when the transport recorded it.
 fn remote_addr<B>(req: &http::Request<B>) -> Option<std::net::SocketAddr> {
-    let ext = req.extensions();
-    ext.get::<TcpConnectInfo>()
-        .and_then(|i| i.remote_addr())
-        .or_else(|| {
-            ext.get::<TlsConnectInfo<TcpConnectInfo>>()
-                .and_then(|i| i.get_ref().remote_addr())
-        })
+    conn_info(req).and_then(ConnInfo::remote_addr)
 }
 
 impl<S, B> Service<http::Request<B>> for RequireToken<S>
@@ -314,7 +317,13 @@ where
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         match refusal(req.headers(), &self.token) {
-            None => Box::pin(self.inner.call(req)),
+            None => {
+                // The caller holds the token: its connection may keep its slot.
+                if let Some(info) = conn_info(&req) {
+                    info.prove();
+                }
+                Box::pin(self.inner.call(req))
+            }
             Some(reason) => {
                 let remote =
                     remote_addr(&req).map_or_else(|| "unknown".to_string(), |a| a.to_string());

@@ -14,7 +14,12 @@
 //! gRPC ([`crate::tls::ServerTlsArgs::load_http`]); otherwise plain HTTP.
 //!
 //! Connections are accepted by Keel's bounded accept loop ([`crate::incoming`]), so a flood of
-//! connections cannot exhaust the process's file descriptors here either.
+//! connections cannot exhaust the process's file descriptors here either. Nothing proves a
+//! connection on this port (Prometheus has no token), so a full port evicts its oldest
+//! connection (of the address holding the most) for each new one
+//! ([`crate::incoming::Incoming::for_http`]): keep-alive connections re-requesting `/healthz`
+//! cannot lock a scraper out. An evicted connection finishes the request it is serving, if
+//! any, and is closed (hyper's graceful shutdown).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -33,6 +38,7 @@ use crate::auth::ClusterToken;
 use crate::connection::LimitedConnection;
 use crate::incoming::{ConnectionLimits, Incoming};
 use crate::ratelimit::LogLimit;
+use crate::slots::Slot;
 
 /// At most one log line per this interval about refused API calls.
 pub const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
@@ -179,7 +185,7 @@ pub async fn serve(
     };
     let app = routes.open.merge(protected);
     tracing::info!(%addr, token_required = !loopback, tls = tls.is_some(), "metrics listening");
-    let incoming = Incoming::new(listener, limits);
+    let incoming = Incoming::for_http(listener, limits);
     let header_timeout = limits.handshake_timeout;
     match tls {
         None => {
@@ -206,12 +212,15 @@ pub async fn serve(
 /// accepts no more; connections in progress end with their request or the process). A
 /// request's headers must arrive within `header_timeout` of its first byte, so that a client
 /// trickling bytes cannot hold a connection slot.
-async fn serve_http1<L: axum::serve::Listener>(
+async fn serve_http1<L>(
     mut listener: L,
     app: Router,
     header_timeout: Duration,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) {
+) where
+    L: axum::serve::Listener,
+    L::Io: Evictable,
+{
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(header_timeout);
@@ -221,10 +230,21 @@ async fn serve_http1<L: axum::serve::Listener>(
             accepted = listener.accept() => accepted,
             () = &mut shutdown => return,
         };
+        let slot = io.slot().clone();
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
         let connection = http.serve_connection(hyper_util::rt::TokioIo::new(io), service);
         tokio::spawn(async move {
-            if let Err(e) = connection.await {
+            tokio::pin!(connection);
+            let result = tokio::select! {
+                result = connection.as_mut() => result,
+                () = slot.evicted() => {
+                    // Finish the request being served, if any, then close (at once when
+                    // idle); the connection's I/O fails after the linger in any case.
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(e) = result {
                 tracing::debug!("HTTP port connection: {e}");
             }
         });
@@ -233,6 +253,24 @@ async fn serve_http1<L: axum::serve::Listener>(
 
 /// A TLS connection on the HTTP port.
 type TlsConnection = tokio_rustls::server::TlsStream<LimitedConnection>;
+
+/// A connection of the HTTP port, which may be evicted to make room.
+trait Evictable {
+    /// The connection's slot.
+    fn slot(&self) -> &Arc<Slot>;
+}
+
+impl Evictable for LimitedConnection {
+    fn slot(&self) -> &Arc<Slot> {
+        LimitedConnection::slot(self)
+    }
+}
+
+impl Evictable for TlsConnection {
+    fn slot(&self) -> &Arc<Slot> {
+        self.get_ref().0.slot()
+    }
+}
 
 /// Accepts connections and runs each TLS handshake in its own task (bounded by `timeout`), so
 /// that a slow or silent client delays no one else; hands the finished ones to `accepted`.

@@ -6,10 +6,14 @@
 //!   the control plane's small replies waited for the peer's delayed ACK (measured: 4 MiB
 //!   all-reduces took ~45 ms instead of ~13 ms).
 //! - A cap on open connections per server ([`ConnectionLimits::max_connections`]): each
-//!   accepted connection holds a slot until it is dropped; over the cap a new connection is
-//!   closed at once (the caller sees a reset or EOF at once rather than hanging), logged at most
-//!   once per 10 s.
-//! - Timeouts for the handshake and for silent peers ([`crate::connection`]).
+//!   accepted connection holds a slot until it is dropped. Slots go to those who prove
+//!   themselves ([`crate::slots`]): connections that have made no call with the cluster token
+//!   hold at most [`ConnectionLimits::max_unauthenticated`] of them and are evicted, oldest
+//!   first, to make room for a new connection; only when every slot is held by a proven
+//!   connection is a new one closed at once (the caller sees a reset or EOF at once rather
+//!   than hanging). Both are logged at most once per 10 s.
+//! - Timeouts for the handshake, for the first call with the token and for silent peers
+//!   ([`crate::connection`]).
 //! - Back-off on accept errors: when the process is out of file descriptors (EMFILE, ENFILE)
 //!   or kernel memory, accepting again at once fails again at once; tonic's loop retried
 //!   immediately and spun a core. This loop sleeps 10 ms, doubling to 1 s, and logs at most
@@ -26,18 +30,28 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio::time::Sleep;
 use tokio_stream::Stream;
 
-use crate::connection::LimitedConnection;
+use crate::connection::{LimitedConnection, Timeouts};
 use crate::ratelimit::LogLimit;
+use crate::slots::{Admission, SlotPool};
 
 /// Default [`ConnectionLimits::max_connections`]: open connections per server. Well under the
 /// usual open-file limit (1,024), which the data files of jobs also need.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 512;
+/// Default [`ConnectionLimits::max_unauthenticated`]: the whole cap. A proven connection never
+/// lacks room (a newcomer evicts an unproven one), so a smaller budget would only shorten the
+/// time a newcomer has to make its first call while strangers on its own address (every
+/// process of a local cluster is on 127.0.0.1) open connections: it can be evicted once this
+/// many newer connections have arrived.
+pub const DEFAULT_MAX_UNAUTHENTICATED: usize = DEFAULT_MAX_CONNECTIONS;
 /// Default [`ConnectionLimits::handshake_timeout`], seconds.
 pub const DEFAULT_HANDSHAKE_TIMEOUT_SECS: f64 = 10.0;
+/// Default [`ConnectionLimits::auth_timeout`], seconds: `keel`, the workers and ring peers
+/// make their first call right after connecting; pings and calls without the token do not
+/// extend it.
+pub const DEFAULT_AUTH_TIMEOUT_SECS: f64 = 10.0;
 /// Default [`ConnectionLimits::idle_timeout`], seconds: several times
 /// [`KEEPALIVE_INTERVAL`], so that a live peer (which answers every ping) is never idle.
 pub const DEFAULT_IDLE_TIMEOUT_SECS: f64 = 120.0;
@@ -58,15 +72,21 @@ const ACCEPTS_PER_POLL: usize = 64;
 
 /// At most one line per this interval about refused connections and about accept errors.
 static REFUSED_LOG: LogLimit = LogLimit::new(Duration::from_secs(10));
+static EVICTED_LOG: LogLimit = LogLimit::new(Duration::from_secs(10));
 static ACCEPT_ERROR_LOG: LogLimit = LogLimit::new(Duration::from_secs(10));
 
 /// The bounds a server puts on the connections it accepts.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ConnectionLimits {
-    /// Open connections at most; over it, new ones are closed at once.
+    /// Open connections at most; over it, an unauthenticated one is evicted, or, when all
+    /// are authenticated, the new one is closed at once.
     pub max_connections: usize,
+    /// Connections without a call with the token yet, at most (strangers cannot hold more).
+    pub max_unauthenticated: usize,
     /// Time a peer has after the accept to send the 24-byte HTTP/2 preface.
     pub handshake_timeout: Duration,
+    /// Time a peer has after the accept to make a call with the cluster token (gRPC ports).
+    pub auth_timeout: Duration,
     /// Time a peer may send nothing after the preface (longer than [`KEEPALIVE_INTERVAL`]).
     pub idle_timeout: Duration,
 }
@@ -75,7 +95,9 @@ impl Default for ConnectionLimits {
     fn default() -> Self {
         ConnectionLimits {
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_unauthenticated: DEFAULT_MAX_UNAUTHENTICATED,
             handshake_timeout: Duration::from_secs_f64(DEFAULT_HANDSHAKE_TIMEOUT_SECS),
+            auth_timeout: Duration::from_secs_f64(DEFAULT_AUTH_TIMEOUT_SECS),
             idle_timeout: Duration::from_secs_f64(DEFAULT_IDLE_TIMEOUT_SECS),
         }
     }
@@ -93,8 +115,11 @@ pub enum LimitsError {
         value: f64,
     },
     /// A cap of 0 connections.
-    #[error("--max-connections must be at least 1")]
-    NoConnections,
+    #[error("--{flag} must be at least 1")]
+    NoConnections {
+        /// The flag.
+        flag: &'static str,
+    },
 }
 
 /// The flags (and variables) every server binary takes for its [`ConnectionLimits`].
@@ -104,12 +129,23 @@ pub struct ConnectionArgs {
     /// the open-file limit (`ulimit -n`).
     #[arg(long, env = "KEEL_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
+    /// Of those, connections that have made no call with the cluster token yet, at most
+    /// (default: --max-connections); a new connection evicts the oldest of them (of the
+    /// address holding the most) rather than being refused, so that strangers cannot lock the
+    /// cluster out.
+    #[arg(long, env = "KEEL_MAX_UNAUTHENTICATED_CONNECTIONS")]
+    pub max_unauthenticated_connections: Option<usize>,
     /// Seconds a new connection has to send the HTTP/2 preface (and finish TLS) before it is
     /// closed; on the HTTP port (`--metrics-listen`) also the time a request's headers may
     /// take.
     #[arg(long, env = "KEEL_HANDSHAKE_TIMEOUT", value_name = "SECONDS",
           default_value_t = DEFAULT_HANDSHAKE_TIMEOUT_SECS)]
     pub handshake_timeout: f64,
+    /// Seconds a new gRPC connection has to make its first call with the cluster token before
+    /// it is closed (pings and calls without the token do not count).
+    #[arg(long, env = "KEEL_AUTH_TIMEOUT", value_name = "SECONDS",
+          default_value_t = DEFAULT_AUTH_TIMEOUT_SECS)]
+    pub auth_timeout: f64,
     /// Seconds a connection's peer may send nothing (not even an answer to the server's
     /// pings, sent every 30 s) before it is closed.
     #[arg(long, env = "KEEL_IDLE_TIMEOUT", value_name = "SECONDS",
@@ -123,7 +159,17 @@ impl ConnectionArgs {
     /// Errors: [`LimitsError`] for a cap of 0 or a timeout that is not positive and finite.
     pub fn limits(&self) -> Result<ConnectionLimits, LimitsError> {
         if self.max_connections == 0 {
-            return Err(LimitsError::NoConnections);
+            return Err(LimitsError::NoConnections {
+                flag: "max-connections",
+            });
+        }
+        let max_unauthenticated = self
+            .max_unauthenticated_connections
+            .unwrap_or(self.max_connections);
+        if max_unauthenticated == 0 {
+            return Err(LimitsError::NoConnections {
+                flag: "max-unauthenticated-connections",
+            });
         }
         let seconds = |flag: &'static str, value: f64| {
             Duration::try_from_secs_f64(value)
@@ -133,7 +179,9 @@ impl ConnectionArgs {
         };
         Ok(ConnectionLimits {
             max_connections: self.max_connections,
+            max_unauthenticated,
             handshake_timeout: seconds("handshake-timeout", self.handshake_timeout)?,
+            auth_timeout: seconds("auth-timeout", self.auth_timeout)?,
             idle_timeout: seconds("idle-timeout", self.idle_timeout)?,
         })
     }
@@ -146,8 +194,10 @@ pub struct Incoming {
     listener: TcpListener,
     /// The bounds.
     limits: ConnectionLimits,
-    /// One permit per connection that may still be opened.
-    slots: Arc<Semaphore>,
+    /// The timeouts each connection gets.
+    timeouts: Timeouts,
+    /// Who holds which slot of the cap.
+    slots: Arc<SlotPool>,
     /// The pause after an accept error, while it runs.
     pause: Option<Pin<Box<Sleep>>>,
     /// The next pause's length.
@@ -155,22 +205,57 @@ pub struct Incoming {
 }
 
 impl Incoming {
-    /// The connections `listener` accepts, within `limits`.
+    /// The connections `listener` accepts for a gRPC server, within `limits`: a connection
+    /// must make a call with the token (which [`crate::auth::RequireToken`] records) to be
+    /// safe from eviction and from the auth timeout.
     pub fn new(listener: TcpListener, limits: ConnectionLimits) -> Incoming {
+        let timeouts = Timeouts {
+            handshake: limits.handshake_timeout,
+            idle: limits.idle_timeout,
+            auth: Some(limits.auth_timeout),
+            linger: Duration::ZERO,
+        };
+        Incoming::with(listener, limits, limits.max_unauthenticated, timeouts)
+    }
+
+    /// The connections `listener` accepts for the HTTP port, within `limits`: nothing proves
+    /// a connection there (Prometheus has no token), so every one may be evicted, the oldest
+    /// of the address holding the most first, to make room; an evicted one may finish the
+    /// request it is serving within the handshake timeout.
+    pub fn for_http(listener: TcpListener, limits: ConnectionLimits) -> Incoming {
+        let timeouts = Timeouts {
+            handshake: limits.handshake_timeout,
+            idle: limits.idle_timeout,
+            auth: None,
+            linger: limits.handshake_timeout,
+        };
+        Incoming::with(listener, limits, limits.max_connections, timeouts)
+    }
+
+    fn with(
+        listener: TcpListener,
+        limits: ConnectionLimits,
+        max_unproven: usize,
+        timeouts: Timeouts,
+    ) -> Incoming {
         Incoming {
             listener,
-            slots: Arc::new(Semaphore::new(limits.max_connections)),
+            slots: SlotPool::new(limits.max_connections, max_unproven),
             limits,
+            timeouts,
             pause: None,
             next_pause: ACCEPT_BACKOFF_MIN,
         }
     }
 
-    /// Connections open now (accepted and not yet dropped).
+    /// Connections holding a slot now (accepted, not yet dropped, not evicted).
     pub fn open_connections(&self) -> usize {
-        self.limits
-            .max_connections
-            .saturating_sub(self.slots.available_permits())
+        self.slots.open()
+    }
+
+    /// Of those, the connections that have made no call with the token yet.
+    pub fn unauthenticated_connections(&self) -> usize {
+        self.slots.unproven()
     }
 }
 
@@ -222,27 +307,46 @@ impl Stream for Incoming {
                     continue;
                 }
             };
-            let Ok(permit) = this.slots.clone().try_acquire_owned() else {
-                if let Some(suppressed) = REFUSED_LOG.check() {
-                    // `suppressed`: connections refused since the last line.
-                    tracing::warn!(
-                        %remote,
-                        suppressed,
-                        max = this.limits.max_connections,
-                        "connection refused: this server has --max-connections open"
-                    );
+            let slot = match this.slots.admit(remote.ip()) {
+                Admission::Admitted { slot, evicted } => {
+                    if let Some(evicted) = evicted
+                        && let Some(suppressed) = EVICTED_LOG.check()
+                    {
+                        // `suppressed`: evictions since the last line.
+                        tracing::warn!(
+                            %remote,
+                            %evicted,
+                            suppressed,
+                            max = this.limits.max_connections,
+                            max_unauthenticated = this.limits.max_unauthenticated,
+                            "server full: evicted the oldest connection not yet authenticated \
+                             (of the address holding the most)"
+                        );
+                    }
+                    slot
                 }
-                drop(stream);
-                continue;
+                Admission::Refused => {
+                    if let Some(suppressed) = REFUSED_LOG.check() {
+                        // `suppressed`: connections refused since the last line.
+                        tracing::warn!(
+                            %remote,
+                            suppressed,
+                            max = this.limits.max_connections,
+                            "connection refused: this server has --max-connections open, all \
+                             authenticated"
+                        );
+                    }
+                    drop(stream);
+                    continue;
+                }
             };
             if let Err(e) = stream.set_nodelay(true) {
                 tracing::debug!(%remote, "cannot set TCP_NODELAY: {e}");
             }
             return Poll::Ready(Some(Ok(LimitedConnection::new(
                 stream,
-                permit,
-                this.limits.handshake_timeout,
-                this.limits.idle_timeout,
+                slot,
+                this.timeouts,
             ))));
         }
         // A flood of refused connections: let the server's other tasks run, then go on.
@@ -261,6 +365,7 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio_stream::StreamExt;
+    use tonic::transport::server::Connected;
 
     /// The regression: accepted sockets had Nagle on (tonic ignores `tcp_nodelay` with
     /// `serve_with_incoming`), which delayed ring acks by the peer's delayed ACK.
@@ -277,33 +382,102 @@ mod tests {
     fn limits(max: usize, handshake_ms: u64, idle_ms: u64) -> ConnectionLimits {
         ConnectionLimits {
             max_connections: max,
+            max_unauthenticated: max,
             handshake_timeout: Duration::from_millis(handshake_ms),
+            auth_timeout: Duration::from_secs(600),
             idle_timeout: Duration::from_millis(idle_ms),
         }
     }
 
+    /// Whether the server side closed `c` (EOF or error), polling `incoming` meanwhile.
+    async fn closed(c: &mut tokio::net::TcpStream) -> bool {
+        let mut byte = [0u8; 1];
+        matches!(
+            tokio::time::timeout(Duration::from_secs(5), c.read(&mut byte)).await,
+            Ok(Ok(0) | Err(_))
+        )
+    }
+
     #[tokio::test]
-    async fn over_the_cap_connections_are_closed_and_slots_come_back_on_drop() {
+    async fn a_full_server_evicts_the_oldest_unproven_and_refuses_only_over_proven_ones() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let mut incoming = Incoming::new(listener, limits(2, 60_000, 60_000));
-        let _a = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut a = tokio::net::TcpStream::connect(addr).await.unwrap();
         let _b = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let first = incoming.next().await.unwrap().unwrap();
-        let _second = incoming.next().await.unwrap().unwrap();
+        let mut first = incoming.next().await.unwrap().unwrap();
+        let second = incoming.next().await.unwrap().unwrap();
         assert_eq!(incoming.open_connections(), 2);
-        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
-        // The third is closed by the accept loop (polled here until it has seen it).
-        let mut byte = [0u8; 1];
-        let closed = tokio::select! {
-            r = c.read(&mut byte) => r,
-            _ = incoming.next() => panic!("a third connection was let through"),
-        };
-        assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+        // A third evicts the oldest (a): its reads fail, and the server closes it.
+        let _c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let third = incoming.next().await.unwrap().unwrap();
+        assert_eq!(incoming.open_connections(), 2);
+        let mut buf = [0u8; 8];
+        let err = first.read(&mut buf).await.unwrap_err();
+        assert!(err.to_string().contains("evicted"), "{err}");
         drop(first);
+        assert!(closed(&mut a).await);
+        // Proven connections are never evicted; with all slots proven a new one is refused.
+        second.connect_info().prove();
+        third.connect_info().prove();
+        assert_eq!(incoming.unauthenticated_connections(), 0);
+        let mut d = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let refused = tokio::select! {
+            r = closed(&mut d) => r,
+            _ = incoming.next() => panic!("a connection over a cap of proven ones was let through"),
+        };
+        assert!(refused);
+        drop(second);
         assert_eq!(incoming.open_connections(), 1);
-        let _d = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let _e = tokio::net::TcpStream::connect(addr).await.unwrap();
         assert!(incoming.next().await.unwrap().is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_proves_nothing_is_closed_after_the_auth_timeout_despite_traffic() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = ConnectionLimits {
+            auth_timeout: Duration::from_millis(500),
+            ..limits(8, 60_000, 60_000)
+        };
+        let mut incoming = Incoming::new(listener, limits);
+        let mut chatty = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut conn = incoming.next().await.unwrap().unwrap();
+        let started = std::time::Instant::now();
+        let mut buf = [0u8; 64];
+        // Bytes every 50 ms (pings' answers, calls without the token) do not keep it open.
+        let mut outcome = None;
+        for _ in 0..100 {
+            chatty.write_all(b"x").await.unwrap();
+            match conn.read(&mut buf).await {
+                Ok(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                Err(e) => {
+                    outcome = Some(e);
+                    break;
+                }
+            }
+        }
+        let err = outcome.expect("still open after 5 s");
+        assert!(
+            err.to_string().contains("no call with the cluster token"),
+            "{err}"
+        );
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_millis(400) && took < Duration::from_secs(3),
+            "{took:?}"
+        );
+
+        // A proven connection is kept by its traffic.
+        let mut proven_peer = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut proven = incoming.next().await.unwrap().unwrap();
+        proven.connect_info().prove();
+        for _ in 0..15 {
+            proven_peer.write_all(b"x").await.unwrap();
+            assert_eq!(proven.read(&mut buf).await.unwrap(), 1);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     #[tokio::test]
@@ -352,10 +526,17 @@ mod tests {
     fn flags_out_of_range_are_refused() {
         let args = |max, h, i| ConnectionArgs {
             max_connections: max,
+            max_unauthenticated_connections: None,
             handshake_timeout: h,
+            auth_timeout: 600.0,
             idle_timeout: i,
         };
         assert_eq!(args(3, 0.5, 2.0).limits().unwrap(), limits(3, 500, 2000));
+        let no_strangers = ConnectionArgs {
+            max_unauthenticated_connections: Some(0),
+            ..args(3, 1.0, 1.0)
+        };
+        assert!(no_strangers.limits().is_err());
         assert!(args(0, 1.0, 1.0).limits().is_err());
         assert!(args(1, 0.0, 1.0).limits().is_err());
         assert!(args(1, 1.0, f64::NAN).limits().is_err());

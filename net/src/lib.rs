@@ -4,8 +4,10 @@
 //! # Layout
 //! - `auth`, `tls`, `security`: the cluster token every call carries, optional TLS, and both
 //!   bundled for servers and clients.
-//! - `incoming`, `connection`: the accept loop every server uses (connection cap, handshake
-//!   and idle timeouts, back-off on accept errors) and the connections it hands out.
+//! - `incoming`, `connection`, `slots`: the accept loop every server uses (connection cap,
+//!   handshake, auth and idle timeouts, back-off on accept errors), the connections it hands
+//!   out, and who holds which slot: connections that proved the token keep theirs, strangers'
+//!   are evicted to make room.
 //! - `ratelimit`: at most one log line per interval for events strangers can cause.
 //! - `admin`: the gRPC health and reflection services every server adds.
 //! - `http_port`: the HTTP port (`--metrics-listen`): open metrics, token-guarded API.
@@ -17,6 +19,7 @@ pub mod http_port;
 pub mod incoming;
 pub mod ratelimit;
 pub mod security;
+pub mod slots;
 pub mod tls;
 
 /// The `rustls` this crate builds TLS configs with (for the types in its signatures).

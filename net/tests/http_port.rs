@@ -21,6 +21,16 @@ fn routes() -> Routes {
 
 /// Starts the port on `bind` (port 0) on a runtime of its own; returns the port.
 fn start(bind: &str, token: ClusterToken, tls: Option<Arc<rustls::ServerConfig>>) -> u16 {
+    start_with(bind, token, tls, ConnectionLimits::default())
+}
+
+/// [`start`] with `limits`.
+fn start_with(
+    bind: &str,
+    token: ClusterToken,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    limits: ConnectionLimits,
+) -> u16 {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let listener = runtime
         .block_on(tokio::net::TcpListener::bind(bind))
@@ -30,7 +40,7 @@ fn start(bind: &str, token: ClusterToken, tls: Option<Arc<rustls::ServerConfig>>
         runtime.block_on(serve(
             listener,
             token,
-            ConnectionLimits::default(),
+            limits,
             tls,
             routes(),
             std::future::pending(),
@@ -215,4 +225,69 @@ fn with_a_certificate_the_port_speaks_https_only() {
         err.contains("--tls-key") && err.contains("key.pem"),
         "{err}"
     );
+}
+
+/// One keep-alive `GET /healthz` on `stream`; whether it was answered.
+fn keep_alive_healthz(stream: &mut std::net::TcpStream) -> bool {
+    if stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    for _ in 0..16 {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+        if got.ends_with(b"ok") {
+            return true;
+        }
+    }
+    false
+}
+
+#[test]
+fn a_full_port_evicts_its_oldest_keep_alive_connection_for_a_new_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let (token, _) = token(dir.path());
+    let limits = ConnectionLimits {
+        max_connections: 4,
+        ..ConnectionLimits::default()
+    };
+    let port = start_with("127.0.0.1:0", token, None, limits);
+    // Four keep-alive connections re-requesting /healthz hold the whole port.
+    let mut held: Vec<std::net::TcpStream> = (0..4)
+        .map(|_| {
+            let mut s = tcp(port);
+            assert!(keep_alive_healthz(&mut s));
+            s
+        })
+        .collect();
+    for s in &mut held {
+        assert!(keep_alive_healthz(s));
+    }
+    // A new client gets its answer; the oldest held connection is closed for it.
+    for round in 0..3 {
+        assert_eq!(
+            exchange(tcp(port), "/healthz", None),
+            (200, "ok".into()),
+            "round {round}"
+        );
+    }
+    let mut buf = [0u8; 16];
+    held[0]
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    assert!(
+        matches!(held[0].read(&mut buf), Ok(0) | Err(_)),
+        "the oldest keep-alive connection was not closed"
+    );
+    // Only as many as needed were evicted: the first newcomer's room was free again for the
+    // next ones (they closed), so the other held connections still answer.
+    for s in &mut held[1..] {
+        assert!(keep_alive_healthz(s));
+    }
 }
