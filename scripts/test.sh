@@ -35,3 +35,5 @@ if [ "$(id -u)" = 0 ] && ip netns list >/dev/null 2>&1; then
 else
   step "multi-host test skipped: it needs root and network namespaces (run scripts/multihost-test.sh as root)"
 fi
+step "container base image (debootstrap + docker import, once per machine)"; scripts/container-base.sh
+step "Docker: the Dockerfile's runtime stage, compose.yaml's cluster, four faults mid-job"; scripts/container-test.sh target/release
