@@ -193,7 +193,7 @@ EOF
 STARTED=1
 t0=$SECONDS
 compose up -d --no-build >"$WORK/logs/up.log" 2>&1 || { cat "$WORK/logs/up.log" >&2; die "compose up failed"; }
-log "compose up (${COMPOSE_TOOL[*]}): $(compose ps --services 2>/dev/null | sort | tr '\n' ' ')in $((SECONDS - t0)) s; coordinator on 127.0.0.1:$PORT"
+log "compose up (${COMPOSE_TOOL[*]}): $(docker ps --filter "label=com.docker.compose.project=$ID" --format '{{.Names}}' | sort | tr '\n' ' ')in $((SECONDS - t0)) s; coordinator on 127.0.0.1:$PORT"
 
 cid() { compose ps -q "$1"; }
 keel_host() { # keel_host SECONDS ARGS...: the host's keel CLI against the published port
@@ -321,6 +321,14 @@ keel_host 120 pull "$JOB0" --out "$WORK/pulled-$JOB0" >"$WORK/logs/pull-$JOB0.lo
 [ -f "$WORK/pulled-$JOB0/model.safetensors" ] || die "keel pull $JOB0 brought no model.safetensors"
 log "$JOB0: $(tail -n 1 "$WORK/logs/watch-$JOB0.log") ($((SECONDS - t0)) s from submit to pulled)"
 log "$(check_hf "$WORK/pulled-$JOB0")"
+# The compose file's CLI service (profile cli) too: `jobs`, and `pull` into KEEL_OUT_DIR.
+compose run --rm keel jobs >"$WORK/logs/run-jobs.log" 2>&1 || die "compose run --rm keel jobs failed: $(tail -n 3 "$WORK/logs/run-jobs.log")"
+grep -q "^$JOB0 .*completed" "$WORK/logs/run-jobs.log" || die "compose run --rm keel jobs does not list $JOB0 completed: $(cat "$WORK/logs/run-jobs.log")"
+compose run --rm --user "$(id -u)" keel pull "$JOB0" --out "/out/$JOB0" >"$WORK/logs/run-pull.log" 2>&1 \
+  || die "compose run --rm keel pull failed: $(tail -n 3 "$WORK/logs/run-pull.log")"
+cmp -s "$WORK/out/$JOB0/model.safetensors" "$WORK/pulled-$JOB0/model.safetensors" \
+  || die "compose run --rm keel pull brought a different model.safetensors"
+log "compose run --rm keel jobs / pull (the compose file's CLI service): $JOB0 listed, the same model.safetensors"
 
 # ---------------------------------------------------------------------------------------------
 # 4. Faults.
