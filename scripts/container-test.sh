@@ -3,11 +3,12 @@
 # deploy/docker/compose.yaml (a coordinator and three workers on the project's private network),
 # and the `keel` CLI on the host talking to the published port.
 #
-#   1. The image: the Dockerfile's runtime stage, unchanged (copied out of the file), built
-#      around the binaries in BIN_DIR. Its builder stage starts from rust:1-bookworm, which a
-#      machine without a registry cannot pull: here a `FROM scratch AS builder` stage holding the
-#      host's binaries stands in for it. The runtime stage's base, debian:bookworm-slim, comes
-#      from scripts/container-base.sh (debootstrap + docker import; made once per machine).
+#   1. The image (scripts/container-image.sh): the Dockerfile's runtime stage, unchanged (copied
+#      out of the file), built around the binaries in BIN_DIR. Its builder stage starts from
+#      rust:1-bookworm, which a machine without a registry cannot pull: a `FROM scratch AS
+#      builder` stage holding the host's binaries stands in for it. The runtime stage's base,
+#      debian:bookworm-slim, comes from scripts/container-base.sh (debootstrap + docker import;
+#      made once per machine).
 #      Prints the image's size; checks every program runs as uid 10001 and /corpus is read-only.
 #   2. `compose up` of compose.yaml as shipped, plus a test-only override file that changes only
 #      the image tag (keel:keelctPID, so a user's keel:latest is never touched) and the cluster
@@ -81,6 +82,7 @@ TRANSFORMERS_VERSION=4.40.2
 VENV=/var/cache/keel-validate/venv-transformers$TRANSFORMERS_VERSION
 HF_PY=""
 if ! "$VENV/bin/python" -c 'import torch, transformers' 2>/dev/null; then
+  log "installing torch (Debian) and transformers==$TRANSFORMERS_VERSION (PyPI) into $VENV"
   # torch from Debian (1.13, CPU only: PyPI's wheel brings gigabytes of CUDA libraries);
   # transformers from PyPI, the last minor release that supports torch 1.13's API.
   apt_install python3-torch python3-venv
@@ -104,7 +106,7 @@ scripts/container-base.sh
 ID="keelct$$"
 TAG="keel:$ID"
 WORK="$(mktemp -d /tmp/keel-container-test.XXXXXX)"
-mkdir -p "$WORK/logs" "$WORK/ctx"
+mkdir -p "$WORK/logs"
 STARTED=0
 
 compose() { timeout 300 "${COMPOSE_TOOL[@]}" -p "$ID" -f deploy/docker/compose.yaml -f "$WORK/override.yaml" "$@"; }
@@ -125,7 +127,7 @@ cleanup() {
   docker ps -aq --filter "label=com.docker.compose.project=$ID" | xargs -r docker rm -f >/dev/null 2>&1
   docker network ls -q --filter "label=com.docker.compose.project=$ID" | xargs -r docker network rm >/dev/null 2>&1
   docker volume ls -q --filter "label=com.docker.compose.project=$ID" | xargs -r docker volume rm -f >/dev/null 2>&1
-  for t in "$TAG" "$TAG-bin"; do
+  for t in "$TAG" "$TAG-bin"; do  # TAG-bin: container-image.sh's, if it was killed
     docker image inspect "$t" >/dev/null 2>&1 && docker rmi -f "$t" >/dev/null 2>&1
   done
   if [ "${KEEL_CT_KEEP:-0}" = 1 ]; then log "kept $WORK"; else rm -rf "$WORK"; fi
@@ -139,31 +141,10 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 # ---------------------------------------------------------------------------------------------
-# 1. The image: the shipped runtime stage around the host's binaries.
-for b in keel keel-coordinator keel-worker; do
-  ln "$BIN_DIR/$b" "$WORK/ctx/$b" 2>/dev/null || cp "$BIN_DIR/$b" "$WORK/ctx/$b"
-done
-{
-  echo "# Written by scripts/container-test.sh: the host's binaries stand in for the builder stage."
-  echo "FROM scratch AS builder"
-  echo "COPY keel keel-coordinator keel-worker /out/"
-  echo
-  sed -n '/^FROM debian:bookworm-slim AS runtime/,$p' deploy/docker/Dockerfile
-} >"$WORK/ctx/Dockerfile"
-grep -q '^FROM debian:bookworm-slim AS runtime' "$WORK/ctx/Dockerfile" \
-  || die "deploy/docker/Dockerfile has no 'FROM debian:bookworm-slim AS runtime' stage"
-t0=$SECONDS
-# The legacy builder: the runtime stage needs no BuildKit feature, and BuildKit needs buildx.
-# The builder stage first, under a tag of its own: the legacy builder would leave it untagged.
-DOCKER_BUILDKIT=0 timeout 120 docker build --force-rm --target builder -t "$TAG-bin" "$WORK/ctx" >"$WORK/logs/build.log" 2>&1 \
-  || { tail -n 20 "$WORK/logs/build.log" >&2; die "docker build of the stand-in builder stage failed"; }
-DOCKER_BUILDKIT=0 timeout 600 docker build --force-rm -t "$TAG" "$WORK/ctx" >>"$WORK/logs/build.log" 2>&1 \
-  || { tail -n 20 "$WORK/logs/build.log" >&2; die "docker build of the runtime stage failed"; }
-size="$(docker image inspect -f '{{.Size}}' "$TAG")"
-base="$(docker image inspect -f '{{.Size}}' debian:bookworm-slim)"
-bins="$(du -cb "$BIN_DIR"/keel "$BIN_DIR"/keel-coordinator "$BIN_DIR"/keel-worker | tail -n 1 | cut -f1)"
-IMAGE_RESULT="$(awk -v s="$size" -v b="$base" -v n="$bins" 'BEGIN { printf "image %.0f MB (base %.0f MB, binaries %.0f MB, runtime libraries %.0f MB)", s/1e6, b/1e6, n/1e6, (s-b-n)/1e6 }')"
-log "built $TAG from the runtime stage in $((SECONDS - t0)) s: $IMAGE_RESULT"
+# 1. The image: the shipped runtime stage around the host's binaries (scripts/container-image.sh).
+out="$(scripts/container-image.sh "$BIN_DIR" "$TAG")" || die "scripts/container-image.sh failed"
+echo "$out"
+IMAGE_RESULT="$(sed -n 's/.*: \(image [0-9]* MB.*\)$/\1/p' <<<"$out")"
 
 # ---------------------------------------------------------------------------------------------
 # 2. The cluster.
