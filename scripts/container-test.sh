@@ -17,7 +17,10 @@
 #      KEEL_METRICS_PUBLISH on free ports of 127.0.0.1, KEEL_CORPUS_DIR = corpora/en-kjv.
 #   3. From the host: `keel submit` a short job (tiny BERT, 60 steps), `keel watch`, `keel pull`,
 #      and Hugging Face `transformers` loads the checkpoint (BertForMaskedLM, no missing or
-#      unexpected keys) and fills a mask with it.
+#      unexpected keys) and fills a mask with it. The coordinator's /metrics answers on its
+#      published port and each worker's on worker-N:9471 inside the network (where
+#      deploy/prometheus/prometheus.yml's static jobs would scrape them). The compose file's
+#      CLI service (`compose run --rm keel jobs`, `pull`) works.
 #   4. Faults, each in the middle of a job of its own (300 steps, a checkpoint every 50, peer
 #      timeout 4 s, 3 workers required), each ending with the job completed at 300/300:
 #        kill     `docker kill` of worker-2, then `compose up` starts it again
@@ -78,6 +81,7 @@ else
   COMPOSE_TOOL=(docker-compose)
 fi
 
+command -v curl >/dev/null || apt_install curl
 TRANSFORMERS_VERSION=4.40.2
 VENV=/var/cache/keel-validate/venv-transformers$TRANSFORMERS_VERSION
 HF_PY=""
@@ -302,6 +306,15 @@ keel_host 120 pull "$JOB0" --out "$WORK/pulled-$JOB0" >"$WORK/logs/pull-$JOB0.lo
 [ -f "$WORK/pulled-$JOB0/model.safetensors" ] || die "keel pull $JOB0 brought no model.safetensors"
 log "$JOB0: $(tail -n 1 "$WORK/logs/watch-$JOB0.log") ($((SECONDS - t0)) s from submit to pulled)"
 log "$(check_hf "$WORK/pulled-$JOB0")"
+# Metrics, where deploy/prometheus/prometheus.yml's static jobs would scrape them: the
+# coordinator's /metrics on its published port, each worker's on worker-N:9471 inside the network.
+n="$(curl -sf --max-time 5 "http://127.0.0.1:$MPORT/metrics" | grep -c "^keel_job_step{job_id=\"$JOB0\"}")" \
+  || die "the coordinator's /metrics on 127.0.0.1:$MPORT has no keel_job_step for $JOB0"
+for svc in worker-1 worker-2 worker-3; do
+  docker exec "$coord" timeout 5 bash -c "exec 3<>/dev/tcp/$svc/9471 && printf 'GET /metrics HTTP/1.0\r\nHost: $svc\r\n\r\n' >&3 && cat <&3" \
+    | grep -q '^keel_' || die "$svc:9471/metrics does not answer inside the compose network"
+done
+log "metrics: coordinator /metrics on 127.0.0.1:$MPORT (keel_job_step{job_id=\"$JOB0\"}); worker-1..3:9471/metrics answer inside the network"
 # The compose file's CLI service (profile cli) too: `jobs`, and `pull` into KEEL_OUT_DIR.
 compose run --rm keel jobs >"$WORK/logs/run-jobs.log" 2>&1 || die "compose run --rm keel jobs failed: $(tail -n 3 "$WORK/logs/run-jobs.log")"
 grep -q "^$JOB0 .*completed" "$WORK/logs/run-jobs.log" || die "compose run --rm keel jobs does not list $JOB0 completed: $(cat "$WORK/logs/run-jobs.log")"
