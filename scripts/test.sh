@@ -37,3 +37,4 @@ else
 fi
 step "container base image (debootstrap + docker import, once per machine)"; scripts/container-base.sh
 step "Docker: the Dockerfile's runtime stage, compose.yaml's cluster, four faults mid-job"; scripts/container-test.sh target/release
+step "Slurm: a real cluster in containers (slurmctld, 3 slurmd, munge) runs deploy/slurm/keel.sbatch"; scripts/slurm-test.sh target/release
