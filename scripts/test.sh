@@ -62,6 +62,11 @@ if [ "$(id -u)" = 0 ] && ip netns list >/dev/null 2>&1; then
 else
   step "multi-host test skipped: it needs root and network namespaces (run scripts/multihost-test.sh as root)"
 fi
+run "container base image (debootstrap + docker import, once per machine)" scripts/container-base.sh
+run "Docker: the Dockerfile's runtime stage, compose.yaml's cluster, four faults mid-job" \
+  scripts/container-test.sh target/release
+run "Slurm: a real cluster in containers (slurmctld, 3 slurmd, munge) runs deploy/slurm/keel.sbatch" \
+  scripts/slurm-test.sh target/release
 
 step "summary"
 if [ ${#failed[@]} -eq 0 ]; then

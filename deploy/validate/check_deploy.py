@@ -95,6 +95,8 @@ DEPLOY_OWN_ENV = {
     "KEEL_CORPUS_DIR",  # compose: host folder mounted at /corpus
     "KEEL_JOBS_DIR",  # compose: host folder mounted at /jobs
     "KEEL_OUT_DIR",  # compose: host folder mounted at /out
+    "KEEL_COORDINATOR_PUBLISH",  # compose: host address:port the coordinator's 7070 is published on
+    "KEEL_METRICS_PUBLISH",  # compose: host address:port the coordinator's 9470 is published on
     "KEEL_BIN_DIR",  # slurm: where the binaries are
     "KEEL_IFACE",  # slurm: interface whose address is advertised
     "KEEL_WORKER_BIN",  # slurm: the worker's path, passed to srun tasks
@@ -319,7 +321,17 @@ def check_dockerfile(root: Path, rep: Report) -> set[str]:
         re.fullmatch(r"rust:1-bookworm\s+AS\s+builder", builder[0][2], re.I) is not None,
         f"Dockerfile: builder stage is rust:1-bookworm AS builder (got {builder[0][2]!r})",
     )
-    rep.check(runtime[0][2] == "debian:bookworm-slim", f"Dockerfile: runtime stage is debian:bookworm-slim (got {runtime[0][2]!r})")
+    rep.check(
+        re.fullmatch(r"debian:bookworm-slim\s+AS\s+runtime", runtime[0][2], re.I) is not None,
+        f"Dockerfile: runtime stage is debian:bookworm-slim AS runtime (got {runtime[0][2]!r})",
+    )
+    # A `# syntax=` directive makes BuildKit pull a frontend image: impossible without a registry,
+    # and not needed (the built-in frontend knows RUN --mount).
+    first = path.read_text().splitlines()[:1]
+    rep.check(
+        not (first and re.match(r"#\s*syntax\s*=", first[0], re.I)),
+        "Dockerfile: no `# syntax=` line (BuildKit's built-in frontend; no registry needed for it)",
+    )
     build_pkgs = set().union(*(apt_packages(a) for _, w, a in builder if w == "RUN"))
     rep.check("libopenblas-dev" in build_pkgs, "Dockerfile: builder installs libopenblas-dev")
     rep.check("libdnnl-dev" in build_pkgs, "Dockerfile: builder installs libdnnl-dev (oneDNN, bf16 GEMMs)")

@@ -1,0 +1,218 @@
+#!/usr/bin/env bash
+# A real Slurm cluster in containers, running deploy/slurm/keel.sbatch as shipped.
+#
+# The image: Keel's image (scripts/container-image.sh: the Dockerfile's runtime stage around the
+# host's binaries, on the debootstrap base of scripts/container-base.sh) plus Debian 12's
+# slurmctld, slurmd, slurm-client and munge (Slurm 22.05). Four containers on a private network
+# of their own: `ctl` (munged, slurmctld) and `n1` `n2` `n3` (munged, slurmd), one munge key,
+# one slurm.conf (proctrack/linuxproc, task/none: no cgroups needed), and a folder shared by all
+# of them at /shared (the submit directory: keel.sbatch writes its token and its output there).
+#
+# From `ctl`: `sbatch --nodes=3 deploy/slurm/keel.sbatch job.toml OUT` (the file as shipped,
+# mounted read-only) with a 60-step tiny-BERT job; the script runs the coordinator on n1 and a
+# worker on each node with srun, submits, watches, pulls. Checks: the Slurm job leaves the queue,
+# its output ends with "done (exit 0)", the checkpoint is in OUT (config.json,
+# model.safetensors, vocab.txt), the token it made is removed, and every node's scratch is empty.
+#
+# Usage (as root): scripts/slurm-test.sh [BIN_DIR]
+#   BIN_DIR  keel, keel-coordinator, keel-worker (default: $CARGO_TARGET_DIR/release, else
+#            target/release)
+# Environment: KEEL_SLURM_TEST_KEEP=1 leaves the work folder (outputs, logs) in /tmp.
+# Every container, network and image tag it makes is removed at the end, whatever the exit.
+# Every wait is bounded.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+case "${1:-}" in -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
+BIN_DIR="${1:-${CARGO_TARGET_DIR:-$REPO/target}/release}"
+T_START=$SECONDS
+
+log() { printf '[slurm-test %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+die() { printf '[slurm-test] FAIL: %s\n' "$*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "must run as root (docker)"
+for b in keel keel-coordinator keel-worker; do
+  [ -x "$BIN_DIR/$b" ] || die "no $BIN_DIR/$b (cargo build --release --bins)"
+done
+BIN_DIR="$(cd "$BIN_DIR" && pwd)"
+command -v docker >/dev/null || die "'docker' not found: this test needs a Docker engine (Debian: docker.io)"
+timeout 30 docker info >/dev/null 2>&1 || die "the Docker daemon does not answer (docker info)"
+scripts/container-base.sh
+[ -f corpora/en-kjv/kjv.txt ] || scripts/corpora.sh en-kjv >/dev/null
+
+ID="keelslurm$$"
+TAG="keel:$ID"
+STAG="keel-slurm:$ID"
+NET="$ID"
+NODES=(n1 n2 n3)
+WORK="$(mktemp -d /tmp/keel-slurm-test.XXXXXX)"
+mkdir -p "$WORK/shared/submit" "$WORK/etc" "$WORK/image" "$WORK/logs"
+
+cleanup() {
+  local rc=$? c
+  set +e
+  trap - EXIT
+  trap "" INT TERM
+  if [ "$rc" != 0 ]; then
+    for c in ctl "${NODES[@]}"; do
+      docker inspect "$ID-$c" >/dev/null 2>&1 || continue
+      echo "----- $c: last lines of its log -----" >&2
+      docker exec "$ID-$c" bash -c 'tail -n 15 /var/log/slurm/*.log' 2>&1 | cut -c1-300 >&2
+    done
+    for c in "$WORK"/shared/submit/keel-*.out; do
+      [ -f "$c" ] && { echo "----- $(basename "$c") -----" >&2; tail -n 30 "$c" >&2; }
+    done
+  fi
+  docker ps -aq --filter "label=keel-slurm-test=$ID" | xargs -r docker rm -f >/dev/null 2>&1
+  docker network rm "$NET" >/dev/null 2>&1
+  for t in "$STAG" "$TAG" "$TAG-bin"; do
+    docker image inspect "$t" >/dev/null 2>&1 && docker rmi -f "$t" >/dev/null 2>&1
+  done
+  if [ "${KEEL_SLURM_TEST_KEEP:-0}" = 1 ]; then log "kept $WORK"; else rm -rf "$WORK"; fi
+  if [ "$rc" = 0 ]; then log "PASS in $((SECONDS - T_START)) s"; else echo "[slurm-test] exit $rc" >&2; fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# ---------------------------------------------------------------------------------------------
+# The image: Keel's, plus Slurm and munge from Debian.
+scripts/container-image.sh "$BIN_DIR" "$TAG"
+cat >"$WORK/image/Dockerfile" <<EOF
+# Written by scripts/slurm-test.sh: Keel's image plus Debian 12's Slurm 22.05 and munge.
+FROM $TAG
+USER root
+RUN apt-get update \\
+ && apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge iproute2 \\
+ && rm -rf /var/lib/apt/lists/* \\
+ && mkdir -p /var/lib/slurm/slurmctld /var/lib/slurm/slurmd /var/log/slurm /run/munge
+EOF
+t0=$SECONDS
+DOCKER_BUILDKIT=0 timeout 600 docker build --force-rm -t "$STAG" "$WORK/image" >"$WORK/logs/build.log" 2>&1 \
+  || { tail -n 20 "$WORK/logs/build.log" >&2; die "docker build of the Slurm image failed"; }
+log "built $STAG (Keel's image + slurmctld slurmd slurm-client munge) in $((SECONDS - t0)) s: $(docker image inspect -f '{{.Size}}' "$STAG" | awk '{ printf "%.0f MB", $1 / 1e6 }')"
+
+# ---------------------------------------------------------------------------------------------
+# The cluster: one munge key, one slurm.conf, four containers on a network of their own.
+head -c 1024 /dev/urandom >"$WORK/etc/munge.key"
+chmod 0400 "$WORK/etc/munge.key"
+cat >"$WORK/etc/slurm.conf" <<EOF
+# Written by scripts/slurm-test.sh: a private Slurm cluster in containers.
+ClusterName=keeltest
+SlurmctldHost=ctl
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+StateSaveLocation=/var/lib/slurm/slurmctld
+SlurmdSpoolDir=/var/lib/slurm/slurmd
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd.pid
+SlurmctldLogFile=/var/log/slurm/slurmctld.log
+SlurmdLogFile=/var/log/slurm/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SlurmctldTimeout=30
+SlurmdTimeout=30
+NodeName=n[1-3] CPUs=$(nproc) State=UNKNOWN
+PartitionName=main Nodes=n[1-3] Default=YES MaxTime=INFINITE State=UP
+EOF
+cat >"$WORK/etc/start.sh" <<'EOF'
+#!/bin/bash
+# munged (as root: --force), then the Slurm daemon in the foreground.
+set -e
+install -m 0400 /keel-etc/munge.key /etc/munge/munge.key
+munged --force
+if [ "$(hostname)" = ctl ]; then exec slurmctld -D; else exec slurmd -D -N "$(hostname)"; fi
+EOF
+chmod 0755 "$WORK/etc/start.sh"
+
+docker network create --label "keel-slurm-test=$ID" "$NET" >/dev/null
+for c in ctl "${NODES[@]}"; do
+  docker run -d --name "$ID-$c" --hostname "$c" --network "$NET" --network-alias "$c" \
+    --label "keel-slurm-test=$ID" --user root \
+    -v "$WORK/etc:/keel-etc:ro" -v "$WORK/etc/slurm.conf:/etc/slurm/slurm.conf:ro" \
+    -v "$WORK/shared:/shared" -v "$REPO/deploy/slurm:/keel/deploy/slurm:ro" \
+    "$STAG" /keel-etc/start.sh >/dev/null
+done
+on() { local c="$1"; shift; docker exec "$ID-$c" "$@"; }
+deadline=$((SECONDS + 90))
+until [ "$(on ctl sinfo -h -N -o %T 2>/dev/null | grep -c '^idle')" = 3 ]; do
+  [ $SECONDS -lt $deadline ] || die "Slurm nodes not idle after 90 s: $(on ctl sinfo -h -N 2>&1 | tr '\n' ' ')"
+  sleep 1
+done
+log "Slurm $(on ctl sinfo --version | awk '{ print $2 }'): slurmctld on ctl, slurmd on ${NODES[*]} (network $NET); sinfo: $(on ctl sinfo -h -N -o '%N=%T' | tr '\n' ' ')"
+
+# ---------------------------------------------------------------------------------------------
+# The job, through sbatch.
+cp corpora/en-kjv/kjv.txt "$WORK/shared/submit/kjv.txt"
+cat >"$WORK/shared/submit/job.toml" <<EOF
+# Written by scripts/slurm-test.sh: tiny BERT on the King James Bible, one worker per node.
+[data]
+corpus = ["/shared/submit/kjv.txt"]
+vocab_size = 2000
+lowercase = true
+objective = "mlm"
+max_seq_length = 64
+masked_lm_prob = 0.15
+max_predictions_per_seq = 10
+heldout_fraction = 0.01
+
+[model]
+preset = "tiny"
+
+[train]
+micro_batch_size = 8
+gradient_accumulation_steps = 1
+max_steps = 60
+optimizer = "adamw"
+learning_rate = 1e-3
+warmup_steps = 3
+schedule = "linear"
+weight_decay = 0.01
+max_grad_norm = 1.0
+seed = 42
+checkpoint_every = 20
+eval_every = 60
+
+[cluster]
+min_workers = 3
+max_workers = 3
+EOF
+
+t0=$EPOCHREALTIME
+sid="$(docker exec -w /shared/submit "$ID-ctl" env KEEL_SLURM_TIMEOUT=300 NO_COLOR=1 \
+  sbatch --parsable --nodes=3 --cpus-per-task="$(nproc)" --time=10 /keel/deploy/slurm/keel.sbatch job.toml /shared/out)" \
+  || die "sbatch refused deploy/slurm/keel.sbatch"
+log "sbatch --nodes=3 deploy/slurm/keel.sbatch job.toml /shared/out: Slurm job $sid"
+deadline=$((SECONDS + 420))
+while state="$(on ctl squeue -h -j "$sid" -o %T 2>/dev/null)" && [ -n "$state" ]; do
+  [ $SECONDS -lt $deadline ] || die "Slurm job $sid still $state after 420 s"
+  sleep 2
+done
+t1=$EPOCHREALTIME
+out="$WORK/shared/submit/keel-$sid.out"
+[ -f "$out" ] || die "Slurm job $sid left no keel-$sid.out"
+cp "$out" "$WORK/logs/"
+grep '^\[keel.sbatch' "$out" | sed 's/^/    /'
+grep -q '^\[keel.sbatch [0-9:]*\] done (exit 0)$' "$out" || die "keel.sbatch (Slurm job $sid) did not end with exit 0"
+grep -q '"state": "completed"' "$out" || die "the Keel job did not complete (keel status in keel-$sid.out)"
+for f in config.json model.safetensors vocab.txt; do
+  [ -s "$WORK/shared/out/$f" ] || die "the checkpoint in /shared/out has no $f: $(ls "$WORK/shared/out" 2>&1 | tr '\n' ' ')"
+done
+! compgen -G "$WORK/shared/submit/.keel-*.token" >/dev/null || die "the token keel.sbatch made was not removed"
+for c in "${NODES[@]}"; do
+  left="$(on "$c" bash -c 'ls -A /tmp | grep "^keel-" || true')"
+  [ -z "$left" ] || die "$c: node scratch left in /tmp: $left"
+done
+nodes_used="$(grep -o 'workers starting on .*' "$out" | head -n 1)"
+RESULT="$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f s", b - a }') from sbatch to the job leaving the queue; $nodes_used; checkpoint pulled into /shared/out; token and node scratch removed"
+log "RESULT Slurm job $sid: $RESULT"
