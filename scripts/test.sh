@@ -62,6 +62,7 @@ if [ "$(id -u)" = 0 ] && ip netns list >/dev/null 2>&1; then
 else
   step "multi-host test skipped: it needs root and network namespaces (run scripts/multihost-test.sh as root)"
 fi
+run "docs checks" scripts/check-docs.sh target/release
 
 step "summary"
 if [ ${#failed[@]} -eq 0 ]; then
