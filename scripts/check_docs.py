@@ -159,7 +159,7 @@ def check_command(bin_dir, where, words):
         if word in subs:
             argv.append(word)
             rest = rest[1:]
-        elif prog != "keel-worker" or re.match(r"^[a-z][a-z-]*$", word):
+        elif prog != "keel-worker" or re.match(r"^[a-z][a-z0-9-]*$", word):
             problem(where, "`%s %s`: %s has no subcommand %s (it has: %s)" % (prog, word, prog, word, ", ".join(sorted(subs))))
             return
     elif prog == "keel" and rest and rest[0].startswith("--") and rest[0] not in ("--help", "--version"):
