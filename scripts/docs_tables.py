@@ -4,9 +4,9 @@
 (The scale model's table is what scripts/scale_model.py prints from its calibration data under
 scripts/scale/.)
 
-Usage: scripts/docs_tables.py [--check] [--doc PATH]
+Usage: scripts/docs_tables.py [--check]
 
-Each table sits in the doc between `<!-- table:NAME -->` and `<!-- /table:NAME -->`. Without
+The tables are README.md's headline table and docs/performance.md's. Each sits in its doc between `<!-- table:NAME -->` and `<!-- /table:NAME -->`. Without
 --check the script rewrites what lies between the markers; with --check it changes nothing and
 exits 1 (printing a diff) when the committed tables differ from what the data gives, so a table
 edited by hand, or data changed without the table, fails the test suite. Python 3, standard
@@ -68,6 +68,25 @@ def source_line(cpu, date, command, files):
 
 
 # --- step speed against PyTorch -------------------------------------------------------------
+
+def step_medians(path):
+    """(config, side, precision, threads) -> median tokens/s of a bench-bf16 run."""
+    cells = {}
+    for r in read_jsonl(path):
+        cells.setdefault((r["config"], r["side"], r["precision"], r["threads"]), []).append(r["tokens_per_s"])
+    return {k: median(v) for k, v in cells.items()}
+
+
+def ring_medians(files):
+    """(peer, workers, MiB) -> median bus bandwidth over the rounds, GB/s."""
+    cells = {}
+    for path in files:
+        for r in read_jsonl(path):
+            if r["bytes"] < (1 << 20):
+                continue
+            cells.setdefault((r["peer"], r["workers"], r["bytes"] >> 20), []).append(r["busbw_gb_s"])
+    return {k: median(v) for k, v in cells.items()}
+
 
 def step_speed(path, cpu, date, command):
     rows = read_jsonl(path)
@@ -179,20 +198,14 @@ def time_to_quality(folders):
 # --- the ring against gloo and the bare TCP ring --------------------------------------------
 
 def ring(files, cpu, date, command):
-    cells = {}
-    for path in files:
-        for r in read_jsonl(path):
-            if r["bytes"] < (1 << 20):
-                continue
-            key = (r["peer"], r["workers"], r["bytes"] >> 20)
-            cells.setdefault(key, []).append(r["busbw_gb_s"])
+    cells = ring_medians(files)
     out = source_line(cpu, date, command, files)
     body = []
     sizes = sorted({(w, m) for (_, w, m) in cells})
     for w, m in sizes:
-        keel = median(cells.get(("keel-io1", w, m), []))
-        gloo = median(cells.get(("gloo", w, m), []))
-        tcp = median(cells.get(("tcp", w, m), []))
+        keel = cells.get(("keel-io1", w, m))
+        gloo = cells.get(("gloo", w, m))
+        tcp = cells.get(("tcp", w, m))
         if keel is None or gloo is None or tcp is None:
             continue
         body.append([str(w), str(m), "%.2f" % keel, "%.2f" % gloo, "%.2f" % tcp,
@@ -220,12 +233,57 @@ def scale_model(pattern_files, cpu, date):
     return source_line(cpu, date, command, files) + part
 
 
+# --- the README's headline table ------------------------------------------------------------
+
+AMX_STEP = os.path.join(MEASURED, "bf16-amx-2026-12-04", "bench-bf16-kept-fma.jsonl")
+ZEN4_STEP = os.path.join(MEASURED, "bf16-zen4-2026-12-04", "bench-bf16.jsonl")
+RING_FILES = [os.path.join(MEASURED, "ring-2026-12-04", f)
+              for f in ("bench-ring-gloo-2-3-4.jsonl", "bench-ring-gloo-256.jsonl", "bench-ring-gloo-8.jsonl")]
+
+
+def headline():
+    """One row per headline figure, links relative to the repository's root."""
+    def rlink(path, text=None):
+        return "[%s](%s)" % (text or os.path.basename(path), rel(path))
+
+    rows = []
+    for path, cpu, what in ((AMX_STEP, "Intel Xeon with AMX (family 6 model 167)", "training step of BERT-mini, bf16, 1 core"),
+                            (ZEN4_STEP, "AMD EPYC Zen 4 (family 25 model 17)", "the same on a Zen 4")):
+        m = step_medians(path)
+        ratio = {c: m[(c, "keel", "bf16", 1)] / m[(c, "pytorch", "bf16-autocast", 1)] for c in ("tiny", "mini", "base")}
+        rows.append([what, "%s tokens/s" % fmt_int(m[("mini", "keel", "bf16", 1)]),
+                     "PyTorch bf16: %s (**%.2fx**); tiny %.2fx, base %.2fx" % (
+                         fmt_int(m[("mini", "pytorch", "bf16-autocast", 1)]), ratio["mini"], ratio["tiny"], ratio["base"]),
+                     cpu, "2026-12-04", rlink(path)])
+    for name, cpu, what in (("ttq-mini-2026-12-04-unpad", "Intel Xeon with AMX",
+                             "time to PyTorch DDP's final held-out loss, BERT-mini, 2 workers"),
+                            ("ttq-mini-2026-12-04-zen4", "AMD EPYC Zen 4", "the same on a Zen 4")):
+        folder = os.path.join(MEASURED, name)
+        summary = json.load(open(os.path.join(folder, "summary.json")))
+        keel, peer = summary["systems"]["keel"], summary["systems"]["pytorch-ddp"]
+        rows.append([what, "%.0f s" % keel["seconds_to_bar"],
+                     "DDP: %.0f s (**%.2fx**)" % (peer["seconds_to_bar"], keel["time_ratio_to_peer"]),
+                     cpu, machine(folder).get("date", "?")[:10], rlink(folder, name)])
+    cells = ring_medians(RING_FILES)
+    k4, k64 = cells[("keel-io1", 2, 4)], cells[("keel-io1", 2, 64)]
+    g4, g64 = cells[("gloo", 2, 4)], cells[("gloo", 2, 64)]
+    folder = os.path.dirname(RING_FILES[0])
+    rows.append(["ring all-reduce, 2 workers, 4 / 64 MiB", "%.2f / %.2f GB/s" % (k4, k64),
+                 "gloo: %.2f / %.2f (**%.2fx / %.2fx**)" % (g4, g64, k4 / g4, k64 / g64),
+                 "Intel Xeon with AMX", "2026-12-04", rlink(folder, "ring-2026-12-04")])
+    k, g = cells[("keel-io1", 4, 64)], cells[("gloo", 4, 64)]
+    rows.append(["ring all-reduce, 4 workers, 64 MiB", "%.2f GB/s" % k, "gloo: %.2f (**%.2fx**)" % (g, k / g),
+                 "Intel Xeon with AMX", "2026-12-04", rlink(folder, "ring-2026-12-04")])
+    return table(["what", "Keel", "against", "CPU", "date", "data"], rows)
+
+
 TABLES = {
+    "headline": headline,
     "step-speed-amx": lambda: step_speed(
-        os.path.join(MEASURED, "bf16-amx-2026-12-04", "bench-bf16-kept-fma.jsonl"),
+        AMX_STEP,
         XEON_AMX, "2026-12-04", "ROUNDS=2 scripts/bench-bf16.sh"),
     "step-speed-zen4": lambda: step_speed(
-        os.path.join(MEASURED, "bf16-zen4-2026-12-04", "bench-bf16.jsonl"),
+        ZEN4_STEP,
         ZEN4, "2026-12-04", "ROUNDS=2 scripts/bench-bf16.sh"),
     "time-to-quality": lambda: time_to_quality([
         "ttq-mini-2026-12-04-unpad",
@@ -236,8 +294,7 @@ TABLES = {
         "ttq-mini-2026-12-02",
     ]),
     "ring": lambda: ring(
-        [os.path.join(MEASURED, "ring-2026-12-04", f)
-         for f in ("bench-ring-gloo-2-3-4.jsonl", "bench-ring-gloo-256.jsonl", "bench-ring-gloo-8.jsonl")],
+        RING_FILES,
         XEON_AMX, "2026-12-04", "scripts/bench-ring.sh --rounds 3 --gloo PYTHON"),
     "scale-model": lambda: scale_model(
         ["calibration-loopback-2026-12-04-xeon-amx.jsonl", "calibration-1gbit-2026-12-04-xeon-amx.jsonl"],
@@ -255,35 +312,42 @@ def render(text):
         return "<!-- table:%s -->\n%s\n<!-- /table:%s -->" % (name, "\n".join(lines), name)
 
     pattern = re.compile(r"<!-- table:([\w-]+) -->\n.*?<!-- /table:\1 -->", re.S)
-    found = set(pattern.findall(text))
-    missing = set(TABLES) - found
-    if missing:
-        raise SystemExit("docs_tables: the doc has no markers for %s" % ", ".join(sorted(missing)))
     return pattern.sub(replace, text)
+
+
+DOCS = [os.path.join(REPO, "README.md"), os.path.join(REPO, "docs", "performance.md")]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="fail (exit 1) when the doc's tables differ from the data")
-    ap.add_argument("--doc", default=os.path.join(REPO, "docs", "performance.md"))
     args = ap.parse_args()
-    with open(args.doc) as f:
-        old = f.read()
-    new = render(old)
-    if args.check:
-        if new != old:
-            sys.stdout.writelines(difflib.unified_diff(
-                old.splitlines(True), new.splitlines(True), rel(args.doc), "what the data gives"))
-            print("docs_tables: %s's tables differ from docs/measured/; run scripts/docs_tables.py" % rel(args.doc),
-                  file=sys.stderr)
-            return 1
-        print("docs_tables: %s's tables match the data" % rel(args.doc))
-        return 0
-    if new != old:
-        with open(args.doc, "w") as f:
-            f.write(new)
-        print("docs_tables: rewrote the tables of %s" % rel(args.doc))
-    return 0
+    status = 0
+    found = set()
+    pattern = re.compile(r"<!-- table:([\w-]+) -->")
+    for doc in DOCS:
+        with open(doc) as f:
+            old = f.read()
+        found |= set(pattern.findall(old))
+        new = render(old)
+        if args.check:
+            if new != old:
+                sys.stdout.writelines(difflib.unified_diff(
+                    old.splitlines(True), new.splitlines(True), rel(doc), "what the data gives"))
+                print("docs_tables: %s's tables differ from docs/measured/; run scripts/docs_tables.py" % rel(doc),
+                      file=sys.stderr)
+                status = 1
+            else:
+                print("docs_tables: %s's tables match the data" % rel(doc))
+        elif new != old:
+            with open(doc, "w") as f:
+                f.write(new)
+            print("docs_tables: rewrote the tables of %s" % rel(doc))
+    missing = set(TABLES) - found
+    if missing:
+        print("docs_tables: no doc has markers for %s" % ", ".join(sorted(missing)), file=sys.stderr)
+        status = 1
+    return status
 
 
 if __name__ == "__main__":
