@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tries every attack and careless input of issue 19 against real local clusters, and reports
+# Tries every attack and careless input that the resource bounds answer against real local clusters, and reports
 # each case. Each case is an integration test that starts a real coordinator and real workers
 # on 127.0.0.1 (and, for some, raw TCP or gRPC clients acting as a hostile peer), tries one
 # thing and checks what the cluster did; this script runs them one at a time, each under a

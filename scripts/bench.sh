@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Keel's measured numbers on this machine, as JSON lines (what the README's tables come from):
+# Keel's measured numbers on this machine, as JSON lines (the fp32 step and ring figures of docs/performance.md):
 #  1. training-step throughput (`keel-worker bench`): tiny and mini, 1 and 2 threads, batch 32 x seq 128;
 #     base, 1 thread, batch 8; each in fp32 and in bf16 (native where oneDNN's bf16 beats fp32: AMX, or
 #     AVX512_BF16 when the startup race says so; emulated -- slower than fp32 -- elsewhere: the `bf16_support` field says which);

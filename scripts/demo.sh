@@ -11,7 +11,7 @@
 # The recipe is chosen to show learning a person can see in two to three minutes on two cores:
 # BERT-tiny on 32-token sequences (128 of them a step). At 128 tokens a tiny BERT spends its
 # first thousands of steps guessing frequent words (`,` `the` `and`) whatever the context; with
-# 32 it starts to use the neighbouring words within ~600 steps (README, "Time to quality").
+# 32 it starts to use the neighbouring words within ~600 steps (docs/getting-started.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)

@@ -67,6 +67,7 @@ run "Docker: the Dockerfile's runtime stage, compose.yaml's cluster, four faults
   scripts/container-test.sh target/release
 run "Slurm: a real cluster in containers (slurmctld, 3 slurmd, munge) runs deploy/slurm/keel.sbatch" \
   scripts/slurm-test.sh target/release
+run "docs checks" scripts/check-docs.sh target/release
 
 step "summary"
 if [ ${#failed[@]} -eq 0 ]; then

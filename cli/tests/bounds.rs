@@ -1,4 +1,4 @@
-//! Issue 19, findings 1, 2 and 8 against real processes: a model too large for the cluster is
+//! Abuse cases 1, 2 and 8 (`scripts/abuse.sh`) against real processes: a model too large for the cluster is
 //! refused at submit (naming the field) or failed at assignment; inputs past their bounds
 //! (a multi-GB corpus without a newline, `/dev/zero` as vocabulary, a huge config.json) fail
 //! the job with the file and the limit, and a failed preparation stays failed across a

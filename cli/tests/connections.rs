@@ -1,8 +1,8 @@
-//! Strangers holding connections (issue 19, finding 5): a real coordinator on 127.0.0.1 closes
-//! connections that never finish the HTTP/2 preface or go silent, evicts the oldest
-//! unauthenticated connections when full (so that `keel` with the token gets in), and neither
-//! spins nor stays stuck when it runs out of file descriptors. The limits are set through their
-//! variables (KEEL_MAX_CONNECTIONS, KEEL_HANDSHAKE_TIMEOUT, KEEL_AUTH_TIMEOUT,
+//! Strangers holding connections (abuse case 5, `scripts/abuse.sh`): a real coordinator on
+//! 127.0.0.1 closes connections that never finish the HTTP/2 preface or go silent, evicts the
+//! oldest unauthenticated connections when full (so that `keel` with the token gets in), and
+//! neither spins nor stays stuck when it runs out of file descriptors. The limits are set
+//! through their variables (KEEL_MAX_CONNECTIONS, KEEL_HANDSHAKE_TIMEOUT, KEEL_AUTH_TIMEOUT,
 //! KEEL_IDLE_TIMEOUT), small so that the tests are quick.
 
 mod common;

@@ -1,4 +1,4 @@
-//! Issue 19, finding 6 (a) against real coordinator processes: with `--input-root`
+//! Abuse case 6 (a), `scripts/abuse.sh`, against real coordinator processes: with `--input-root`
 //! (`KEEL_INPUT_ROOT`), a job naming a path outside the roots — directly, through `..`, a
 //! symlink in a corpus folder, a glob, or a vocabulary, config or checkpoint — is refused at
 //! submit with INVALID_ARGUMENT naming the key, the path and the roots; a relative path sent

@@ -1,4 +1,4 @@
-//! The HTTP ports (`--metrics-listen`, issue 16): a real coordinator and two real workers run a
+//! The HTTP ports (`--metrics-listen`): a real coordinator and two real workers run a
 //! short job; then the coordinator's and each worker's `/metrics` are scraped and checked
 //! against `keel status` and the job's `metrics.jsonl`, the dashboard API against the same, and
 //! the served metric names against `deploy/grafana/metric-names.txt` (what the Grafana

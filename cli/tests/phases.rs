@@ -1,4 +1,4 @@
-//! BERT's two phases in one job (`[[phase]]`, issue 17) with real coordinator and worker
+//! BERT's two phases in one job (`[[phase]]`) with real coordinator and worker
 //! processes on 127.0.0.1: 64-token sequences for steps 0..16, then 128-token sequences with
 //! another micro-batch, learning rate and warmup for steps 16..60, the switch at step 16
 //! without a restart. One run goes uninterrupted; another loses a worker inside phase 2 (kill

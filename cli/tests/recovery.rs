@@ -1,4 +1,4 @@
-//! Losing workers mid-job (issue #6): `kill -9` of a random worker at a random step, several
+//! Losing workers mid-job: `kill -9` of a random worker at a random step, several
 //! times in one job. The survivors are suspended at once, the ring re-forms, and the job goes
 //! on from the newest step a survivor holds in memory:
 //! - with `min_workers = max_workers`, the job waits for a replacement worker, which receives
@@ -410,7 +410,7 @@ fn two_runs_of_one_bf16_job_on_the_same_workers_are_bit_identical() {
     assert_bit_identical(&kept, &second);
 }
 
-/// Many workers (issue 18): eight train, two are killed at once (`kill -9`, back to back), the
+/// Many workers: eight train, two are killed at once (`kill -9`, back to back), the
 /// job goes on with the six survivors without waiting, a newcomer joins it mid-job in a new
 /// generation, and it completes every step. The gradients travel as bf16 on the 8-rank ring
 /// (`train.allreduce_dtype`) in buckets of 1 MiB (`train.bucket_mib`, several per step), so
@@ -476,7 +476,7 @@ fn eight_workers_lose_two_at_once_and_take_a_newcomer() {
     );
 }
 
-/// DiLoCo (issue 17) through a worker's death inside a round: the replacement receives the
+/// DiLoCo through a worker's death inside a round: the replacement receives the
 /// root's replica with the outer state (anchor and momentum) by broadcast, the round goes on,
 /// and the job completes every step. The result is not bit-identical to an uninterrupted run
 /// (the survivors go on from the root's local weights, not each from its own), so it is

@@ -1,4 +1,4 @@
-//! A ring failure at a chosen step (issue 19, finding 3): one worker's all-reduce fails as when
+//! A ring failure at a chosen step (abuse case 3, `scripts/abuse.sh`): one worker's all-reduce fails as when
 //! its left neighbour sends a malformed frame (the worker's hidden `--fault-bad-frame-at-step`).
 //! The failing worker reports the failure while the coordinator is already suspending the ring;
 //! it used to miss that `Suspend` (it was still waiting for its failure report's answer), so the

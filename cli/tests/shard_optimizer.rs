@@ -1,4 +1,4 @@
-//! Optimizer-state sharding (`train.shard_optimizer`, ZeRO stage 1, issue 17) with real
+//! Optimizer-state sharding (`train.shard_optimizer`, ZeRO stage 1) with real
 //! coordinator and worker processes on 127.0.0.1:
 //! - 2 and 3 workers, AdamW and LAMB: the sharded job ends within 1e-5 of the unsharded one,
 //!   weights and the optimizer moments its checkpoint gathers (the sums and the clipping norm

@@ -1,4 +1,4 @@
-//! Issue 19, finding 7: a job that makes no progress is noticed. A fake worker, written here,
+//! Abuse case 7 (`scripts/abuse.sh`): a job that makes no progress is noticed. A fake worker, written here,
 //! registers with a real coordinator process over gRPC with the cluster token, attaches and
 //! heartbeats, but ignores its `StartJob`: before the progress watchdog such a job stayed
 //! `running, step 0` for ever. With `[cluster] progress_timeout_seconds`, the job fails naming

@@ -1,4 +1,4 @@
-//! Issue 19, findings 6 (b, c) and 7 (duplicate addresses, held-step claims) against a real
+//! Abuse cases 6 (b, c) and 7 (duplicate addresses, held-step claims) against a real
 //! coordinator process, spoken to over raw gRPC as a hostile client or fake worker would:
 //! errors quote only a bounded prefix of the input; control characters in client strings do
 //! not forge log lines; a second live registration of one advertise address is refused while

@@ -1,4 +1,4 @@
-//! The coordinator's modules import one another one way only: no import cycle (issue 14 found
+//! The coordinator's modules import one another one way only: no import cycle (a review found
 //! one of eight files). Reads `coordinator/src`, takes each file's `crate::NAME` references as
 //! edges between top-level modules (a folder is one module), and fails naming a cycle.
 

@@ -1,4 +1,4 @@
-//! Issue 19, finding 6 (a) at preparation: the input roots are checked again when a job is
+//! Abuse case 6 (a) at preparation: the input roots are checked again when a job is
 //! prepared, so a symlink to a file outside them that appears in a corpus folder after the
 //! submit-time check is refused there, naming the file, instead of being tokenized.
 

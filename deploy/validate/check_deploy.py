@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-# The programs' documented command lines (issue 5); `keel` is keyed by subcommand.
+# The programs' documented command lines; `keel` is keyed by subcommand.
 CONTRACT_FLAGS: dict[str, set[str]] = {
     "keel-coordinator": {
         "--listen",
@@ -45,21 +45,21 @@ CONTRACT_FLAGS: dict[str, set[str]] = {
         "--tls-cert",
         "--tls-key",
         "--log",
-        "--metrics-listen",  # issue 16: HTTP port for /metrics and the dashboard
+        "--metrics-listen",  # HTTP port for /metrics and the dashboard
     },
     "keel-worker": {
         "--coordinator",
         "--listen",
         "--advertise-addr",
         "--threads",
-        "--io-threads",  # issue 18: threads of the network runtime
+        "--io-threads",  # threads of the network runtime
         "--cache-dir",
         "--token-file",
         "--tls-cert",
         "--tls-key",
         "--tls-ca",
         "--log",
-        "--metrics-listen",  # issue 16: HTTP port for /metrics
+        "--metrics-listen",  # HTTP port for /metrics
     },
     "keel submit": set(),
     "keel jobs": set(),
@@ -233,7 +233,7 @@ def check_systemd(root: Path, rep: Report) -> None:
         for var in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", one("ExecStart") or ""):
             rep.check(var in defined, f"{name}: ExecStart's ${{{var}}} is defined by Environment= or keel.env")
         # The HTTP port is on by default only on loopback: the dashboard's API answers there without
-        # the token, and /metrics always does (contract of issue 16).
+        # the token, and /metrics always does (the HTTP port's contract).
         metrics = flag_value(exec_start, "--metrics-listen")
         if metrics is not None:
             m = re.fullmatch(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", metrics)
@@ -661,7 +661,7 @@ DASHBOARD = "deploy/grafana/keel-dashboard.json"
 PROMETHEUS_YML = "deploy/prometheus/prometheus.yml"
 # A Keel metric name anywhere in a file's text (not inside a longer word).
 KEEL_METRIC_RE = re.compile(r"(?<![A-Za-z0-9_:])keel_[a-z0-9_]*[a-z0-9](?![A-Za-z0-9_])")
-# The ports deploy/ gives --metrics-listen (contract of issue 16).
+# The ports deploy/ gives --metrics-listen (the HTTP port's contract).
 METRICS_PORTS = {"coordinator": 9470, "worker": 9471}
 SCRAPE_ANNOTATIONS = {
     f"__meta_kubernetes_pod_annotation_prometheus_io_{a}" for a in ("scrape", "port", "path")

@@ -1,6 +1,6 @@
 //! Bounds on what Keel reads from files that a job names: only regular files, at most a stated
-//! size, lines of at most a stated length. Every limit is a constant here, so the README's
-//! security section, the errors and the code cannot disagree.
+//! size, lines of at most a stated length. Every limit is a constant here, so the errors and
+//! the code cannot disagree (docs/security.md lists them).
 //!
 //! Why these numbers (each is far above any real input and far below what hurts a machine):
 //! - [`MAX_CONFIG_BYTES`] (1 MiB): HF's `config.json` for BERT is about 600 bytes.

@@ -28,8 +28,8 @@
 #   --seed N       the pretraining seed of both sides (the job's `seed`, the peer's --seed;
 #                  default: the job file's). It fixes each side's initial weights, masks and
 #                  dropout, so one seed is one draw: fine-tuning accuracy moved by 3 points
-#                  between Keel's seeds 42 and 43 (README, "Fine-tuning across pretraining
-#                  seeds"); compare the two sides over several seeds.
+#                  between Keel's seeds 42 and 43 (docs/performance.md,
+#                  "Time to quality and fine-tuning"); compare the two sides over several seeds.
 #   CORPUS...      text files to pretrain on instead of the default (KJV + English fortunes
 #                  without the fine-tuning test split)
 # Environment: KEEL_PEER_VENV (default ~/.cache/keel/peer-venv): a Python venv with torch,

@@ -1,7 +1,7 @@
 """PyTorch peer for `keel-worker bench`: full training steps (forward, backward, AdamW) of a
 Hugging Face BERT on random tokens, batch x seq tokens per step, 15% of positions masked.
 
-Two variants, as in issue #2's table:
+Two variants, as in the first fp32 measurements:
   full   -- BertForMaskedLM as users run it: the MLM head on every position.
   masked -- the same model, the MLM head only on the masked positions (gathered first).
 

@@ -1,4 +1,4 @@
-//! Issue 19, finding 4, over real tonic servers on 127.0.0.1: a hostile (but admitted) sender
+//! Abuse case 4 (`scripts/abuse.sh`), over real tonic servers on 127.0.0.1: a hostile (but admitted) sender
 //! posing as rank 0's left neighbour floods rank 0 with frames of all-reduces that will never
 //! run here (a bucket that does not exist, steps out of reach) and frames that fit no planned
 //! frame (4 MiB payloads where the ring plans 64 KiB frames). Once, 65 such frames filled the

@@ -262,7 +262,7 @@ pub enum FrameRejected {
     /// The all-reduce this frame belongs to already finished or failed here (`FAILED_PRECONDITION`).
     // "Failed" is the usual case behind this refusal (a bad frame or a timeout ended it here, and a
     // recovery is starting): saying only "finished" sent the blameless sender looking for a stale
-    // generation (issue 19, finding 3).
+    // generation (abuse case 3).
     #[error(
         "all-reduce step {step} bucket {bucket} already ended on this worker (finished, or failed here: then a recovery is starting)"
     )]

@@ -492,7 +492,7 @@ impl Ring {
             // this frame, or it failed there (a bad frame, a timeout, a shutdown), and that
             // worker reports it and the coordinator suspends the ring. Either way there is
             // nothing to resend; failing here instead raced that report with a misleading
-            // "stale generation" error of this blameless rank (issue 19, finding 3).
+            // "stale generation" error of this blameless rank (abuse case 3).
             Code::Aborted => Ok(retried),
             Code::FailedPrecondition => Err(AllReduceError::StaleGeneration {
                 job_id: self.cfg.job_id.clone(),

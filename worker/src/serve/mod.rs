@@ -39,8 +39,8 @@ pub struct Args {
     /// Threads of the network runtime (the ring, calls to the coordinator, the metrics port),
     /// 1 to 64. With 1 they all run on one thread, which passes ring frames between tasks
     /// without waking other threads: the fastest measured on loopback and 1 Gbit/s links. Raise
-    /// it only for links faster than one core can feed (25 Gbit/s and up; README, "The ring on
-    /// one thread").
+    /// it only for links faster than one core can feed (25 Gbit/s and up; docs/performance.md,
+    /// "The scale model's predictions").
     #[arg(long, env = "KEEL_IO_THREADS", default_value_t = crate::io_runtime::DEFAULT_IO_THREADS, value_parser = crate::io_runtime::parse_io_threads)]
     pub io_threads: usize,
     /// Folder caching shards and holding checkpoints before upload.

@@ -1,0 +1,354 @@
+#!/usr/bin/env python3
+"""Makes the tables of docs/performance.md from the data files under docs/measured/.
+
+(The scale model's table is what scripts/scale_model.py prints from its calibration data under
+scripts/scale/.)
+
+Usage: scripts/docs_tables.py [--check]
+
+The tables are README.md's headline table and docs/performance.md's. Each sits in its doc between `<!-- table:NAME -->` and `<!-- /table:NAME -->`. Without
+--check the script rewrites what lies between the markers; with --check it changes nothing and
+exits 1 (printing a diff) when the committed tables differ from what the data gives, so a table
+edited by hand, or data changed without the table, fails the test suite. Python 3, standard
+library only.
+
+Every table names the CPU, the date and the command that produced its data. The jsonl files of
+the step and ring benchmarks do not record the machine, so the TABLES list below does (copied
+from the runs' notes); the time-to-quality folders carry a machine.txt, which is read.
+"""
+
+import argparse
+import difflib
+import json
+import os
+import re
+import statistics
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEASURED = os.path.join(REPO, "docs", "measured")
+
+XEON_AMX = "2-core Intel Xeon, family 6 model 167 as the VM reports it (AVX-512, AVX512_BF16, AMX-BF16)"
+ZEN4 = "2-core AMD EPYC, family 25 model 17: Zen 4 (AVX-512, AVX512_BF16, no AMX)"
+
+
+def rel(path):
+    return os.path.relpath(path, REPO)
+
+
+def link(path):
+    """A Markdown link to a data path, relative to docs/."""
+    return "[`%s`](%s)" % (rel(path), os.path.relpath(path, os.path.join(REPO, "docs")))
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def fmt_int(x):
+    return "{:,}".format(int(round(x)))
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def table(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def source_line(cpu, date, command, files):
+    return [
+        "CPU: %s. Date: %s. Command: `%s`. Data: %s." % (cpu, date, command, ", ".join(link(f) for f in files)),
+        "",
+    ]
+
+
+# --- step speed against PyTorch -------------------------------------------------------------
+
+def step_medians(path):
+    """(config, side, precision, threads) -> median tokens/s of a bench-bf16 run."""
+    cells = {}
+    for r in read_jsonl(path):
+        cells.setdefault((r["config"], r["side"], r["precision"], r["threads"]), []).append(r["tokens_per_s"])
+    return {k: median(v) for k, v in cells.items()}
+
+
+def ring_medians(files):
+    """(peer, workers, MiB) -> median bus bandwidth over the rounds, GB/s."""
+    cells = {}
+    for path in files:
+        for r in read_jsonl(path):
+            if r["bytes"] < (1 << 20):
+                continue
+            cells.setdefault((r["peer"], r["workers"], r["bytes"] >> 20), []).append(r["busbw_gb_s"])
+    return {k: median(v) for k, v in cells.items()}
+
+
+def step_speed(path, cpu, date, command):
+    rows = read_jsonl(path)
+
+    def tps(side, config, precision, threads=1):
+        xs = [
+            r["tokens_per_s"]
+            for r in rows
+            if r["side"] == side and r["config"] == config and r["precision"] == precision and r["threads"] == threads
+        ]
+        return median(xs)
+
+    def rss(side, config, precision):
+        xs = [
+            r["peak_rss_mib"]
+            for r in rows
+            if r["side"] == side and r["config"] == config and r["precision"] == precision and r["threads"] == 1
+        ]
+        return median(xs)
+
+    out = source_line(cpu, date, command, [path])
+    body = []
+    for config in ("tiny", "mini", "base"):
+        kf, kb = tps("keel", config, "fp32"), tps("keel", config, "bf16")
+        pf, pb = tps("pytorch", config, "fp32"), tps("pytorch", config, "bf16-autocast")
+        k2 = tps("keel", config, "bf16", threads=2)
+        body.append([
+            config,
+            fmt_int(kf),
+            fmt_int(kb),
+            fmt_int(pf),
+            fmt_int(pb),
+            "**%.2fx**" % (kb / pb),
+            ("%.2fx" % (k2 / kb)) if k2 else "-",
+            "%s / %s" % (fmt_int(rss("keel", config, "bf16")), fmt_int(rss("pytorch", config, "bf16-autocast"))),
+        ])
+    out += table(
+        ["model", "Keel fp32", "Keel bf16", "PyTorch fp32", "PyTorch bf16", "Keel bf16 / PyTorch bf16",
+         "Keel bf16, 2 threads / 1", "peak RSS, Keel bf16 / PyTorch bf16 (MiB)"],
+        body,
+    )
+    out.append("")
+    out.append("Tokens/s on 1 thread (medians of the alternated rounds); batch 32 x 128 tokens (base: 8 x 128), "
+               "vocabulary 30,522; PyTorch with the MLM head on the masked positions only.")
+    return out
+
+
+# --- time to quality and fine-tuning --------------------------------------------------------
+
+def machine(folder):
+    info = {}
+    with open(os.path.join(folder, "machine.txt")) as f:
+        for line in f:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                info.setdefault(k.strip(), v.strip())
+    return info
+
+
+def cpu_name(info):
+    cpu = info.get("cpu", "?")
+    flags = info.get("flags", "").split()
+    amx = "AMX" if "amx_bf16" in flags else ("AVX512_BF16, no AMX" if "avx512_bf16" in flags else "no bf16")
+    cpu = re.sub(r"Intel\(R\) Xeon\(R\) Processor", "Intel Xeon", cpu)
+    return "%s (%s)" % (cpu, amx)
+
+
+def time_to_quality(folders):
+    body = []
+    for name in folders:
+        folder = os.path.join(MEASURED, name)
+        info = machine(folder)
+        summary = json.load(open(os.path.join(folder, "summary.json")))
+        ft = json.load(open(os.path.join(folder, "finetune.json")))
+        keel, peer = summary["systems"]["keel"], summary["systems"]["pytorch-ddp"]
+
+        def acc(k):
+            return "%.1f%% (%.1f)" % (100 * ft[k]["mean_accuracy"], 100 * ft[k]["std_accuracy"])
+
+        body.append([
+            "[%s](%s)" % (name.replace("ttq-mini-", ""), os.path.relpath(folder, os.path.join(REPO, "docs"))),
+            info.get("date", "?")[:10],
+            cpu_name(info),
+            "%.3f / %.3f" % (keel["final"]["heldout_loss"], peer["final"]["heldout_loss"]),
+            "%.0f s / %.0f s" % (keel["seconds_to_bar"], peer["seconds_to_bar"]),
+            "**%.2fx**" % keel["time_ratio_to_peer"],
+            acc("keel"),
+            acc("pytorch-ddp"),
+            acc("random"),
+        ])
+    out = [
+        "Command: `scripts/bench/time_to_quality.sh --minutes 10` (Keel: `keel local --workers 2 --threads 1` "
+        "on `examples/ttq-mini.toml`; the peer: PyTorch DDP over gloo, 2 processes x 1 thread, on the same "
+        "sequences). CPU and date: each run's `machine.txt`. Data: each run's folder (`summary.json`, "
+        "`finetune.json`).",
+        "",
+    ]
+    out += table(
+        ["run", "date", "CPU", "final held-out loss, Keel / peer", "time to the peer's final loss, Keel / peer",
+         "Keel / peer", "fine-tuned from Keel (spread)", "from the peer", "from random weights"],
+        body,
+    )
+    out.append("")
+    out.append("Fine-tuning: topic classification of 13 topics of Debian's fortunes, mean test accuracy over "
+               "3 seeds (sample std in parentheses).")
+    return out
+
+
+# --- the ring against gloo and the bare TCP ring --------------------------------------------
+
+def ring(files, cpu, date, command):
+    cells = ring_medians(files)
+    out = source_line(cpu, date, command, files)
+    body = []
+    sizes = sorted({(w, m) for (_, w, m) in cells})
+    for w, m in sizes:
+        keel = cells.get(("keel-io1", w, m))
+        gloo = cells.get(("gloo", w, m))
+        tcp = cells.get(("tcp", w, m))
+        if keel is None or gloo is None or tcp is None:
+            continue
+        body.append([str(w), str(m), "%.2f" % keel, "%.2f" % gloo, "%.2f" % tcp,
+                     "**%.2f**" % (keel / gloo), "%.2f" % (keel / tcp)])
+    out += table(["workers", "MiB", "Keel", "gloo", "bare TCP ring", "Keel / gloo", "Keel / bare ring"], body)
+    out.append("")
+    out.append("Bus bandwidth in GB/s (2 (n - 1) / n x bytes / time, the slowest rank), median over the "
+               "alternated rounds; every process on 127.0.0.1; Keel with one network thread, 4 streams per "
+               "link, 512 KiB frames; gloo is PyTorch 2.15's `all_reduce`, one thread per process.")
+    return out
+
+
+# --- the scale model's predictions ---------------------------------------------------------
+
+def scale_model(pattern_files, cpu, date):
+    import subprocess
+    files = [os.path.join(REPO, "scripts", "scale", f) for f in pattern_files]
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "scale_model.py")] + files
+    text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    lines = text.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("## BERT-base, predicted"))
+    part = lines[start:]
+    part[0] = part[0][3:] + "."
+    command = "scripts/scale_model.py " + " ".join("scripts/scale/" + f for f in pattern_files)
+    return source_line(cpu, date, command, files) + part
+
+
+# --- the README's headline table ------------------------------------------------------------
+
+AMX_STEP = os.path.join(MEASURED, "bf16-amx-2026-12-04", "bench-bf16-kept-fma.jsonl")
+ZEN4_STEP = os.path.join(MEASURED, "bf16-zen4-2026-12-04", "bench-bf16.jsonl")
+RING_FILES = [os.path.join(MEASURED, "ring-2026-12-04", f)
+              for f in ("bench-ring-gloo-2-3-4.jsonl", "bench-ring-gloo-256.jsonl", "bench-ring-gloo-8.jsonl")]
+
+
+def headline():
+    """One row per headline figure, links relative to the repository's root."""
+    def rlink(path, text=None):
+        return "[%s](%s)" % (text or os.path.basename(path), rel(path))
+
+    rows = []
+    for path, cpu, what in ((AMX_STEP, "Intel Xeon with AMX (family 6 model 167)", "training step of BERT-mini, bf16, 1 core"),
+                            (ZEN4_STEP, "AMD EPYC Zen 4 (family 25 model 17)", "the same on a Zen 4")):
+        m = step_medians(path)
+        ratio = {c: m[(c, "keel", "bf16", 1)] / m[(c, "pytorch", "bf16-autocast", 1)] for c in ("tiny", "mini", "base")}
+        rows.append([what, "%s tokens/s" % fmt_int(m[("mini", "keel", "bf16", 1)]),
+                     "PyTorch bf16: %s (**%.2fx**); tiny %.2fx, base %.2fx" % (
+                         fmt_int(m[("mini", "pytorch", "bf16-autocast", 1)]), ratio["mini"], ratio["tiny"], ratio["base"]),
+                     cpu, "2026-12-04", rlink(path)])
+    for name, cpu, what in (("ttq-mini-2026-12-04-unpad", "Intel Xeon with AMX",
+                             "time to PyTorch DDP's final held-out loss, BERT-mini, 2 workers"),
+                            ("ttq-mini-2026-12-04-zen4", "AMD EPYC Zen 4", "the same on a Zen 4")):
+        folder = os.path.join(MEASURED, name)
+        summary = json.load(open(os.path.join(folder, "summary.json")))
+        keel, peer = summary["systems"]["keel"], summary["systems"]["pytorch-ddp"]
+        rows.append([what, "%.0f s" % keel["seconds_to_bar"],
+                     "DDP: %.0f s (**%.2fx**)" % (peer["seconds_to_bar"], keel["time_ratio_to_peer"]),
+                     cpu, machine(folder).get("date", "?")[:10], rlink(folder, name)])
+    cells = ring_medians(RING_FILES)
+    k4, k64 = cells[("keel-io1", 2, 4)], cells[("keel-io1", 2, 64)]
+    g4, g64 = cells[("gloo", 2, 4)], cells[("gloo", 2, 64)]
+    folder = os.path.dirname(RING_FILES[0])
+    rows.append(["ring all-reduce, 2 workers, 4 / 64 MiB", "%.2f / %.2f GB/s" % (k4, k64),
+                 "gloo: %.2f / %.2f (**%.2fx / %.2fx**)" % (g4, g64, k4 / g4, k64 / g64),
+                 "Intel Xeon with AMX", "2026-12-04", rlink(folder, "ring-2026-12-04")])
+    k, g = cells[("keel-io1", 4, 64)], cells[("gloo", 4, 64)]
+    rows.append(["ring all-reduce, 4 workers, 64 MiB", "%.2f GB/s" % k, "gloo: %.2f (**%.2fx**)" % (g, k / g),
+                 "Intel Xeon with AMX", "2026-12-04", rlink(folder, "ring-2026-12-04")])
+    return table(["what", "Keel", "against", "CPU", "date", "data"], rows)
+
+
+TABLES = {
+    "headline": headline,
+    "step-speed-amx": lambda: step_speed(
+        AMX_STEP,
+        XEON_AMX, "2026-12-04", "ROUNDS=2 scripts/bench-bf16.sh"),
+    "step-speed-zen4": lambda: step_speed(
+        ZEN4_STEP,
+        ZEN4, "2026-12-04", "ROUNDS=2 scripts/bench-bf16.sh"),
+    "time-to-quality": lambda: time_to_quality([
+        "ttq-mini-2026-12-04-unpad",
+        "ttq-mini-2026-12-04-zen4",
+        "ttq-mini-2026-12-04-amx3",
+        "ttq-mini-2026-12-04-amx2",
+        "ttq-mini-2026-12-04-amx",
+        "ttq-mini-2026-12-02",
+    ]),
+    "ring": lambda: ring(
+        RING_FILES,
+        XEON_AMX, "2026-12-04", "scripts/bench-ring.sh --rounds 3 --gloo PYTHON"),
+    "scale-model": lambda: scale_model(
+        ["calibration-loopback-2026-12-04-xeon-amx.jsonl", "calibration-1gbit-2026-12-04-xeon-amx.jsonl"],
+        XEON_AMX, "2026-12-04 (calibration runs)"),
+}
+
+
+def render(text):
+    """The doc with every marked table replaced by what the data gives."""
+    def replace(m):
+        name = m.group(1)
+        if name not in TABLES:
+            raise SystemExit("docs_tables: unknown table %r in the doc" % name)
+        lines = TABLES[name]()
+        return "<!-- table:%s -->\n%s\n<!-- /table:%s -->" % (name, "\n".join(lines), name)
+
+    pattern = re.compile(r"<!-- table:([\w-]+) -->\n.*?<!-- /table:\1 -->", re.S)
+    return pattern.sub(replace, text)
+
+
+DOCS = [os.path.join(REPO, "README.md"), os.path.join(REPO, "docs", "performance.md")]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="fail (exit 1) when the doc's tables differ from the data")
+    args = ap.parse_args()
+    status = 0
+    found = set()
+    pattern = re.compile(r"<!-- table:([\w-]+) -->")
+    for doc in DOCS:
+        with open(doc) as f:
+            old = f.read()
+        found |= set(pattern.findall(old))
+        new = render(old)
+        if args.check:
+            if new != old:
+                sys.stdout.writelines(difflib.unified_diff(
+                    old.splitlines(True), new.splitlines(True), rel(doc), "what the data gives"))
+                print("docs_tables: %s's tables differ from docs/measured/; run scripts/docs_tables.py" % rel(doc),
+                      file=sys.stderr)
+                status = 1
+            else:
+                print("docs_tables: %s's tables match the data" % rel(doc))
+        elif new != old:
+            with open(doc, "w") as f:
+                f.write(new)
+            print("docs_tables: rewrote the tables of %s" % rel(doc))
+    missing = set(TABLES) - found
+    if missing:
+        print("docs_tables: no doc has markers for %s" % ", ".join(sorted(missing)), file=sys.stderr)
+        status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
