@@ -274,7 +274,8 @@ def check_tracked_files():
     notes = "STACK" + ".md"
     beside = "../" + "shared"
     issue = re.compile(r"(?i)\bissues?\s+#?\d+|(?:^|[^\w/&#])#\d{1,5}\b")
-    allowed_hash = re.compile(r"(?i)\btask #\d")  # BERT paper's "Task #1", "Task #2"
+    # Not issue numbers: the BERT paper's "Task #1", and `keel fill-mask`'s "[MASK] #1:" output.
+    allowed_hash = re.compile(r"(?i)\btask #\d|\[mask\] #\d")
     for rel in tracked_files():
         if not rel or rel.endswith((".css", ".png", ".gz", ".jsonl")) or os.path.basename(rel) == "vocab.txt":
             continue

@@ -9,7 +9,8 @@
 //! - `weights`: `model.safetensors` load/save in the layout `save_pretrained` writes.
 //! - `tokenizer`, `shard`, `split`: WordPiece vocabulary, the binary shard format, and how
 //!   sequences are split among workers.
-//! - `jobspec`, `checkpoint`: the job file (TOML) and the checkpoint folder.
+//! - `jobspec`, `checkpoint`: the job file (TOML) and the checkpoint folder;
+//!   `jobfile_reference`: the job file's reference tables (`docs/job-file.md`) made from them.
 //! - `metrics`: the typed lines of a job's `metrics.jsonl` ([`metrics::MetricsLine`]).
 //! - `tensorboard`: the same values as TensorBoard event files (record framing, the event
 //!   messages, [`tensorboard::EventFile`]).
@@ -44,6 +45,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod diloco;
 pub mod host;
+pub mod jobfile_reference;
 pub mod jobspec;
 pub mod limits;
 pub mod memory;
