@@ -1,6 +1,7 @@
 //! One accepted connection, as [`crate::incoming::Incoming`] hands it to the server: it holds
-//! a slot of the server's connection cap until it is dropped, and fails its reads and writes
-//! (so that the server closes it) when the peer is too slow or silent.
+//! a slot of the server's connection cap until it is dropped or evicted ([`crate::slots`]),
+//! and fails its reads and writes (so that the server closes it) when the peer is too slow,
+//! silent, has not proved the token in time, or was evicted.
 //!
 //! - Handshake: a peer must send the 24 bytes of the HTTP/2 client preface within the
 //!   handshake timeout of the accept. Under TLS these bytes are the start of the TLS handshake,

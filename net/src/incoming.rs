@@ -196,6 +196,8 @@ pub struct Incoming {
     limits: ConnectionLimits,
     /// The timeouts each connection gets.
     timeouts: Timeouts,
+    /// The log line about an eviction (what the evicted connection had not done).
+    evicted_line: &'static str,
     /// Who holds which slot of the cap.
     slots: Arc<SlotPool>,
     /// The pause after an accept error, while it runs.
@@ -215,7 +217,9 @@ impl Incoming {
             auth: Some(limits.auth_timeout),
             linger: Duration::ZERO,
         };
-        Incoming::with(listener, limits, limits.max_unauthenticated, timeouts)
+        let line = "server full: evicted the oldest connection not yet authenticated (of the \
+                    address holding the most)";
+        Incoming::with(listener, limits, limits.max_unauthenticated, timeouts, line)
     }
 
     /// The connections `listener` accepts for the HTTP port, within `limits`: nothing proves
@@ -229,7 +233,9 @@ impl Incoming {
             auth: None,
             linger: limits.handshake_timeout,
         };
-        Incoming::with(listener, limits, limits.max_connections, timeouts)
+        let line = "HTTP port full: evicted the oldest connection (of the address holding the \
+                    most)";
+        Incoming::with(listener, limits, limits.max_connections, timeouts, line)
     }
 
     fn with(
@@ -237,12 +243,14 @@ impl Incoming {
         limits: ConnectionLimits,
         max_unproven: usize,
         timeouts: Timeouts,
+        evicted_line: &'static str,
     ) -> Incoming {
         Incoming {
             listener,
             slots: SlotPool::new(limits.max_connections, max_unproven),
             limits,
             timeouts,
+            evicted_line,
             pause: None,
             next_pause: ACCEPT_BACKOFF_MIN,
         }
@@ -319,8 +327,8 @@ impl Stream for Incoming {
                             suppressed,
                             max = this.limits.max_connections,
                             max_unauthenticated = this.limits.max_unauthenticated,
-                            "server full: evicted the oldest connection not yet authenticated \
-                             (of the address holding the most)"
+                            "{}",
+                            this.evicted_line
                         );
                     }
                     slot

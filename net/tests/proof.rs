@@ -168,3 +168,46 @@ async fn over_tls_strangers_filling_the_server_do_not_keep_the_token_out() {
     .await;
     assert!(matches!(reply, Ok(Ok(_))), "{reply:?}");
 }
+
+#[tokio::test]
+async fn strangers_on_one_address_evict_only_their_own_connections() {
+    let s = setup(false);
+    let (_, guarded) = serve(&s, 16).await;
+    let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    // A connection from 127.0.0.2 (loopback too) that has made no call yet: the oldest.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let mut other = socket.connect(guarded.parse().unwrap()).await.unwrap();
+    other.write_all(preface).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // 100 strangers from 127.0.0.1, six times the cap.
+    let mut strangers = Vec::new();
+    for _ in 0..100 {
+        let mut c = tokio::net::TcpStream::connect(&guarded).await.unwrap();
+        c.write_all(preface).await.unwrap();
+        strangers.push(c);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The strangers' first connections were evicted; the other address's one was not.
+    let closed = |c: &mut tokio::net::TcpStream| {
+        let mut buf = [0u8; 256];
+        // Drain what the server sent (its SETTINGS): an EOF or an error means closed.
+        for _ in 0..16 {
+            match c.try_read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+                Err(_) => return true,
+            }
+        }
+        false
+    };
+    assert!(
+        closed(&mut strangers[0]),
+        "the oldest stranger was not evicted"
+    );
+    assert!(
+        !closed(&mut other),
+        "a connection from another address was evicted"
+    );
+}

@@ -139,9 +139,9 @@ async fn hold_http(mut s: TcpStream, counts: &Counts) -> std::io::Result<()> {
         }
         counts.answers.fetch_add(1, Ordering::Relaxed);
         // Keep reading while waiting, so that a close is seen at once.
-        match tokio::time::timeout(HTTP_REQUEST_EVERY, s.read(&mut buf)).await {
-            Ok(Ok(0) | Err(_)) => return Ok(()),
-            Ok(Ok(_)) | Err(_) => {}
+        let waited = tokio::time::timeout(HTTP_REQUEST_EVERY, s.read(&mut buf)).await;
+        if let Ok(Ok(0) | Err(_)) = waited {
+            return Ok(());
         }
     }
     Ok(())
