@@ -371,7 +371,7 @@ wait_back() {
 OLD_LOGS_DIR="$WORK/logs/removed"
 mkdir -p "$OLD_LOGS_DIR"
 steps_lost() {
-  local f svc
+  local svc
   for svc in worker-1 worker-2 worker-3; do docker logs "$(cid "$svc")" >"$WORK/logs/now-$svc.log" 2>&1; done
   python3 - "$1" "$WORK"/logs/now-worker-*.log "$OLD_LOGS_DIR"/*.log <<'PY'
 import glob, re, sys

@@ -216,7 +216,7 @@ grep '^\[keel.sbatch' "$out" | sed 's/^/    /'
 grep -q '^\[keel.sbatch [0-9:]*\] done (exit 0)$' "$out" || die "keel.sbatch (Slurm job $sid) did not end with exit 0"
 grep -q '"state": "completed"' "$out" || die "the Keel job did not complete (keel status in keel-$sid.out)"
 for f in config.json model.safetensors vocab.txt; do
-  [ -s "$WORK/shared/out/$f" ] || die "the checkpoint in /shared/out has no $f: $(ls "$WORK/shared/out" 2>&1 | tr '\n' ' ')"
+  [ -s "$WORK/shared/out/$f" ] || die "the checkpoint in /shared/out has no $f: $(find "$WORK/shared/out" -maxdepth 1 -printf '%f ' 2>&1)"
 done
 ! compgen -G "$WORK/shared/submit/.keel-*.token" >/dev/null || die "the token keel.sbatch made was not removed"
 for c in "${NODES[@]}"; do
@@ -266,6 +266,7 @@ write_job "$WORK/shared/submit/job-kill.toml" 300 50 2
 sid="$(sbatch_job kill job-kill.toml /shared/out-kill)"
 at="$(wait_keel_step "$sid" 60)"
 # (No procps in the image: the worker's pid from /proc.)
+# shellcheck disable=SC2016 # expanded by the container's bash
 wpid="$(on n3 bash -c 'for p in /proc/[0-9]*; do [ "$(cat "$p/comm" 2>/dev/null)" = keel-worker ] && echo "${p#/proc/}"; done; true' | head -n 1)"
 [ -n "$wpid" ] || die "[kill] no keel-worker process on n3"
 on n3 bash -c "kill -KILL $wpid"
