@@ -8,8 +8,8 @@
 #      rust:1-bookworm, which a machine without a registry cannot pull: a `FROM scratch AS
 #      builder` stage holding the host's binaries stands in for it. The runtime stage's base,
 #      debian:bookworm-slim, comes from scripts/container-base.sh (debootstrap + docker import;
-#      made once per machine).
-#      Prints the image's size; checks every program runs as uid 10001 and /corpus is read-only.
+#      made once per machine). Prints the image's size; checks every process of the containers
+#      runs as uid 10001, /corpus is read-only and /var/lib/keel writable.
 #   2. `compose up` of compose.yaml as shipped, plus a test-only override file that changes only
 #      the image tag (keel:keelctPID, so a user's keel:latest is never touched) and the cluster
 #      token's file (a temporary one, not deploy/docker/token). The ports and the corpus folder
@@ -29,8 +29,9 @@
 #        restart  `docker restart` of the coordinator: the job resumes
 #        downup   `compose down` (volumes kept), then `compose up`: the job resumes, and the jobs
 #                 finished before are still listed and pull the same bytes
-#      For each: the time from the fault until the job is past the step it had reached, and the
-#      steps lost (steps worker-1 computed twice, from its log).
+#      For each: the time from the fault until the job is past the step `keel status` showed at
+#      the fault, and the steps lost: steps computed twice, from the workers' logs (rank 0 logs
+#      every step it computes), those of containers `compose down` removed included.
 #
 # Usage (as root): scripts/container-test.sh [BIN_DIR]
 #   BIN_DIR  keel, keel-coordinator, keel-worker (default: $CARGO_TARGET_DIR/release, else
