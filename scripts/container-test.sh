@@ -8,8 +8,8 @@
 #      rust:1-bookworm, which a machine without a registry cannot pull: a `FROM scratch AS
 #      builder` stage holding the host's binaries stands in for it. The runtime stage's base,
 #      debian:bookworm-slim, comes from scripts/container-base.sh (debootstrap + docker import;
-#      made once per machine).
-#      Prints the image's size; checks every program runs as uid 10001 and /corpus is read-only.
+#      made once per machine). Prints the image's size; checks every process of the containers
+#      runs as uid 10001, /corpus is read-only and /var/lib/keel writable.
 #   2. `compose up` of compose.yaml as shipped, plus a test-only override file that changes only
 #      the image tag (keel:keelctPID, so a user's keel:latest is never touched) and the cluster
 #      token's file (a temporary one, not deploy/docker/token). The ports and the corpus folder
@@ -19,18 +19,20 @@
 #      and Hugging Face `transformers` loads the checkpoint (BertForMaskedLM, no missing or
 #      unexpected keys) and fills a mask with it. The coordinator's /metrics answers on its
 #      published port and each worker's on worker-N:9471 inside the network (where
-#      deploy/prometheus/prometheus.yml's static jobs would scrape them). The compose file's
-#      CLI service (`compose run --rm keel jobs`, `pull`) works.
-#   4. Faults, each in the middle of a job of its own (300 steps, a checkpoint every 50, peer
-#      timeout 4 s, 3 workers required), each ending with the job completed at 300/300:
+#      deploy/prometheus/prometheus.yml's static jobs would scrape them), and a real Prometheus
+#      (Debian's binary, in a container on the network) scraping with those jobs finds all four
+#      targets up. The compose file's CLI service (`compose run --rm keel jobs`, `pull`) works.
+#   4. Faults, each in the middle of a job of its own (200 steps, a checkpoint every 50, peer
+#      timeout 4 s, 3 workers required), each ending with the job completed at 200/200:
 #        kill     `docker kill` of worker-2, then `compose up` starts it again
 #        netcut   worker-2 cut off its network with `docker network disconnect` for 10 s
 #                 (longer than the 4 s peer timeout), then reconnected under its name
 #        restart  `docker restart` of the coordinator: the job resumes
 #        downup   `compose down` (volumes kept), then `compose up`: the job resumes, and the jobs
 #                 finished before are still listed and pull the same bytes
-#      For each: the time from the fault until the job is past the step it had reached, and the
-#      steps lost (steps worker-1 computed twice, from its log).
+#      For each: the time from the fault until the job is past the step `keel status` showed at
+#      the fault, and the steps lost: steps computed twice, from the workers' logs (rank 0 logs
+#      every step it computes), those of containers `compose down` removed included.
 #
 # Usage (as root): scripts/container-test.sh [BIN_DIR]
 #   BIN_DIR  keel, keel-coordinator, keel-worker (default: $CARGO_TARGET_DIR/release, else
@@ -39,7 +41,8 @@
 #
 # Installs what is missing: docker-compose (Debian) when neither `docker compose` nor
 # `docker-compose` works, debootstrap (through container-base.sh), python3-torch and python3-venv
-# (Debian) and transformers (PyPI, pinned, in a venv under /var/cache/keel-validate). The Docker
+# (Debian) and transformers (PyPI, pinned, in a venv under /var/cache/keel-validate), the
+# prometheus binary (unpacked from Debian's package into /var/cache/keel-validate). The Docker
 # engine itself must be there and running. Every container, network, volume and image tag it
 # makes is removed at the end, whatever the exit. Every wait is bounded.
 set -euo pipefail
@@ -101,6 +104,24 @@ if ! "$VENV/bin/python" -c 'import torch, transformers' 2>/dev/null; then
   fi
 fi
 "$VENV/bin/python" -c 'import torch, transformers' 2>/dev/null && HF_PY="$VENV/bin/python"
+
+# Prometheus: only the server binary, unpacked from Debian's package (installing the package
+# would add a service user and start a server through its init script).
+PROM_DIR=/var/cache/keel-validate/prometheus-debian
+PROM_BIN=""
+if [ ! -x "$PROM_DIR/usr/bin/prometheus" ]; then
+  log "unpacking prometheus from Debian's package into $PROM_DIR"
+  dl="$(mktemp -d)"
+  if ( cd "$dl" && { timeout 300 apt-get download prometheus >/dev/null 2>&1 \
+         || { timeout 300 apt-get update -qq && timeout 300 apt-get download prometheus >/dev/null 2>&1; }; } ) \
+    && mkdir -p "$PROM_DIR" && dpkg-deb --fsys-tarfile "$dl"/prometheus_*.deb | tar -x -C "$PROM_DIR" ./usr/bin/prometheus; then
+    :
+  else
+    rm -rf "$PROM_DIR"
+  fi
+  rm -rf "$dl"
+fi
+[ -x "$PROM_DIR/usr/bin/prometheus" ] && PROM_BIN="$PROM_DIR/usr/bin/prometheus"
 
 scripts/container-base.sh
 [ -f corpora/en-kjv/kjv.txt ] || scripts/corpora.sh en-kjv >/dev/null
@@ -315,6 +336,42 @@ for svc in worker-1 worker-2 worker-3; do
     | grep -q '^keel_' || die "$svc:9471/metrics does not answer inside the compose network"
 done
 log "metrics: coordinator /metrics on 127.0.0.1:$MPORT (keel_job_step{job_id=\"$JOB0\"}); worker-1..3:9471/metrics answer inside the network"
+# A real Prometheus (Debian's, 2.42) on the compose network, scraping with
+# deploy/prometheus/prometheus.yml's static jobs: their example host names replaced by the
+# compose services', the interval cut to 2 s, and the Kubernetes job left out (Debian builds
+# Prometheus without Kubernetes discovery). Every target must be "up" and keel_job_step read.
+if [ -n "$PROM_BIN" ]; then
+  mkdir -p "$WORK/prom/data"
+  cp "$PROM_BIN" "$WORK/prom/prometheus"
+  sed -n '/^  - job_name: keel-kubernetes-pods/q; p' deploy/prometheus/prometheus.yml \
+    | sed -e 's/coordinator\.example\.internal/coordinator/; s/\(worker-[0-9]\)\.example\.internal/\1/' \
+          -e 's/^\(  scrape_interval:\).*/\1 2s/' >"$WORK/prom/prometheus.yml"
+  chown -R 10001:10001 "$WORK/prom"
+  PPORT="$(free_port)"
+  docker run -d --name "$ID-prometheus" --label "com.docker.compose.project=$ID" \
+    --network "$(docker inspect -f '{{range $k, $v := .NetworkSettings.Networks}}{{$k}} {{end}}' "$coord" | awk '{ print $1 }')" \
+    -p "127.0.0.1:$PPORT:9090" -v "$WORK/prom:/prom" --entrypoint /prom/prometheus "$TAG" \
+    --config.file=/prom/prometheus.yml --storage.tsdb.path=/prom/data >/dev/null
+  deadline=$((SECONDS + 60))
+  until up="$(curl -sf --max-time 5 "http://127.0.0.1:$PPORT/api/v1/targets" | python3 -c '
+import json, sys
+t = json.load(sys.stdin)["data"]["activeTargets"]
+up = sorted(x["labels"]["instance"] for x in t if x["health"] == "up")
+print(" ".join(up))
+sys.exit(0 if len(t) == 4 and len(up) == 4 else 1)' 2>/dev/null)"; do
+    [ $SECONDS -lt $deadline ] || die "Prometheus: not every target up after 60 s: $(curl -s --max-time 5 "http://127.0.0.1:$PPORT/api/v1/targets" | head -c 1500)"
+    sleep 1
+  done
+  val="$(curl -sf --max-time 5 "http://127.0.0.1:$PPORT/api/v1/query?query=keel_job_step" | python3 -c '
+import json, sys
+r = json.load(sys.stdin)["data"]["result"]
+print(" ".join("%s=%s" % (x["metric"].get("job_id"), x["value"][1]) for x in r))')"
+  [[ " $val " == *" $JOB0=60 "* ]] || die "Prometheus: keel_job_step has no $JOB0=60 ($val)"
+  log "Prometheus $("$WORK/prom/prometheus" --version 2>&1 | head -n 1 | awk '{ print $3 }') with prometheus.yml's static jobs: targets up: $up; keel_job_step: $val"
+  docker rm -f "$ID-prometheus" >/dev/null
+else
+  log "Prometheus check SKIPPED (Debian's prometheus package could not be downloaded)"
+fi
 # The compose file's CLI service (profile cli) too: `jobs`, and `pull` into KEEL_OUT_DIR.
 compose run --rm keel jobs >"$WORK/logs/run-jobs.log" 2>&1 || die "compose run --rm keel jobs failed: $(tail -n 3 "$WORK/logs/run-jobs.log")"
 grep -q "^$JOB0 .*completed" "$WORK/logs/run-jobs.log" || die "compose run --rm keel jobs does not list $JOB0 completed: $(cat "$WORK/logs/run-jobs.log")"
@@ -326,7 +383,7 @@ log "compose run --rm keel jobs / pull (the compose file's CLI service): $JOB0 l
 
 # ---------------------------------------------------------------------------------------------
 # 4. Faults.
-STEPS=300
+STEPS=200
 write_job "$WORK/jobs/long.toml" "$STEPS" 50 0
 
 # wait_step JOB N: until the job runs with 3 workers at step >= N; prints the step.
@@ -371,7 +428,7 @@ wait_back() {
 OLD_LOGS_DIR="$WORK/logs/removed"
 mkdir -p "$OLD_LOGS_DIR"
 steps_lost() {
-  local f svc
+  local svc
   for svc in worker-1 worker-2 worker-3; do docker logs "$(cid "$svc")" >"$WORK/logs/now-$svc.log" 2>&1; done
   python3 - "$1" "$WORK"/logs/now-worker-*.log "$OLD_LOGS_DIR"/*.log <<'PY'
 import glob, re, sys

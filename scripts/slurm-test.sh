@@ -13,6 +13,13 @@
 # worker on each node with srun, submits, watches, pulls. Checks: the Slurm job leaves the queue,
 # its output ends with "done (exit 0)", the checkpoint is in OUT (config.json,
 # model.safetensors, vocab.txt), the token it made is removed, and every node's scratch is empty.
+# Then two faults, each in an allocation of its own:
+#   kill     the worker on n3 is killed (kill -9) at step ~60 of a 300-step job with
+#            min_workers = 2: the job shrinks to two workers and completes 300/300, and
+#            keel.sbatch ends with exit 0;
+#   scancel  the whole allocation is cancelled at step ~160 of a 1000-step job run with
+#            KEEL_SLURM_DATA_DIR on the shared folder: every checkpoint the coordinator finished
+#            (step-50, -100, -150) is still there, each file matching its manifest (size, sha256).
 #
 # Usage (as root): scripts/slurm-test.sh [BIN_DIR]
 #   BIN_DIR  keel, keel-coordinator, keel-worker (default: $CARGO_TARGET_DIR/release, else
@@ -154,7 +161,8 @@ log "Slurm $(on ctl sinfo --version | awk '{ print $2 }'): slurmctld on ctl, slu
 # ---------------------------------------------------------------------------------------------
 # The job, through sbatch.
 cp corpora/en-kjv/kjv.txt "$WORK/shared/submit/kjv.txt"
-cat >"$WORK/shared/submit/job.toml" <<EOF
+write_job() { # write_job FILE STEPS CHECKPOINT_EVERY MIN_WORKERS
+  cat >"$1" <<EOF
 # Written by scripts/slurm-test.sh: tiny BERT on the King James Bible, one worker per node.
 [data]
 corpus = ["/shared/submit/kjv.txt"]
@@ -172,7 +180,7 @@ preset = "tiny"
 [train]
 micro_batch_size = 8
 gradient_accumulation_steps = 1
-max_steps = 60
+max_steps = $2
 optimizer = "adamw"
 learning_rate = 1e-3
 warmup_steps = 3
@@ -180,14 +188,16 @@ schedule = "linear"
 weight_decay = 0.01
 max_grad_norm = 1.0
 seed = 42
-checkpoint_every = 20
-eval_every = 60
+checkpoint_every = $3
+eval_every = 0
 
 [cluster]
-min_workers = 3
+min_workers = $4
 max_workers = 3
+peer_timeout_seconds = 4
 EOF
-
+}
+write_job "$WORK/shared/submit/job.toml" 60 20 3
 t0=$EPOCHREALTIME
 sid="$(docker exec -w /shared/submit "$ID-ctl" env KEEL_SLURM_TIMEOUT=300 NO_COLOR=1 \
   sbatch --parsable --nodes=3 --cpus-per-task="$(nproc)" --time=10 /keel/deploy/slurm/keel.sbatch job.toml /shared/out)" \
@@ -206,7 +216,7 @@ grep '^\[keel.sbatch' "$out" | sed 's/^/    /'
 grep -q '^\[keel.sbatch [0-9:]*\] done (exit 0)$' "$out" || die "keel.sbatch (Slurm job $sid) did not end with exit 0"
 grep -q '"state": "completed"' "$out" || die "the Keel job did not complete (keel status in keel-$sid.out)"
 for f in config.json model.safetensors vocab.txt; do
-  [ -s "$WORK/shared/out/$f" ] || die "the checkpoint in /shared/out has no $f: $(ls "$WORK/shared/out" 2>&1 | tr '\n' ' ')"
+  [ -s "$WORK/shared/out/$f" ] || die "the checkpoint in /shared/out has no $f: $(find "$WORK/shared/out" -maxdepth 1 -printf '%f ' 2>&1)"
 done
 ! compgen -G "$WORK/shared/submit/.keel-*.token" >/dev/null || die "the token keel.sbatch made was not removed"
 for c in "${NODES[@]}"; do
@@ -216,3 +226,100 @@ done
 nodes_used="$(grep -o 'workers starting on .*' "$out" | head -n 1)"
 RESULT="$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f s", b - a }') from sbatch to the job leaving the queue; $nodes_used; checkpoint pulled into /shared/out; token and node scratch removed"
 log "RESULT Slurm job $sid: $RESULT"
+RESULTS=("sbatch as shipped: $RESULT")
+
+# ---------------------------------------------------------------------------------------------
+# Faults. sbatch_job NAME JOB_FILE OUT [VAR=VALUE...]: submits keel.sbatch, prints the Slurm job id.
+sbatch_job() {
+  local name="$1" job="$2" outdir="$3"; shift 3
+  docker exec -w /shared/submit "$ID-ctl" env KEEL_SLURM_TIMEOUT=300 NO_COLOR=1 "$@" \
+    sbatch --parsable --nodes=3 --cpus-per-task="$(nproc)" --time=10 --job-name="keel-$name" \
+    /keel/deploy/slurm/keel.sbatch "$job" "$outdir" || die "[$name] sbatch refused keel.sbatch"
+}
+# keel_status SID: the Keel job's status JSON, asked from ctl with the token keel.sbatch made.
+keel_status() {
+  on ctl env KEEL_COORDINATOR=n1:7070 KEEL_TOKEN_FILE="/shared/submit/.keel-$1.token" timeout 5 keel status job-1 2>/dev/null
+}
+# wait_keel_step SID N: until the Keel job runs with 3 workers at step >= N; prints the step.
+wait_keel_step() {
+  local sid="$1" n="$2" deadline=$((SECONDS + 180)) st state step nw
+  while :; do
+    st="$(keel_status "$sid" | python3 -c 'import json, sys
+d = json.load(sys.stdin); print(d["state"], d["step"], len(d.get("workers") or []))' 2>/dev/null || echo "none 0 0")"
+    read -r state step nw <<<"$st"
+    [ "$state" = running ] && [ "$nw" = 3 ] && [ "$step" -ge "$n" ] && { echo "$step"; return 0; }
+    [ $SECONDS -lt $deadline ] || die "Slurm job $sid: Keel job not running at step $n with 3 workers after 180 s ($st)"
+    sleep 0.5
+  done
+}
+wait_gone() { # wait_gone SID SECONDS: until the Slurm job has left the queue
+  local deadline=$((SECONDS + $2)) state
+  while state="$(on ctl squeue -h -j "$1" -o %T 2>/dev/null)" && [ -n "$state" ]; do
+    [ $SECONDS -lt $deadline ] || die "Slurm job $1 still $state after $2 s"
+    sleep 1
+  done
+}
+
+# kill: the worker on n3 is killed (kill -9) mid-job; min_workers = 2, so the job goes on with
+# the two others and completes.
+write_job "$WORK/shared/submit/job-kill.toml" 300 50 2
+sid="$(sbatch_job kill job-kill.toml /shared/out-kill)"
+at="$(wait_keel_step "$sid" 60)"
+# (No procps in the image: the worker's pid from /proc.)
+# shellcheck disable=SC2016 # expanded by the container's bash
+wpid="$(on n3 bash -c 'for p in /proc/[0-9]*; do [ "$(cat "$p/comm" 2>/dev/null)" = keel-worker ] && echo "${p#/proc/}"; done; true' | head -n 1)"
+[ -n "$wpid" ] || die "[kill] no keel-worker process on n3"
+on n3 bash -c "kill -KILL $wpid"
+log "[kill] Slurm job $sid: killed keel-worker (pid $wpid) on n3 at step $at"
+wait_gone "$sid" 300
+out="$WORK/shared/submit/keel-$sid.out"
+cp "$out" "$WORK/logs/" 2>/dev/null || die "[kill] Slurm job $sid left no output"
+grep '^\[keel.sbatch' "$out" | sed 's/^/    /'
+grep -q '^\[keel.sbatch [0-9:]*\] done (exit 0)$' "$out" || die "[kill] keel.sbatch (Slurm job $sid) did not end with exit 0 after a worker was killed"
+final="$(python3 - "$out" <<'PY'
+import json, re, sys
+text = open(sys.argv[1], errors="replace").read()
+# The last `keel status` JSON object the script printed.
+objs = list(re.finditer(r"^\{$.*?^\}$", text, re.S | re.M))
+d = json.loads(objs[-1].group(0))
+print(d["state"], d["step"], d["max_steps"], len(d["workers"]), d["recoveries"])
+PY
+)" || die "[kill] no final keel status in keel-$sid.out"
+read -r fstate fstep fmax fnw frec <<<"$final"
+{ [ "$fstate $fstep" = "completed $fmax" ] && [ "$fnw" = 2 ]; } || die "[kill] the Keel job ended as '$final' (want completed $fmax/$fmax with 2 workers)"
+[ -s "$WORK/shared/out-kill/model.safetensors" ] || die "[kill] no checkpoint pulled"
+RESULTS+=("$(awk -v s="$at" -v n="$fstep" -v r="$frec" 'BEGIN { printf "kill -9 of the worker on n3 at step %d: the job shrank to 2 workers and completed %d/%d (%d recoveries); keel.sbatch done (exit 0)", s, n, n, r }')")
+log "RESULT ${RESULTS[-1]}"
+
+# scancel: the whole allocation is cancelled mid-job; the coordinator's data folder (on the
+# shared disk: KEEL_SLURM_DATA_DIR) keeps every finished checkpoint intact.
+write_job "$WORK/shared/submit/job-cancel.toml" 1000 50 3
+sid="$(sbatch_job cancel job-cancel.toml /shared/out-cancel KEEL_SLURM_DATA_DIR=/shared/coord-data)"
+at="$(wait_keel_step "$sid" 160)"
+on ctl scancel "$sid"; tf=$EPOCHREALTIME
+log "[scancel] Slurm job $sid: scancel at step $at"
+wait_gone "$sid" 120
+log "[scancel] Slurm job $sid left the queue $(awk -v a="$tf" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f s", b - a }') after scancel"
+cp "$WORK/shared/submit/keel-$sid.out" "$WORK/logs/" 2>/dev/null || true
+python3 - "$WORK/shared/coord-data" >"$WORK/logs/cancel-checkpoints.txt" <<'PY' || { cat "$WORK/logs/cancel-checkpoints.txt" >&2; die "[scancel] checkpoints in the coordinator's data folder are not intact"; }
+import glob, hashlib, json, os, sys
+root = sys.argv[1]
+dirs = sorted(glob.glob(os.path.join(root, "jobs", "job-1", "checkpoints", "step-*")), key=lambda d: int(d.rsplit("-", 1)[1]))
+bad = 0
+for d in dirs:
+    try:
+        m = json.load(open(os.path.join(d, "manifest.json")))
+    except (OSError, ValueError) as e:
+        print(f"{d}: no readable manifest.json ({e})"); bad += 1; continue
+    for name, digest in m["files"].items():
+        p = os.path.join(d, name)
+        ok = os.path.isfile(p) and os.path.getsize(p) == m["sizes"][name] and hashlib.sha256(open(p, "rb").read()).hexdigest() == digest
+        if not ok:
+            print(f"{p}: missing, or size/sha256 differ from the manifest"); bad += 1
+print(" ".join(os.path.basename(d) for d in dirs))
+sys.exit(1 if bad or len(dirs) < 3 else 0)
+PY
+kept="$(tail -n 1 "$WORK/logs/cancel-checkpoints.txt")"
+RESULTS+=("scancel at step $at: the allocation ended; the coordinator's data folder kept checkpoints $kept, every file matching its manifest (size and sha256)")
+log "RESULT ${RESULTS[-1]}"
+for r in "${RESULTS[@]}"; do log "RESULT $r"; done

@@ -272,14 +272,16 @@ fi
 # ---------------------------------------------------------------------------------------------
 echo
 echo "Could not be validated here:"
-echo "  - docker build / run: no Docker engine, and no registry for rust:1-bookworm / debian:bookworm-slim"
+echo "  - docker build / run: not here (scripts/container-test.sh builds the runtime stage and runs"
+echo "    compose.yaml; the builder stage needs rust:1-bookworm from a registry)"
 echo "  - Kubernetes admission and scheduling: no API server (the manifests were checked against the"
 echo "    kubernetes client's API models only); grpc probes need Kubernetes >= 1.24"
 echo "  - systemd units started for real: this machine is not booted with systemd"
 echo "  - Grafana: no Grafana here; the dashboard JSON is checked for structure, names and PromQL syntax, never imported"
 echo "  - Prometheus scraping real targets: the scrape configuration is only checked (promtool, YAML)"
 echo "  - sbatch on a Slurm cluster: here keel.sbatch is only parsed and shellchecked"
-echo "    (scripts/multihost-test.sh --slurm runs it on a private Slurm in network namespaces)"
+echo "    (scripts/slurm-test.sh runs it on Slurm in containers, scripts/multihost-test.sh --slurm"
+echo "    on a private Slurm in network namespaces)"
 for s in "${SKIPPED[@]}"; do echo "  - skipped: $s"; done
 echo
 echo "validate-deploy: ${#PASSED[@]} passed, ${#FAILED[@]} failed, ${#SKIPPED[@]} skipped"

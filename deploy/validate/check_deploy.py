@@ -100,6 +100,7 @@ DEPLOY_OWN_ENV = {
     "KEEL_BIN_DIR",  # slurm: where the binaries are
     "KEEL_IFACE",  # slurm: interface whose address is advertised
     "KEEL_WORKER_BIN",  # slurm: the worker's path, passed to srun tasks
+    "KEEL_SLURM_DATA_DIR",  # slurm: the coordinator's data folder (kept when set)
 }
 DEPLOY_OWN_ENV_PREFIXES = ("KEEL_SLURM_", "KEEL_MH_", "KEEL_VALIDATE_")
 
