@@ -64,7 +64,7 @@ pub enum Command {
     /// Run a whole cluster on this machine (coordinator + N workers as real processes): run
     /// the job, pull the final checkpoint, stop.
     Local(local::Args),
-    /// Fill each [MASK] of a text with a checkpoint, like the `transformers` fill-mask pipeline.
+    /// Fill each `[MASK]` of a text with a checkpoint, like the `transformers` fill-mask pipeline.
     FillMask(fill_mask::Args),
 }
 

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 /// Arguments of `keel local`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The job file (its [cluster] is set to exactly --workers workers).
+    /// The job file (its `[cluster]` is set to exactly --workers workers).
     pub job_file: PathBuf,
     /// Worker processes to start.
     #[arg(long, default_value_t = 2)]

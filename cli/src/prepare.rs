@@ -28,7 +28,7 @@ pub struct Args {
     /// `mlm` (full-sentence packing) or `mlm+nsp` (BERT sentence pairs).
     #[arg(long, default_value = "mlm", value_parser = parse_objective)]
     objective: Objective,
-    /// Tokens per sequence, [CLS]/[SEP] included.
+    /// Tokens per sequence, `[CLS]`/`[SEP]` included.
     #[arg(long, default_value_t = 128)]
     max_seq_length: usize,
     /// Number of training shards (balanced by tokens).

@@ -31,6 +31,8 @@
 //! also writes through `event_log`; `store`
 //! sits beside `service` and feeds the driver. A test (`tests/module_graph.rs`) keeps it so.
 
+#![warn(missing_docs)]
+
 pub mod admission;
 pub mod claims;
 pub mod data;

@@ -78,7 +78,7 @@ pub struct JobRecord {
     pub state: String,
     /// Membership generation (0 before the first ring).
     pub generation: u64,
-    /// Steps completed, as last reported (may lag the truth by [`PROGRESS_INTERVAL`]).
+    /// Steps completed, as last reported (may lag the truth by `PROGRESS_INTERVAL`).
     pub step: u64,
     /// Steps of the stored checkpoints, increasing.
     pub checkpoints: Vec<u64>,

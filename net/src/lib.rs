@@ -12,6 +12,8 @@
 //! - `admin`: the gRPC health and reflection services every server adds.
 //! - `http_port`: the HTTP port (`--metrics-listen`): open metrics, token-guarded API.
 
+#![warn(missing_docs)]
+
 pub mod admin;
 pub mod auth;
 pub mod connection;

@@ -127,7 +127,7 @@ pub struct BertConfig {
     pub initializer_range: f64,
     /// Epsilon added to the variance in every LayerNorm.
     pub layer_norm_eps: f64,
-    /// Id of [PAD]; its word-embedding row is initialised to zero.
+    /// Id of `[PAD]`; its word-embedding row is initialised to zero.
     #[serde(default)]
     pub pad_token_id: u32,
     /// Only `"absolute"` (or absent, as transformers 5 writes it) is supported.

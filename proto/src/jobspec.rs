@@ -136,7 +136,7 @@ pub struct DataSpec {
     /// `mlm` or `mlm+nsp`.
     #[serde(default = "default_objective")]
     pub objective: Objective,
-    /// Tokens per sequence, [CLS] and [SEP] included.
+    /// Tokens per sequence, `[CLS]` and `[SEP]` included.
     #[serde(default = "default_max_seq_length")]
     pub max_seq_length: usize,
     /// Fraction of tokens predicted per sequence (BERT: 0.15).

@@ -412,8 +412,8 @@ impl KeelTokenizer {
     /// faster (about 1.6x): the lines are joined with `" [SEP] "` and encoded in one call, and
     /// the ids are cut at the `[SEP]` ids. `[SEP]` is a special token, matched before
     /// normalisation, so each piece is tokenised on its own as before. When the number of
-    /// pieces is not the number of lines (a line holds a literal "[SEP]", or a loaded
-    /// tokenizer does not treat "[SEP]" as special), it falls back to line-by-line encoding.
+    /// pieces is not the number of lines (a line holds a literal `"[SEP]"`, or a loaded
+    /// tokenizer does not treat `"[SEP]"` as special), it falls back to line-by-line encoding.
     pub fn encode_lines<S: AsRef<str>>(&self, lines: &[S]) -> Vec<Vec<u32>> {
         if lines.len() <= 1 {
             return lines.iter().map(|l| self.encode(l.as_ref())).collect();

@@ -11,7 +11,7 @@ use ndarray::Array2;
 /// only there.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
-    /// Token ids after masking, `[b, t]`; padding positions hold the [PAD] id.
+    /// Token ids after masking, `[b, t]`; padding positions hold the `[PAD]` id.
     pub input_ids: Array2<u32>,
     /// Segment ids (0 = sentence A, 1 = sentence B), `[b, t]`; 0 at padding.
     pub token_type_ids: Array2<u32>,

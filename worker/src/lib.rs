@@ -24,6 +24,8 @@
 //! - `replica`: one rank's weights and optimizer state, held across generations, and the
 //!   broadcast that gives them to ranks that lack them.
 
+#![warn(missing_docs)]
+
 // Link OpenBLAS (Debian's system library) as ndarray's BLAS backend.
 extern crate blas_src;
 

@@ -10,7 +10,7 @@ const MASK_DELTA: u32 = 0xa282_ead8;
 pub const RECORD_OVERHEAD_BYTES: usize = 16;
 
 /// TensorFlow's masked CRC32C of `data`: the CRC rotated right by 15 bits plus
-/// [`MASK_DELTA`] (so that a CRC over bytes that contain CRCs stays well mixed).
+/// `MASK_DELTA` (so that a CRC over bytes that contain CRCs stays well mixed).
 pub fn masked_crc32c(data: &[u8]) -> u32 {
     let crc = crc32c::crc32c(data);
     crc.rotate_right(15).wrapping_add(MASK_DELTA)

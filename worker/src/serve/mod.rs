@@ -49,14 +49,20 @@ pub struct Args {
     /// Log filter (tracing `EnvFilter` syntax).
     #[arg(long, env = "KEEL_LOG", default_value = "info")]
     pub log: String,
+    // The flattened groups below are documented where they are defined (their flags' help).
+    #[allow(missing_docs)]
     #[command(flatten)]
     pub token: keel_net::auth::TokenArgs,
+    #[allow(missing_docs)]
     #[command(flatten)]
     pub server_tls: keel_net::tls::ServerTlsArgs,
+    #[allow(missing_docs)]
     #[command(flatten)]
     pub client_tls: keel_net::tls::ClientTlsArgs,
+    #[allow(missing_docs)]
     #[command(flatten)]
     pub connections: keel_net::incoming::ConnectionArgs,
+    #[allow(missing_docs)]
     #[command(flatten)]
     pub metrics: keel_net::http_port::MetricsArgs,
     /// Fault injection for tests: this worker's loss is NaN at this 0-based step of every job.
