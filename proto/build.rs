@@ -28,6 +28,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ".keel.v1.JobStatus.phases",
             "#[serde(skip_serializing_if = \"crate::status::is_zero\")]",
         )
+        // A job whose checkpoints were all stored shows neither (the JSON of such a job is
+        // unchanged).
+        .field_attribute(
+            ".keel.v1.JobStatus.checkpoint_failures",
+            "#[serde(skip_serializing_if = \"crate::status::is_zero_u64\")]",
+        )
+        .field_attribute(
+            ".keel.v1.JobStatus.checkpoint_problem",
+            "#[serde(skip_serializing_if = \"String::is_empty\")]",
+        )
         .field_attribute(
             ".keel.v1.JobStatus.precision",
             "#[serde(serialize_with = \"crate::status::empty_as_null\")]",

@@ -213,12 +213,16 @@ pub async fn submit(
     Ok(reply.into_inner().job_id)
 }
 
-/// `  reason: ...` after a failed job's row in `keel jobs` (its error's first line); empty
-/// for other jobs.
+/// `  reason: ...` after a failed job's row in `keel jobs` (its error's first line), or
+/// `  checkpoint not stored: ...` after a job whose latest checkpoint could not be stored;
+/// empty for other jobs.
 fn failure_note(job: &JobStatus) -> String {
     let failed = JobState::try_from(job.state) == Ok(JobState::Failed);
     match job.error.lines().next() {
         Some(reason) if failed && !reason.is_empty() => format!("  reason: {reason}"),
+        _ if !job.checkpoint_problem.is_empty() => {
+            format!("  checkpoint not stored: {}", job.checkpoint_problem)
+        }
         _ => String::new(),
     }
 }

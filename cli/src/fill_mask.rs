@@ -87,7 +87,16 @@ pub fn fill_mask(
     let config = BertConfig::from_json_file(dir.join("config.json"))?;
     let heads = config.heads();
     let layout = ParamLayout::bert(&config, heads);
-    let params = keel_proto::weights::load_safetensors(dir.join("model.safetensors"), &layout)?;
+    // The weights' shapes are compared with the config before anything the size of the model
+    // is allocated: a config.json that does not describe them is refused naming the tensor
+    // and the config fields.
+    let params = keel_proto::weights::load_safetensors(dir.join("model.safetensors"), &layout)
+        .with_context(|| {
+            format!(
+                "{} does not describe the weights",
+                dir.join("config.json").display()
+            )
+        })?;
     let mut model = Bert::<f32>::new(&config, heads)?;
     let special = tokenizer.special();
     let mut ids = vec![special.cls];
@@ -163,6 +172,56 @@ mod tests {
         let text = refusal(&empty);
         assert_eq!(text.matches("empty").count(), 1, "{text}");
         assert!(text.contains("tokenizer.json"), "{text}");
+    }
+
+    /// A folder without a manifest whose config.json sits at the documented caps (a model of
+    /// 6.7 TB) beside a small model: refused naming the file and the fields, not an abort on
+    /// "memory allocation of 6741396684800 bytes failed".
+    #[test]
+    fn a_config_at_the_caps_beside_small_weights_is_refused_before_allocating() {
+        use keel_proto::config as caps;
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("ckpt");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::copy(
+            format!("{FIXTURE}/model.safetensors"),
+            dir.join("model.safetensors"),
+        )
+        .unwrap();
+        let vocab = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../fixtures/wordpiece/vocab.txt"
+        );
+        KeelTokenizer::from_vocab_file(std::path::Path::new(vocab), true)
+            .unwrap()
+            .save(&dir)
+            .unwrap();
+        let mut config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(format!("{FIXTURE}/config.json")).unwrap(),
+        )
+        .unwrap();
+        for (field, value) in [
+            ("hidden_size", caps::MAX_HIDDEN_SIZE),
+            ("num_hidden_layers", caps::MAX_LAYERS),
+            ("num_attention_heads", caps::MAX_HEADS),
+            ("intermediate_size", caps::MAX_INTERMEDIATE_SIZE),
+            ("vocab_size", caps::MAX_VOCAB_SIZE),
+            ("max_position_embeddings", caps::MAX_POSITIONS),
+        ] {
+            config[field] = value.into();
+        }
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        assert!(!dir.join("manifest.json").exists());
+        let text = refusal(&dir);
+        for part in [
+            "config.json",
+            "model.safetensors",
+            "bert.embeddings.word_embeddings.weight",
+            "vocab_size, hidden_size",
+            "[512, 64]",
+        ] {
+            assert!(text.contains(part), "{part:?} not in {text}");
+        }
     }
 
     #[test]

@@ -170,6 +170,14 @@ pub fn progress_text(status: &JobStatus, eta_seconds: Option<f64>) -> String {
     m
 }
 
+/// `checkpoint not stored: ...` when `status` reports a checkpoint problem that `last` did
+/// not (or another one); `None` otherwise.
+pub fn checkpoint_note(status: &JobStatus, last: Option<&JobStatus>) -> Option<String> {
+    let problem = &status.checkpoint_problem;
+    let new = last.is_none_or(|l| &l.checkpoint_problem != problem);
+    (new && !problem.is_empty()).then(|| format!("checkpoint not stored: {problem}"))
+}
+
 /// What `watch` shows: a bar (terminal), plain lines (not a terminal), or nothing.
 struct View {
     job: String,
@@ -228,6 +236,11 @@ impl View {
             pb.set_length(status.max_steps);
             pb.set_position(status.step);
             pb.set_message(text.clone());
+        }
+        // A checkpoint the coordinator could not store (a full disk) is said once, when it
+        // first shows or changes, above the bar or among the plain lines.
+        if let Some(problem) = checkpoint_note(status, last) {
+            self.note(&format!("{}: {problem}", self.job));
         }
         let changed = last.is_none_or(|l| l.state != status.state);
         let due = self.last_line.is_none_or(|t| t.elapsed() >= PLAIN_EVERY);
@@ -340,6 +353,20 @@ mod tests {
             outcome_line(&evaluated),
             "job-1: completed at step 200/200, loss 5.2500, held-out 4.5679 (acc 31.9%)"
         );
+    }
+
+    #[test]
+    fn a_checkpoint_problem_is_noted_once_when_it_shows_or_changes() {
+        let clean = status(JobState::Running, 5, 10, 3.0);
+        let full = JobStatus {
+            checkpoint_problem: "the checkpoint of step 10 could not be stored".into(),
+            ..clean.clone()
+        };
+        assert_eq!(checkpoint_note(&clean, None), None);
+        let note = checkpoint_note(&full, Some(&clean)).unwrap();
+        assert!(note.contains("step 10 could not be stored"), "{note}");
+        assert_eq!(checkpoint_note(&full, Some(&full)), None);
+        assert!(checkpoint_note(&full, None).is_some());
     }
 
     #[test]

@@ -9,35 +9,10 @@
 
 mod common;
 
+use common::http_get as get;
 use common::*;
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
 use std::time::Duration;
-
-/// One HTTP/1.1 GET to `127.0.0.1:port`; returns the status code and the body.
-fn get(port: u16, path: &str, token: Option<&str>) -> (u16, String) {
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n{auth}\r\n"
-    )
-    .unwrap();
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply).unwrap();
-    let (head, body) = reply.split_once("\r\n\r\n").expect("an HTTP reply");
-    assert!(
-        !head
-            .to_ascii_lowercase()
-            .contains("transfer-encoding: chunked"),
-        "this reader expects a Content-Length body: {head}"
-    );
-    let code = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (code, body.to_string())
-}
 
 /// The samples of a metrics page: `name{labels}` -> value.
 fn samples(page: &str) -> BTreeMap<String, f64> {

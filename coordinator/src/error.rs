@@ -54,6 +54,24 @@ pub enum CoordinatorError {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// The data folder has no room for a checkpoint upload (checked before it is accepted,
+    /// or the disk filled up during it).
+    #[error(
+        "{path}: no room for the checkpoint of step {step}: it needs about {} ({needed} bytes) \
+         and {} ({free} bytes) is free (free space there; a job's final checkpoint is tried again until it is stored)",
+        keel_proto::memory::format_bytes(*needed),
+        keel_proto::memory::format_bytes(*free)
+    )]
+    DiskFull {
+        /// The folder the checkpoint goes to (`JOB_DIR/checkpoints`).
+        path: PathBuf,
+        /// The checkpoint's step.
+        step: u64,
+        /// Bytes it needs (an estimate until its files have arrived).
+        needed: u64,
+        /// Bytes free there when it was refused.
+        free: u64,
+    },
     /// A checkpoint or transferred file failed verification.
     #[error(transparent)]
     Checkpoint(#[from] keel_proto::checkpoint::CheckpointError),
@@ -80,7 +98,10 @@ pub enum CoordinatorError {
 impl CoordinatorError {
     /// Whether a client may retry the same request later and expect success.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, CoordinatorError::Io { .. })
+        matches!(
+            self,
+            CoordinatorError::Io { .. } | CoordinatorError::DiskFull { .. }
+        )
     }
 
     /// An `Io` error for `path`.
@@ -111,6 +132,16 @@ impl From<CoordinatorError> for tonic::Status {
                 ..
             }) => Status::invalid_argument(msg),
             CoordinatorError::Checkpoint(_) => Status::data_loss(msg),
+            // A full data folder: the worker holds the checkpoint (a final one is tried
+            // again until it is stored); the metadata tells it from a passing exhaustion.
+            CoordinatorError::DiskFull { .. } => {
+                let mut status = Status::resource_exhausted(msg);
+                status.metadata_mut().insert(
+                    keel_proto::transfer::DISK_FULL_METADATA,
+                    tonic::metadata::MetadataValue::from_static("1"),
+                );
+                status
+            }
             // Out of file descriptors or memory: passes (the worker tries its upload again).
             CoordinatorError::Io { ref source, .. } if is_exhaustion(source) => {
                 Status::resource_exhausted(msg)

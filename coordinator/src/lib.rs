@@ -17,6 +17,7 @@
 //! - `prepare_job`: a job's data (via `data`), its model config and each rank's files.
 //! - `persist`: each job's record in `job-state.json`, read back on start.
 //! - `store`: the checkpoint store (upload, list, pull) in the job's folder.
+//! - `disk`: free space before an upload is accepted; half-written uploads removed at start.
 //! - `layout`: where a job's files live in its folder.
 //! - `input_roots`: `--input-root`: the folders a job's paths must lie in.
 //! - `submit_check`: a submitted job's paths (corpus, vocab, config, init_checkpoint) exist.
@@ -36,6 +37,7 @@
 pub mod admission;
 pub mod claims;
 pub mod data;
+pub mod disk;
 pub mod driver;
 pub mod error;
 pub mod event_log;

@@ -44,6 +44,12 @@ pub async fn run(
 ) -> Result<(), CoordinatorError> {
     let jobs = config.data_dir.join("jobs");
     std::fs::create_dir_all(&jobs).map_err(CoordinatorError::io(&jobs))?;
+    // No upload is in flight yet: any half-written one is left over from a coordinator that
+    // stopped during it, and only takes space a checkpoint may need.
+    let freed = crate::disk::remove_partial_uploads(&jobs);
+    if freed > 0 {
+        tracing::info!(bytes = freed, "removed half-written checkpoint uploads");
+    }
     if config.input_roots.is_empty() {
         tracing::warn!(
             "no --input-root (KEEL_INPUT_ROOT) set: a job may name any file this process can \

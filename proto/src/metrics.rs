@@ -155,6 +155,30 @@ pub enum EventLine {
     /// The job made no progress for its `progress_timeout_seconds`: the silent workers are
     /// dropped.
     Stall(StallEvent),
+    /// A checkpoint upload could not be stored (a full disk, a broken stream).
+    #[serde(rename = "checkpoint_failed")]
+    CheckpointFailed(CheckpointFailedEvent),
+}
+
+/// `{"event":"checkpoint_failed","error":..,"free_bytes":..,"needed_bytes":..,"path":..,
+/// "step":..,"waiting":..}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointFailedEvent {
+    /// The checkpoint's step.
+    pub step: u64,
+    /// The folder it was to be stored in.
+    pub path: String,
+    /// Bytes it needs, when known (a full disk).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub needed_bytes: Option<u64>,
+    /// Bytes free in that folder's file system, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub free_bytes: Option<u64>,
+    /// Why.
+    pub error: String,
+    /// It is the final checkpoint: the job waits, holding its state, until it is stored.
+    #[serde(default)]
+    pub waiting: bool,
 }
 
 /// `{"event":"resume","generation":..,"source":..,"step":..,"world_size":..}`.
@@ -251,7 +275,10 @@ impl MetricsLine {
         map: serde_json::Map<String, serde_json::Value>,
     ) -> Result<MetricsLine, serde_json::Error> {
         let known_event = |e: &serde_json::Value| {
-            matches!(e.as_str(), Some("resume" | "recovery" | "grow" | "stall"))
+            matches!(
+                e.as_str(),
+                Some("resume" | "recovery" | "grow" | "stall" | "checkpoint_failed")
+            )
         };
         let kind = match map.get("event") {
             Some(e) if known_event(e) => Kind::Event,
@@ -276,6 +303,7 @@ impl MetricsLine {
             MetricsLine::Event(EventLine::Resume(r)) => Some(r.step),
             MetricsLine::Event(EventLine::Recovery(r) | EventLine::Grow(r)) => Some(r.step),
             MetricsLine::Event(EventLine::Stall(s)) => Some(s.step),
+            MetricsLine::Event(EventLine::CheckpointFailed(c)) => Some(c.step),
             MetricsLine::Other(map) => map.get("step").and_then(|s| s.as_u64()),
         }
     }
@@ -373,7 +401,7 @@ mod tests {
 
     /// Lines exactly as the coordinator wrote them with `serde_json::json!` (service.rs,
     /// scheduler.rs, recovery.rs, watchdog.rs), including a skipped step's NaN loss.
-    const TODAY: [&str; 8] = [
+    const TODAY: [&str; 9] = [
         r#"{"allreduce_seconds":0.012,"grad_norm":3.25,"loss":9.875,"lr":0.0001,"mlm_accuracy":0.0625,"mlm_loss":9.125,"nsp_loss":0.75,"skipped":false,"step":1,"step_seconds":0.5,"tokens":4096,"tokens_per_s":8192.0}"#,
         r#"{"allreduce_seconds":0.0,"grad_norm":null,"loss":null,"lr":0.0001,"mlm_accuracy":0.0,"mlm_loss":null,"nsp_loss":0.0,"skipped":true,"step":2,"step_seconds":0.25,"tokens":4096,"tokens_per_s":16384.0}"#,
         r#"{"eval_accuracy":0.125,"eval_loss":6.5,"eval_masked_tokens":512,"eval_perplexity":665.1416330443618,"step":10}"#,
@@ -381,6 +409,7 @@ mod tests {
         r#"{"event":"recovery","generation":1,"reason":"worker w-2 lost: heartbeat timeout","step":12}"#,
         r#"{"event":"grow","generation":2,"reason":"2 workers joined","step":14}"#,
         r#"{"dropped":["w-2"],"event":"stall","generation":3,"silent_seconds":30.5,"step":20,"workers":[{"step":20,"worker":"w-1 (127.0.0.1:7071)"},{"step":null,"worker":"w-2 (127.0.0.1:7072)"}]}"#,
+        r#"{"error":"no room","event":"checkpoint_failed","free_bytes":1048576,"needed_bytes":8388608,"path":"/data/jobs/job-1/checkpoints","step":20,"waiting":true}"#,
         r#"{"event":"done","step":20}"#,
     ];
 
@@ -399,13 +428,22 @@ mod tests {
                 MetricsLine::Event(EventLine::Recovery(_)) => "recovery",
                 MetricsLine::Event(EventLine::Grow(_)) => "grow",
                 MetricsLine::Event(EventLine::Stall(_)) => "stall",
+                MetricsLine::Event(EventLine::CheckpointFailed(_)) => "checkpoint_failed",
                 MetricsLine::Other(_) => "other",
             })
             .collect();
         assert_eq!(
             kinds,
             [
-                "step", "step", "eval", "resume", "recovery", "grow", "stall", "other"
+                "step",
+                "step",
+                "eval",
+                "resume",
+                "recovery",
+                "grow",
+                "stall",
+                "checkpoint_failed",
+                "other"
             ]
         );
     }

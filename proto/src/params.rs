@@ -163,6 +163,48 @@ impl Builder {
     }
 }
 
+/// The config fields that give the shape of the tensor named `name` in [`ParamLayout::bert`],
+/// for messages ("[vocab_size, hidden_size]"): a shape that does not match names what in the
+/// config to look at.
+pub fn config_fields(name: &str) -> &'static str {
+    let last = |suffix: &str| name.ends_with(suffix);
+    if last("word_embeddings.weight") {
+        "[vocab_size, hidden_size]"
+    } else if last("position_embeddings.weight") {
+        "[max_position_embeddings, hidden_size]"
+    } else if last("token_type_embeddings.weight") {
+        "[type_vocab_size, hidden_size]"
+    } else if name == "cls.predictions.bias" {
+        "[vocab_size]"
+    } else if last("intermediate.dense.weight") {
+        "[intermediate_size, hidden_size]"
+    } else if last("intermediate.dense.bias") {
+        "[intermediate_size]"
+    } else if last(".output.dense.weight") && !name.contains("attention") {
+        "[hidden_size, intermediate_size]"
+    } else if name.starts_with("cls.seq_relationship") {
+        if last(".weight") {
+            "[2, hidden_size]"
+        } else {
+            "[2]"
+        }
+    } else if last(".bias") || name.contains("LayerNorm") {
+        "[hidden_size]"
+    } else {
+        "[hidden_size, hidden_size]"
+    }
+}
+
+/// What a missing tensor says about the config, for messages: an encoder layer the file does
+/// not have means `num_hidden_layers` is larger than the model's.
+pub fn missing_hint(name: &str) -> &'static str {
+    if name.starts_with("bert.encoder.layer.") {
+        " (the model config's num_hidden_layers is larger than the weights')"
+    } else {
+        ""
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -37,6 +37,11 @@ pub fn is_zero(n: &u32) -> bool {
     *n == 0
 }
 
+/// Whether a count is 0 (serde's `skip_serializing_if` for a count not shown until it is not).
+pub fn is_zero_u64(n: &u64) -> bool {
+    *n == 0
+}
+
 /// Serializes an empty string as `null` (a value not decided yet), any other as itself.
 ///
 /// Errors: the serializer's.
@@ -82,6 +87,8 @@ mod tests {
             precision: String::new(),
             phase: 0,
             phases: 0,
+            checkpoint_failures: 0,
+            checkpoint_problem: String::new(),
         };
         // What the cli's hand-written `json!` printed for it.
         let today = r#"{"checkpoints":[5,10],"elapsed_seconds":12.5,"error":"","eval_accuracy":null,"eval_loss":null,"generation":2,"job_id":"job-1","learning_rate":null,"loss":6.5,"max_steps":200,"precision":null,"recoveries":1,"skipped_steps":0,"state":"waiting-for-workers","step":10,"step_seconds":0.25,"tokens_per_second":1000.0,"workers":["w-1","w-2"]}"#;

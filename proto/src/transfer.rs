@@ -23,6 +23,11 @@ use std::path::{Path, PathBuf};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
+/// gRPC metadata key set (to `1`) on a checkpoint upload refused because the coordinator's
+/// data folder has no room for it (`RESOURCE_EXHAUSTED`): a periodic checkpoint is not tried
+/// again at once (the next one will be), the final one is tried again until it is stored.
+pub const DISK_FULL_METADATA: &str = "keel-disk-full";
+
 /// Errors sending or receiving a file stream.
 #[derive(Debug, thiserror::Error)]
 pub enum TransferError {

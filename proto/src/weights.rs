@@ -38,15 +38,23 @@ pub enum WeightsError {
         reason: String,
     },
     /// A tensor of the layout is absent.
-    #[error("{path}: tensor `{name}` is missing")]
+    #[error(
+        "{path}: tensor `{name}` is missing{}",
+        crate::params::missing_hint(name)
+    )]
     MissingTensor {
         /// The file.
         path: String,
         /// HF name of the tensor.
         name: String,
     },
-    /// A tensor has the wrong shape.
-    #[error("{path}: tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    /// A tensor has the wrong shape: the model config does not describe these weights. The
+    /// message names the config fields that give the expected shape.
+    #[error(
+        "{path}: tensor `{name}` has shape {got:?}, but the model config gives {expected:?} \
+         ({}): the config does not describe these weights",
+        crate::params::config_fields(name)
+    )]
     ShapeMismatch {
         /// The file.
         path: String,
@@ -211,10 +219,15 @@ fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>, WeightsErr
 }
 
 /// Loads the layout's tensors as f64 into a flat buffer of `layout.total_len()` elements.
+///
+/// Every tensor's presence and shape is checked against the file's header before the buffer
+/// is allocated: a config that does not describe the file (one at the size caps beside a
+/// small model) is refused naming the tensor and the config fields, instead of asking for
+/// terabytes. Once every shape matches, the buffer holds no more values than the file does.
 fn load_flat_f64(path: &Path, layout: &ParamLayout) -> Result<Vec<f64>, WeightsError> {
     let bytes = read_file(path)?;
     let st = parse(path, &bytes)?;
-    let mut flat = vec![0.0f64; layout.total_len()];
+    let mut views = Vec::with_capacity(layout.entries().len());
     for entry in layout.entries() {
         let view = st
             .tensor(&entry.name)
@@ -230,6 +243,10 @@ fn load_flat_f64(path: &Path, layout: &ParamLayout) -> Result<Vec<f64>, WeightsE
                 got: view.shape().to_vec(),
             });
         }
+        views.push((entry, view));
+    }
+    let mut flat = vec![0.0f64; layout.total_len()];
+    for (entry, view) in views {
         let values = tensor_f64(path, &entry.name, &view)?;
         flat[entry.range()].copy_from_slice(&values);
     }

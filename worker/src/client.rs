@@ -270,6 +270,17 @@ impl TransferError {
     }
 }
 
+impl TransferError {
+    /// Whether the coordinator refused the upload because its data folder has no room for
+    /// it (`RESOURCE_EXHAUSTED` with `keel_proto::transfer::DISK_FULL_METADATA`): not worth
+    /// trying again at once for a periodic checkpoint; the final one waits for room.
+    pub fn is_disk_full(&self) -> bool {
+        matches!(self, TransferError::Rpc { status, .. }
+            if status.code() == tonic::Code::ResourceExhausted
+                && status.metadata().contains_key(keel_proto::transfer::DISK_FULL_METADATA))
+    }
+}
+
 /// Tries of [`upload_dir_retrying`] at most (the first and the retries).
 pub const UPLOAD_ATTEMPTS: u32 = 6;
 /// Pause after the first failed try; doubled after each next one (0.5 s, 1, 2, 4, 8: ~15 s in
@@ -277,9 +288,11 @@ pub const UPLOAD_ATTEMPTS: u32 = 6;
 pub const UPLOAD_FIRST_PAUSE: Duration = Duration::from_millis(500);
 
 /// [`upload_dir`], tried again after transient failures ([`TransferError::is_transient`]) up
-/// to [`UPLOAD_ATTEMPTS`] times with doubling pauses from `first_pause`.
+/// to [`UPLOAD_ATTEMPTS`] times with doubling pauses from `first_pause`. A refusal for a full
+/// disk ([`TransferError::is_disk_full`]) is not tried again here: the coordinator has
+/// recorded it, and [`upload_final`] waits for room.
 ///
-/// Errors: the last try's, or the first that is not transient.
+/// Errors: the last try's, or the first that is not transient or is a full disk.
 pub async fn upload_dir_retrying(
     client: &mut CoordinatorClient<AuthChannel>,
     key: &TrainingKey,
@@ -298,7 +311,7 @@ pub async fn upload_dir_retrying(
     };
     upload
         .retry(backoff)
-        .when(TransferError::is_transient)
+        .when(|e| e.is_transient() && !e.is_disk_full())
         .notify(|e, pause| {
             tracing::warn!(
                 step = key.step,
@@ -308,6 +321,46 @@ pub async fn upload_dir_retrying(
             attempt += 1;
         })
         .await
+}
+
+/// Pause between tries of the final checkpoint while the coordinator cannot store it.
+pub const FINAL_UPLOAD_PAUSE: Duration = Duration::from_secs(3);
+
+/// The final checkpoint: [`upload_dir_retrying`], and while it fails for a reason that may
+/// pass (the coordinator's disk full, the coordinator away), again every
+/// [`FINAL_UPLOAD_PAUSE`] until it is stored or `stop` resolves (the job cancelled, this
+/// worker exiting). The trained model is never given up while it may still be stored: the
+/// job waits, and says so in this log and (the coordinator records each refusal) in its
+/// status.
+///
+/// Errors: a failure that is not transient, or the last one when `stop` resolved.
+pub async fn upload_final(
+    client: &mut CoordinatorClient<AuthChannel>,
+    key: &TrainingKey,
+    dir: &Path,
+    first_pause: Duration,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<(), TransferError> {
+    tokio::pin!(stop);
+    let mut tries: u64 = 0;
+    loop {
+        let error = match upload_dir_retrying(client, key, dir, first_pause).await {
+            Ok(()) => return Ok(()),
+            Err(e) if !e.is_transient() => return Err(e),
+            Err(e) => e,
+        };
+        tries += 1;
+        tracing::warn!(
+            step = key.step,
+            tries,
+            "the final checkpoint is not stored: {error}; holding it and trying again in \
+             {FINAL_UPLOAD_PAUSE:?} (free space on the coordinator, or cancel the job)"
+        );
+        tokio::select! {
+            () = &mut stop => return Err(error),
+            () = tokio::time::sleep(FINAL_UPLOAD_PAUSE) => {}
+        }
+    }
 }
 
 #[cfg(test)]
@@ -338,6 +391,18 @@ mod tests {
         ] {
             assert!(!rpc(code).is_transient(), "{code:?}");
         }
+        // A full disk passes too, but is told apart from a passing exhaustion.
+        assert!(!rpc(tonic::Code::ResourceExhausted).is_disk_full());
+        let mut full = tonic::Status::resource_exhausted("no room");
+        full.metadata_mut().insert(
+            keel_proto::transfer::DISK_FULL_METADATA,
+            tonic::metadata::MetadataValue::from_static("1"),
+        );
+        let full = TransferError::Rpc {
+            what: "uploading".into(),
+            status: full,
+        };
+        assert!(full.is_disk_full() && full.is_transient());
         let io = TransferError::Io {
             path: "model.safetensors".into(),
             source: std::io::Error::from_raw_os_error(24),

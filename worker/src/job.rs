@@ -3,7 +3,9 @@
 //! and checkpoints to the coordinator in order.
 
 use crate::allreduce::{Mailbox, Ring, RingConfig};
-use crate::client::{TransferError, UPLOAD_FIRST_PAUSE, fetch_cached, upload_dir_retrying};
+use crate::client::{
+    TransferError, UPLOAD_FIRST_PAUSE, fetch_cached, upload_dir_retrying, upload_final,
+};
 use crate::control::JobControl;
 use crate::replica::Replica;
 use crate::ringlink::RingLink;
@@ -231,6 +233,7 @@ async fn prepare_and_train(
         start.world_size,
         ctx.memory_limit
     ));
+    let max_steps = spec.train.max_steps;
     let precision = early!(
         Precision::from_wire(&start.precision)
             .map_err(|e| JobError::Assignment(format!("StartJob.precision: {e}")))
@@ -358,7 +361,13 @@ async fn prepare_and_train(
     );
 
     let (events_tx, events_rx) = tokio::sync::mpsc::unbounded_channel();
-    let reporter = tokio::spawn(report_events(client.clone(), key.clone(), events_rx));
+    let reporter = tokio::spawn(report_events(
+        client.clone(),
+        key.clone(),
+        max_steps,
+        ctx.control.clone(),
+        events_rx,
+    ));
     let (control, progress) = (ctx.control.clone(), ctx.progress.clone());
     let math = tokio::task::spawn_blocking(move || {
         crate::train::train(setup, link, events_tx, &control, &progress, &busy)
@@ -380,12 +389,16 @@ async fn prepare_and_train(
 /// them. Report failures are logged (the coordinator may have ended the job, or be
 /// restarting); an upload that fails transiently (the coordinator restarting or out of file
 /// descriptors) is tried again, with pauses, up to `client::UPLOAD_ATTEMPTS` times; a failed
-/// upload is logged and training goes on, but if the last checkpoint
-/// (the final one) could not be uploaded, that is the job's error: the next generation
-/// uploads it again (`StartJob.checkpoint_first`).
+/// upload is logged and training goes on. The final checkpoint (step `max_steps`) is tried
+/// again while its failure may pass (the coordinator's disk full: the job waits, holding it,
+/// until there is room or `control` stops the job, [`upload_final`]); if it still could not
+/// be uploaded, that is the job's error: the next generation uploads it again
+/// (`StartJob.checkpoint_first`).
 async fn report_events(
     mut client: CoordinatorClient<AuthChannel>,
     key: TrainingKey,
+    max_steps: u64,
+    control: Arc<JobControl>,
     mut events: tokio::sync::mpsc::UnboundedReceiver<Event>,
 ) -> Result<(), JobError> {
     let mut last_upload = Ok(());
@@ -406,8 +419,18 @@ async fn report_events(
                     step,
                     ..key.clone()
                 };
-                last_upload =
-                    upload_dir_retrying(&mut client, &key, &dir, UPLOAD_FIRST_PAUSE).await;
+                last_upload = if step == max_steps {
+                    upload_final(
+                        &mut client,
+                        &key,
+                        &dir,
+                        UPLOAD_FIRST_PAUSE,
+                        control.stopped(),
+                    )
+                    .await
+                } else {
+                    upload_dir_retrying(&mut client, &key, &dir, UPLOAD_FIRST_PAUSE).await
+                };
                 match &last_upload {
                     Ok(()) => tracing::info!(step, "checkpoint uploaded"),
                     Err(e) => tracing::warn!(step, "checkpoint upload failed: {e}"),

@@ -232,8 +232,8 @@
     badge.dataset.state = st;
     badge.textContent = stateLabel(st);
     const err = $("job-error");
-    err.hidden = !job.error;
-    err.textContent = job.error || "";
+    err.textContent = job.error || job.checkpoint_problem || "";
+    err.hidden = !err.textContent;
 
     const step = isNum(job.step) ? job.step : 0;
     const max = isNum(job.max_steps) && job.max_steps > 0 ? job.max_steps : 0;
@@ -282,7 +282,7 @@
     const train = thin(m.steps.filter((p) => isNum(p.loss)).map((p) => [p.step, p.loss]), MAX_CHART_POINTS);
     const held = m.evals.filter((p) => isNum(p.eval_loss)).map((p) => [p.step, p.eval_loss]);
     const markers = m.events
-      .filter((e) => e.event === "recovery" || e.event === "stall" || e.event === "grow")
+      .filter((e) => e.event === "recovery" || e.event === "stall" || e.event === "grow" || e.event === "checkpoint_failed")
       .map((e) => ({ x: e.step, kind: e.event, title: `${e.event} at step ${e.step}` }));
     const loss = $("loss-chart");
     lineChart(loss, {

@@ -60,6 +60,8 @@ pub fn job_json(s: &JobStatus) -> Value {
         "workers": s.workers,
         "checkpoints": s.checkpoints,
         "error": s.error,
+        "checkpoint_failures": s.checkpoint_failures,
+        "checkpoint_problem": s.checkpoint_problem,
     })
 }
 

@@ -137,6 +137,7 @@ pub fn encode(machine: &Machine, now: Instant) -> String {
         JOB_GAUGES.iter().map(|_| Family::default()).collect();
     let recoveries = Family::<JobLabels, Counter>::default();
     let skipped = Family::<JobLabels, Counter>::default();
+    let checkpoint_failures = Family::<JobLabels, Counter>::default();
     for status in &statuses {
         let job = JobLabels {
             job_id: status.job_id.clone(),
@@ -154,6 +155,9 @@ pub fn encode(machine: &Machine, now: Instant) -> String {
         }
         recoveries.get_or_create(&job).inc_by(status.recoveries);
         skipped.get_or_create(&job).inc_by(status.skipped_steps);
+        checkpoint_failures
+            .get_or_create(&job)
+            .inc_by(status.checkpoint_failures);
     }
     registry.register("job_info", "A job's state and GEMM precision (1)", info);
     for ((name, help), family) in JOB_GAUGES.iter().zip(gauges) {
@@ -168,6 +172,12 @@ pub fn encode(machine: &Machine, now: Instant) -> String {
         "job_skipped_steps",
         "Steps whose update was skipped (non-finite loss or gradient)",
         skipped,
+    );
+    registry.register(
+        "job_checkpoint_upload_failures",
+        "Checkpoint uploads the coordinator could not store (a full data folder, a broken \
+         stream)",
+        checkpoint_failures,
     );
     let mut text = String::new();
     // Writing into a String cannot fail.

@@ -56,6 +56,13 @@ pub struct Job {
     pub(super) recoveries: u64,
     /// Steps whose update was skipped (non-finite), as rank 0 last reported.
     pub(super) skipped_steps: u64,
+    /// Checkpoint uploads that could not be stored.
+    pub(super) checkpoint_failures: u64,
+    /// The latest of them while no checkpoint has been stored since (`machine::storage`).
+    pub(super) checkpoint_problem: Option<String>,
+    /// Recoveries since the job last trained a step: each one after the first waits longer
+    /// before its generation starts ([`super::recovery::recovery_backoff`]).
+    pub(super) recovery_streak: u32,
     /// Workers the progress watchdog singled out as stalling this job: never given it again.
     pub(super) excluded: BTreeSet<String>,
     /// What of it was last handed out to be saved, and when.
@@ -102,6 +109,9 @@ impl Job {
             precision: None,
             recoveries: 0,
             skipped_steps: 0,
+            checkpoint_failures: 0,
+            checkpoint_problem: None,
+            recovery_streak: 0,
             excluded: BTreeSet::new(),
             saved: Saved::default(),
         }
@@ -212,6 +222,8 @@ impl Job {
                 true => 0,
                 false => self.spec.phase_count() as u32,
             },
+            checkpoint_failures: self.checkpoint_failures,
+            checkpoint_problem: self.checkpoint_problem.clone().unwrap_or_default(),
         }
     }
 

@@ -20,6 +20,7 @@
 //! - `watchdog`: a running job without progress for `progress_timeout_seconds` is stalled.
 //! - `reports`: step, eval, done, failure and held reports; checkpoints stored; cancel.
 //! - `restore`: jobs read back after a coordinator restart.
+//! - `storage`: checkpoint uploads that could not be stored; the final one is waited for.
 
 pub mod job;
 mod launch;
@@ -27,6 +28,7 @@ pub mod phase;
 mod recovery;
 mod reports;
 pub mod restore;
+mod storage;
 #[cfg(test)]
 mod tests;
 pub mod watchdog;
@@ -35,6 +37,7 @@ mod workers;
 pub use job::Job;
 pub use launch::Launch;
 pub use phase::{Outcome, Phase};
+pub use storage::UploadFailure;
 pub use workers::{StepTimes, WorkerEntry};
 
 use crate::CoordinatorError;
@@ -171,6 +174,8 @@ pub enum Input {
     UploadProgress(TrainingKey),
     /// A checkpoint was stored in the job's folder.
     CheckpointStored(TrainingKey),
+    /// A checkpoint upload failed after its key was accepted (no room, a broken stream).
+    UploadFailed(UploadFailure),
     /// The driver could not write a job's record: it is due again.
     SaveFailed {
         /// `job-N`.
@@ -360,6 +365,7 @@ impl Machine {
                 Ok(Reply::None)
             }
             Input::CheckpointStored(key) => self.checkpoint_stored(now, &key),
+            Input::UploadFailed(failure) => Ok(self.upload_failed(now, failure)),
             Input::SaveFailed { job_id } => {
                 if let Some(job) = self.jobs.get_mut(&job_id) {
                     job.save_failed();

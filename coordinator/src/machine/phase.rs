@@ -75,6 +75,9 @@ pub struct Regroup {
     pub reason: String,
     /// When the job lost its ring (bounds the wait for replacements).
     pub started: Instant,
+    /// The new generation starts no earlier (the recovery back-off: a fault that persists
+    /// cannot spend `max_recoveries` in a second).
+    pub not_before: Instant,
     /// Where it is.
     pub stage: Stage,
     /// Ranks of the last ring that trained, when known (not after a coordinator restart): a

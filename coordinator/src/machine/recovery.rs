@@ -34,6 +34,22 @@ use std::time::{Duration, Instant};
 /// (they retry at least every 2 s) before forming the ring with those that did.
 pub(super) const GATHER_WINDOW: Duration = Duration::from_secs(5);
 
+/// The longest wait before a recovery's generation starts.
+pub(super) const MAX_RECOVERY_BACKOFF: Duration = Duration::from_secs(30);
+
+/// How long the `streak`-th recovery in a row (with no step trained between them) waits
+/// before its generation starts: none for the first, then 0.5 s doubling up to
+/// [`MAX_RECOVERY_BACKOFF`]. Sixteen recoveries in a row then take over four minutes, not
+/// one second.
+pub(super) fn recovery_backoff(streak: u32) -> Duration {
+    match streak {
+        0 | 1 => Duration::ZERO,
+        n => Duration::from_millis(500)
+            .saturating_mul(1u32 << (n - 2).min(16))
+            .min(MAX_RECOVERY_BACKOFF),
+    }
+}
+
 /// Seconds to wait for `ReportHeld` answers (at least 2 s).
 pub(super) fn collect_timeout(peer_timeout_seconds: f64) -> Duration {
     Duration::from_secs_f64(peer_timeout_seconds.max(2.0))
@@ -69,7 +85,9 @@ impl Machine {
                 return;
             }
             job.recoveries += 1;
+            job.recovery_streak = job.recovery_streak.saturating_add(1);
         }
+        let backoff = recovery_backoff(job.recovery_streak);
         let mut members = job.members();
         let started = match &job.phase {
             Phase::Recovering(r) => r.started,
@@ -95,7 +113,9 @@ impl Machine {
             }
         }
         let asked = self.suspend(job_id, generation, step, &reason, &members, lost);
-        if counts {
+        if counts && !backoff.is_zero() {
+            tracing::warn!(job = %job_id, generation, step, suspended = %asked.join(", "), "{reason}: forming a new generation in {backoff:?} (recovery back-off)");
+        } else if counts {
             tracing::warn!(job = %job_id, generation, step, suspended = %asked.join(", "), "{reason}: forming a new generation");
         } else {
             tracing::info!(job = %job_id, generation, step, suspended = %asked.join(", "), "{reason}: forming a new generation");
@@ -109,6 +129,7 @@ impl Machine {
             generation,
             reason: reason.clone(),
             started,
+            not_before: now + backoff,
             last_world,
             stage: Stage::Collecting {
                 asked,
@@ -332,6 +353,10 @@ impl Machine {
         regroup: &Regroup,
         members: Vec<(String, Option<u64>)>,
     ) {
+        if now < regroup.not_before {
+            // The recovery back-off: the members wait, suspended, holding their state.
+            return;
+        }
         let members: Vec<(String, Option<u64>)> = members
             .into_iter()
             .filter(|(w, _)| self.workers.get(w).is_some_and(|w| w.reachable()))

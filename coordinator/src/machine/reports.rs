@@ -122,6 +122,8 @@ impl Machine {
             if let Phase::Running(run) = &mut job.phase {
                 run.progress.note_step(step, now);
             }
+            // It trains again: the next recovery starts without waiting.
+            job.recovery_streak = 0;
             job.skipped_steps = job.skipped_steps.max(r.skipped_steps);
             job.last_step = Some(r);
         }
@@ -310,6 +312,8 @@ impl Machine {
         let Some(job) = self.jobs.get_mut(&key.job_id) else {
             return Ok(Reply::None);
         };
+        // Stored again: an earlier failure is history (still counted).
+        job.checkpoint_problem = None;
         if !job.checkpoints.contains(&key.step) {
             job.checkpoints.push(key.step);
             job.checkpoints.sort_unstable();

@@ -55,6 +55,7 @@ impl Machine {
                         generation: job.generation,
                         reason: "the coordinator restarted".into(),
                         started: now,
+                        not_before: now,
                         stage: Stage::Gathering {
                             expected: job.worker_names.len().max(1),
                             until: now,
@@ -121,6 +122,7 @@ impl Machine {
             generation: job.generation,
             reason: "the coordinator restarted".into(),
             started: now,
+            not_before: now,
             stage: Stage::Gathering {
                 expected: job.worker_names.len().max(1),
                 until: now + timeout.min(GATHER_WINDOW),

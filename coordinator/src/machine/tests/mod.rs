@@ -5,6 +5,7 @@
 mod lifecycle;
 mod recovery;
 mod ring;
+mod storage;
 
 use crate::machine::phase::{Outcome, Phase, Stage};
 use crate::machine::*;
