@@ -1,6 +1,10 @@
 //! `keel`: the user's command. Prepares data, submits and watches jobs, pulls checkpoints,
 //! runs a whole local cluster, and tries a checkpoint with fill-mask.
 
+// The doc comments of this binary are mostly clap's help text, where `[MASK]` is literal text
+// a user types, not a link.
+#![allow(rustdoc::broken_intra_doc_links)]
+
 use clap::{Parser, Subcommand};
 
 mod client;

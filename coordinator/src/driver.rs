@@ -302,7 +302,7 @@ fn send(
     })
 }
 
-/// Gives the machine the time every [`TICK`] and whenever woken, until `stop` resolves.
+/// Gives the machine the time every `TICK` and whenever woken, until `stop` resolves.
 pub async fn tick(shared: Arc<Shared>, stop: impl std::future::Future<Output = ()>) {
     tokio::pin!(stop);
     loop {

@@ -8,7 +8,7 @@ use keel_proto::tokenizer::{KeelTokenizer, hex};
 use super::manifest::{PreparedManifest, ShardEntry};
 use super::prepare::{MANIFEST_FILE, PrepareError};
 
-/// A folder written by [`super::prepare`]: `manifest.json`, tokenizer files, shards.
+/// A folder written by [`super::prepare`](fn@super::prepare): `manifest.json`, tokenizer files, shards.
 #[derive(Debug, Clone)]
 pub struct PreparedData {
     /// The folder.

@@ -132,7 +132,7 @@ pub async fn job_metrics(
 }
 
 /// The whole JSON lines of `path` after byte `from` (at most [`MAX_LINES`] and
-/// [`MAX_BYTES`]), and the offset after the last one returned. A missing file has no lines;
+/// `MAX_BYTES`), and the offset after the last one returned. A missing file has no lines;
 /// a line that is not JSON is skipped (a reader must not stop at one bad line); an offset
 /// past the end (the file was replaced) starts again at 0.
 ///

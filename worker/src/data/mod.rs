@@ -3,7 +3,7 @@
 //! # Layout
 //! - `masking_vocab`: [`MaskingVocab`], per-id facts (special, `##` piece, CJK, replacements).
 //! - `masking`: [`mask_sequence`] (static/dynamic, whole-word), [`MaskingConfig`].
-//! - `collate`: [`collate`], sequences + masks -> [`crate::batch::Batch`].
+//! - `collate`: [`collate`](fn@collate), sequences + masks -> [`crate::batch::Batch`].
 
 pub mod collate;
 pub mod masking;

@@ -17,7 +17,7 @@
 //!   (the rounding pass), so `auto` never picks it; it is what `bf16` runs without hardware,
 //!   and what the tests check the numerics with on every machine.
 //!
-//! The precision is scoped per thread ([`with_precision`]) and carried into the model's worker
+//! The precision is scoped per thread (`with_precision`) and carried into the model's worker
 //! threads by `super::parallel`, so two models in one process (tests) do not see each other's.
 //!
 //! Conversions: an operand is rounded into a buffer reused per thread on every call, unless it

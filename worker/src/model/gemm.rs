@@ -1,5 +1,5 @@
-//! The matrix-multiply entry points: `C = alpha * A B + beta * C` ([`gemm`]) and a Linear's
-//! `C = A B + bias` ([`gemm_bias`]), through ndarray, which
+//! The matrix-multiply entry points: `C = alpha * A B + beta * C` (`gemm`) and a Linear's
+//! `C = A B + bias` (`gemm_bias`), through ndarray, which
 //! hands row-major, transposed (`.t()`) and row-strided views to OpenBLAS's `sgemm`/`dgemm`
 //! without copies. Every call is counted (time and flops) so the bench can report the share
 //! of a step spent in GEMM.
@@ -41,7 +41,7 @@ static GEMM_NANOS: AtomicU64 = AtomicU64::new(0);
 static GEMM_FLOPS: AtomicU64 = AtomicU64::new(0);
 static GEMM_CALLS: AtomicU64 = AtomicU64::new(0);
 
-/// The GEMM classes the stats are kept per: named after the file that calls [`gemm`].
+/// The GEMM classes the stats are kept per: named after the file that calls `gemm`.
 pub const CLASSES: [&str; 4] = ["linear", "attention", "mlm_head", "other"];
 
 /// The backends the stats are kept per.
