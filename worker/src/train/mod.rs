@@ -70,11 +70,18 @@ pub fn train(
     let initial = std::mem::replace(&mut setup.initial, InitialState::Init { weights: None });
     let plan = match sharding::Sharding::for_job(&setup) {
         Ok(s) => s.map(|s| s.plan(&layout)),
-        Err(e) => return (Err(error::model_err(setup.start_step)(e)), None),
+        Err(e) => {
+            let held = match initial {
+                InitialState::Memory { held, .. } => held,
+                _ => None,
+            };
+            return (Err(error::model_err(setup.start_step)(e)), held);
+        }
     };
+    // A failed start hands back what this rank held (a failed broadcast leaves it as it was).
     let mut replica = match start::starting_replica(initial, &setup, &layout, plan, &ring) {
         Ok(r) => r,
-        Err(e) => return (Err(e), None),
+        Err((e, held)) => return (Err(e), held),
     };
     progress.store(replica.step, Ordering::SeqCst);
     let links = Links {
