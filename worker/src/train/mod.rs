@@ -81,7 +81,10 @@ pub fn train(
     // A failed start hands back what this rank held (a failed broadcast leaves it as it was).
     let mut replica = match start::starting_replica(initial, &setup, &layout, plan, &ring) {
         Ok(r) => r,
-        Err((e, held)) => return (Err(e), held),
+        Err(refused) => {
+            let (e, held) = *refused;
+            return (Err(e), held);
+        }
     };
     progress.store(replica.step, Ordering::SeqCst);
     let links = Links {

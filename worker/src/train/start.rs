@@ -39,6 +39,9 @@ pub enum InitialState {
     },
 }
 
+/// A start that failed, and what this rank held, handed back (boxed: both are large).
+pub type Refused = Box<(TrainError, Option<Replica>)>;
+
 /// Builds this rank's starting replica (weights `[P]` over `layout`, optimizer state, step)
 /// from `initial`: from the seed or HF weights, from a checkpoint, or from memory plus a
 /// broadcast from the root rank (every rank of the ring takes part in it).
@@ -53,10 +56,13 @@ pub fn starting_replica(
     layout: &ParamLayout,
     plan: Option<ShardPlan>,
     ring: &RingLink,
-) -> Result<Replica, (TrainError, Option<Replica>)> {
+) -> Result<Replica, Refused> {
     let initial = match initial {
         InitialState::Memory { held, root_rank } if plan.is_none() => (held, root_rank),
-        other => return from_elsewhere(other, setup, layout, plan, ring).map_err(|e| (e, None)),
+        other => {
+            return from_elsewhere(other, setup, layout, plan, ring)
+                .map_err(|e| Box::new((e, None)));
+        }
     };
     {
         let (held, root_rank) = initial;
@@ -68,9 +74,9 @@ pub fn starting_replica(
             shard: None,
         };
         let rank = (setup.rank, root_rank, setup.world_size);
-        return from_memory(held, setup.start_step, rank, fresh, |replica| {
+        from_memory(held, setup.start_step, rank, fresh, |replica| {
             broadcast(ring, setup.start_step, setup.rank == root_rank, replica)
-        });
+        })
     }
 }
 
@@ -164,7 +170,7 @@ fn from_memory(
     (rank, root_rank, world_size): (u32, u32, u32),
     fresh: impl FnOnce() -> Replica,
     broadcast: impl FnOnce(&mut Replica) -> Result<(), crate::replica::BroadcastError>,
-) -> Result<Replica, (TrainError, Option<Replica>)> {
+) -> Result<Replica, Refused> {
     let is_root = rank == root_rank;
     // The replica to broadcast from or receive into, and what this rank held of another step
     // (or nothing), kept aside while it receives.
@@ -177,7 +183,7 @@ fn from_memory(
                     .as_ref()
                     .map_or("nothing".to_string(), |r| format!("step {}", r.step))
             );
-            return Err((TrainError::Data { step, message }, other));
+            return Err(Box::new((TrainError::Data { step, message }, other)));
         }
         other => (fresh(), other, false),
     };
@@ -190,7 +196,10 @@ fn from_memory(
             source,
         };
         // The held replica of `step` comes back as it was; a fresh one is worth nothing.
-        return Err((error, if held_step { Some(replica) } else { other }));
+        return Err(Box::new((
+            error,
+            if held_step { Some(replica) } else { other },
+        )));
     }
     Ok(replica)
 }
@@ -232,9 +241,10 @@ mod tests {
     fn a_root_whose_broadcast_fails_keeps_its_replica() {
         let held = replica(25_637, 0.5);
         let fresh = || panic!("the root receives nothing");
-        let (e, back) = from_memory(Some(held), 25_637, (0, 0, 2), fresh, ring_failed)
-            .err()
-            .expect("the broadcast failed");
+        let Err(refused) = from_memory(Some(held), 25_637, (0, 0, 2), fresh, ring_failed) else {
+            panic!("the broadcast failed")
+        };
+        let (e, back) = *refused;
         assert!(
             matches!(e, TrainError::Broadcast { step: 25_637, .. }),
             "{e}"
@@ -251,9 +261,10 @@ mod tests {
         let fresh = || replica(9, 0.0);
         for (held, want) in [(Some(9), Some(9)), (Some(4), Some(4)), (None, None)] {
             let held = held.map(|step| replica(step, 0.25));
-            let (_, back) = from_memory(held, 9, (1, 0, 2), fresh, ring_failed)
-                .err()
-                .expect("the broadcast failed");
+            let Err(refused) = from_memory(held, 9, (1, 0, 2), fresh, ring_failed) else {
+                panic!("the broadcast failed")
+            };
+            let (_, back) = *refused;
             assert_eq!(back.as_ref().map(|r| r.step), want);
             if let Some(back) = back {
                 assert!(back.params.iter().all(|&x| x == 0.25));
@@ -265,15 +276,16 @@ mod tests {
     /// broadcast hands over the received replica.
     #[test]
     fn a_root_without_the_step_refuses_and_a_broadcast_that_works_is_taken() {
-        let (e, back) = from_memory(
+        let Err(refused) = from_memory(
             Some(replica(3, 1.0)),
             9,
             (0, 0, 2),
             || replica(9, 0.0),
             ring_failed,
-        )
-        .err()
-        .expect("a root without the step");
+        ) else {
+            panic!("a root without the step")
+        };
+        let (e, back) = *refused;
         assert!(matches!(e, TrainError::Data { step: 9, .. }), "{e}");
         assert_eq!(back.map(|r| r.step), Some(3));
         let received = from_memory(
@@ -286,8 +298,7 @@ mod tests {
                 Ok(())
             },
         )
-        .ok()
-        .expect("the broadcast worked");
+        .unwrap_or_else(|_| panic!("the broadcast worked"));
         assert!(received.params.iter().all(|&x| x == 2.0));
     }
 }
