@@ -3,7 +3,8 @@
 //! and a worker's ring port ([`attack`]: HTTP/2 prefaces answering PINGs, keep-alive
 //! `/healthz` requests; closed ones are opened again). Meanwhile `keel jobs` answers within
 //! 5 s, a new worker registers within 15 s, `/metrics` answers, and a job whose ring runs
-//! through the held ring port completes. The servers' cap is the default 512: before
+//! through the held ring port completes, with a worker killed mid-job and replaced, losing at
+//! most the step in flight. The servers' cap is the default 512: before
 //! unauthenticated connections could be evicted, all four failed.
 
 #[path = "common/attack.rs"]
@@ -180,11 +181,15 @@ fn strangers_holding_every_port_lock_no_one_out() {
         );
     }
 
-    // A job on both workers: its ring runs through worker 0's held ring port.
+    // A job on both workers: its ring runs through worker 0's held ring port. Mid-job worker 1
+    // is killed and a replacement registers; the newcomer must reach worker 0 through that
+    // port to take the state the survivor holds. The job completes and loses at most the step
+    // in flight: every resume is from memory (a survivor that could not reach the newcomer
+    // used to drop its state, and the job went back to its last checkpoint).
     let mut job = JobFile::new(kjv_lines(root, 1500));
     job.vocab = Some(fixture("wordpiece").join("vocab.txt"));
     job.micro_batch_size = 4;
-    job.max_steps = 6;
+    job.max_steps = 400;
     job.warmup_steps = 2;
     job.checkpoint_every = 0;
     job.eval_every = 0;
@@ -194,17 +199,62 @@ fn strangers_holding_every_port_lock_no_one_out() {
         root,
     );
     let job_id = String::from_utf8(out.stdout).unwrap().trim().to_string();
-    let done = poll(Duration::from_secs(240), || {
+    let step_of = |s: &serde_json::Value| s["step"].as_u64().unwrap_or(0);
+    let running = poll(Duration::from_secs(240), || {
         let s = status(&job_id, &addr, root);
         assert_ne!(s["state"], "failed", "{s}");
+        (step_of(&s) >= 20 || s["state"] == "completed").then_some(s)
+    })
+    .expect("the job did not reach step 20 under attack");
+    assert_ne!(
+        running["state"], "completed",
+        "the job ended before the kill: {running}"
+    );
+    let mut w1 = w1;
+    let _ = w1.child.kill();
+    let killed_at = step_of(&status(&job_id, &addr, root));
+    let (_w2, _) = start_worker(root, &addr, 2);
+    let done = poll(Duration::from_secs(300), || {
+        let s = status(&job_id, &addr, root);
+        assert_ne!(s["state"], "failed", "{s}\n{}", state());
         (s["state"] == "completed").then_some(s)
     });
+    let done = done.unwrap_or_else(|| {
+        panic!(
+            "the job did not complete under attack: {}\n{}",
+            status(&job_id, &addr, root),
+            state()
+        )
+    });
     assert!(
-        done.is_some(),
-        "the job did not complete under attack: {}\n{}",
-        status(&job_id, &addr, root),
-        state()
+        done["recoveries"].as_u64().unwrap_or(0) >= 1,
+        "no recovery after the kill: {done}"
     );
+    let pulled = root.join("pulled");
+    run_keel(
+        &[
+            "pull",
+            &job_id,
+            "--out",
+            pulled.to_str().unwrap(),
+            "--coordinator",
+            &addr,
+        ],
+        root,
+    );
+    let lines = metrics(&pulled.join("metrics.jsonl"));
+    let resumes: Vec<&serde_json::Value> =
+        lines.iter().filter(|l| l["event"] == "resume").collect();
+    eprintln!("killed at step {killed_at}; resumes: {resumes:?}");
+    assert!(!resumes.is_empty(), "no resume in metrics.jsonl");
+    for r in &resumes {
+        assert_eq!(r["source"], "STATE_SOURCE_MEMORY", "{resumes:?}");
+        assert!(
+            r["step"].as_u64().unwrap_or(0) + 1 >= killed_at,
+            "resumed at {} after the kill at step {killed_at}: {resumes:?}",
+            r["step"]
+        );
+    }
     // The stranger was still there, and still being evicted and re-opening.
     let after = state();
     eprintln!("attack at the end: {after}");
