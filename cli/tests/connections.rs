@@ -12,7 +12,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Output, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 /// The HTTP/2 client preface.
@@ -87,27 +87,6 @@ fn worker(root: &Path, coordinator: &str, env: &[(&str, &str)]) -> (Proc, String
     };
     wait_listening(&addr, &p);
     (p, addr)
-}
-
-/// `keel jobs` against `addr`, killed after 30 s (a hang is a failure, not a stuck test).
-fn keel_jobs(addr: &str, cwd: &Path) -> Output {
-    let mut child = command(&keel())
-        .args(["jobs", "--coordinator", addr])
-        .current_dir(cwd)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    child.wait_with_output().unwrap()
 }
 
 /// Polls `keel jobs` until it succeeds (at most `limit`).

@@ -448,3 +448,24 @@ pub fn max_relative_difference(a: &Path, b: &Path) -> f64 {
     }
     worst
 }
+
+/// `keel jobs` against `addr`, killed after 30 s (a hang is a failure, not a stuck test).
+pub fn keel_jobs(addr: &str, cwd: &Path) -> Output {
+    let mut child = command(&keel())
+        .args(["jobs", "--coordinator", addr])
+        .current_dir(cwd)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
