@@ -98,6 +98,15 @@ pub struct JobRecord {
     pub precision: Option<keel_proto::precision::Precision>,
     /// Submission time, milliseconds since the Unix epoch (wall clock).
     pub submitted_unix_ms: u64,
+    /// When `step` was heard (rank 0's step report, or the generation's start), milliseconds
+    /// since the Unix epoch: bounds how far a worker's held-step claim may be ahead of it after a
+    /// restart (`crate::claims`). `None` in records written before it existed.
+    #[serde(default)]
+    pub step_heard_unix_ms: Option<u64>,
+    /// Advertise addresses (`host:port`) of the workers the progress watchdog singled out as
+    /// stalling this job: they are not given it again, also after a restart.
+    #[serde(default)]
+    pub excluded_workers: Vec<String>,
     /// The latest step and eval metrics.
     pub metrics: LastMetrics,
 }
@@ -108,6 +117,7 @@ impl JobRecord {
     pub fn differs_only_in_progress(&self, other: &JobRecord) -> bool {
         let strip = |r: &JobRecord| JobRecord {
             step: 0,
+            step_heard_unix_ms: None,
             skipped_steps: 0,
             metrics: LastMetrics::default(),
             ..r.clone()
@@ -308,6 +318,8 @@ mod tests {
             global_batch_size: Some(16),
             precision: None,
             submitted_unix_ms: 1,
+            step_heard_unix_ms: None,
+            excluded_workers: Vec::new(),
             metrics: LastMetrics::default(),
         }
     }

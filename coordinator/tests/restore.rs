@@ -77,6 +77,8 @@ fn restored_jobs_keep_their_prepared_data() {
         global_batch_size: Some(8),
         precision: None,
         submitted_unix_ms: 1,
+        step_heard_unix_ms: None,
+        excluded_workers: Vec::new(),
         metrics: LastMetrics::default(),
     }
     .write(&dir)

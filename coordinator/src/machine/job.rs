@@ -63,7 +63,11 @@ pub struct Job {
     /// Recoveries since the job last trained a step: each one after the first waits longer
     /// before its generation starts ([`super::recovery::recovery_backoff`]).
     pub(super) recovery_streak: u32,
-    /// Workers the progress watchdog singled out as stalling this job: never given it again.
+    /// When `step` was last set from rank 0's step report, a launch or the saved record
+    /// (machine time): how far a held-step claim may be ahead of it (`crate::claims`).
+    pub(super) step_heard: Instant,
+    /// Advertise addresses of the workers the progress watchdog singled out as stalling this
+    /// job: never given it again, also after a coordinator restart (saved in the record).
     pub(super) excluded: BTreeSet<String>,
     /// What of it was last handed out to be saved, and when.
     pub(super) saved: Saved,
@@ -112,6 +116,7 @@ impl Job {
             checkpoint_failures: 0,
             checkpoint_problem: None,
             recovery_streak: 0,
+            step_heard: now,
             excluded: BTreeSet::new(),
             saved: Saved::default(),
         }
@@ -227,6 +232,18 @@ impl Job {
         }
     }
 
+    /// Machine time `at` as wall-clock milliseconds since the Unix epoch, through the
+    /// submission (the one instant the job knows on both clocks).
+    fn unix_ms(&self, at: Instant) -> u64 {
+        let submitted = self
+            .submitted_at
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let after = at.saturating_duration_since(self.submitted).as_millis() as u64;
+        let before = self.submitted.saturating_duration_since(at).as_millis() as u64;
+        (submitted + after).saturating_sub(before)
+    }
+
     /// The job's durable record as it is now (`crate::persist`).
     pub fn record(&self) -> JobRecord {
         let step = self.last_step.as_ref();
@@ -250,10 +267,9 @@ impl Job {
             skipped_steps: self.skipped_steps,
             global_batch_size: (self.global_batch_size > 0).then_some(self.global_batch_size),
             precision: self.precision,
-            submitted_unix_ms: self
-                .submitted_at
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64),
+            submitted_unix_ms: self.unix_ms(self.submitted),
+            step_heard_unix_ms: Some(self.unix_ms(self.step_heard)),
+            excluded_workers: self.excluded.iter().cloned().collect(),
             metrics: LastMetrics {
                 loss: step.map(|s| s.loss).filter(|v| v.is_finite()),
                 learning_rate: step.map(|s| s.learning_rate).filter(|v| v.is_finite()),
@@ -281,6 +297,17 @@ impl Job {
         job.submitted = now.checked_sub(age).unwrap_or(now);
         job.generation = record.generation;
         job.step = record.step;
+        // The step was heard when the record says (records before this field: at the
+        // restart, the most recent it can have been heard).
+        job.step_heard = match record.step_heard_unix_ms {
+            Some(ms) => {
+                let heard = UNIX_EPOCH + Duration::from_millis(ms);
+                now.checked_sub(wall.duration_since(heard).unwrap_or_default())
+                    .unwrap_or(now)
+            }
+            None => now,
+        };
+        job.excluded = record.excluded_workers.iter().cloned().collect();
         job.checkpoints = record.checkpoints.clone();
         job.worker_names = record.worker_names.clone();
         job.recoveries = record.recoveries;

@@ -192,6 +192,7 @@ impl Machine {
         };
         job.worker_names = names.clone();
         job.step = launch.start_step;
+        job.step_heard = now;
         job.phase = Phase::Running(Running {
             workers: launch.workers.clone(),
             done: BTreeSet::new(),

@@ -246,7 +246,7 @@ impl Machine {
             && let Stage::Collecting { asked, held, .. } = &mut r.stage
             && asked.iter().any(|w| w == worker_id)
         {
-            let newest = crate::claims::trusted_newest(worker_id, held_steps, max_steps);
+            let newest = crate::claims::within_last_step(worker_id, held_steps, max_steps);
             held.insert(worker_id.to_string(), newest);
             let shown = newest.map_or_else(|| "nothing".to_string(), |s| format!("step {s}"));
             tracing::info!(job = %job_id, worker = %worker_id, held = %shown, "held state reported");
@@ -402,11 +402,17 @@ impl Machine {
             return;
         }
         job.global_batch_size = global_batch;
-        let mut newest = members
+        let claims: Vec<(String, Option<u64>)> = members
             .iter()
             .filter(|(w, _)| chosen.contains(w))
-            .filter_map(|(w, s)| s.map(|s| (s, w.clone())))
-            .max_by_key(|(s, _)| *s);
+            .cloned()
+            .collect();
+        let step_seconds = job.last_step.as_ref().map(|r| r.step_seconds);
+        let lead = crate::claims::plausible_lead(
+            now.saturating_duration_since(job.step_heard),
+            step_seconds,
+        );
+        let mut newest = crate::claims::corroborated_newest(&claims, job.step, lead);
         // A sharded optimizer (`train.shard_optimizer`) left a share of its moments on each
         // rank of the last ring: memory holds the step only if every one of them does. With a
         // rank gone, go to the checkpoint at once (the ranks would find the share missing and

@@ -119,6 +119,7 @@ impl Machine {
         }
         if let Some(job) = self.jobs.get_mut(&id) {
             job.step = step;
+            job.step_heard = now;
             if let Phase::Running(run) = &mut job.phase {
                 run.progress.note_step(step, now);
             }

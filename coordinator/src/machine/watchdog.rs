@@ -156,8 +156,14 @@ impl Machine {
                     }),
                 );
             }
+            // By advertise address: the same machine registering again (after a coordinator
+            // restart, say) gets a new worker id and must stay excluded.
+            let addrs: Vec<String> = lost
+                .iter()
+                .filter_map(|w| self.workers.get(w).map(|w| w.advertise_addr.clone()))
+                .collect();
             if let Some(job) = self.jobs.get_mut(&id) {
-                job.excluded.extend(lost.iter().cloned());
+                job.excluded.extend(addrs);
             }
             let lost: Vec<&str> = lost.iter().map(String::as_str).collect();
             self.begin_regroup(now, &id, text, &lost, true);

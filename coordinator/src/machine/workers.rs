@@ -293,7 +293,7 @@ impl Machine {
             .values()
             .filter(|w| w.job.is_none() && w.reachable())
             .filter(|w| crate::admission::fits(w.memory_limit, needed))
-            .filter(|w| job.is_none_or(|j| !j.excluded.contains(&w.id)))
+            .filter(|w| job.is_none_or(|j| !j.excluded.contains(&w.advertise_addr)))
             .filter(|w| {
                 w.holds.as_ref().is_none_or(|k| {
                     k.job_id == job_id || self.jobs.get(&k.job_id).is_none_or(|j| j.is_finished())

@@ -6,6 +6,7 @@ mod lifecycle;
 mod recovery;
 mod ring;
 mod storage;
+mod trust;
 
 use crate::machine::phase::{Outcome, Phase, Stage};
 use crate::machine::*;

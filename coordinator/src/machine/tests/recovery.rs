@@ -138,6 +138,8 @@ pub(super) fn restored() -> (Harness, String) {
         global_batch_size: Some(4),
         precision: None,
         submitted_unix_ms: 1,
+        step_heard_unix_ms: None,
+        excluded_workers: Vec::new(),
         metrics: LastMetrics::default(),
     };
     let restored = Restored {
