@@ -12,6 +12,10 @@
 //! rank's share). When a budget is full, `deliver` waits for room, which holds back the sender's
 //! reply and so throttles it (the sender times out eventually, never the receiver's memory); a
 //! frame waiting for room ahead goes on under the running budget once its all-reduce starts.
+//! Frames held ahead are kept apart by the length, dtype and collective they were sent for:
+//! the first frame of an all-reduce does not fix its shape (a wrong or forged frame for a
+//! bucket that does not exist yet would otherwise get the real all-reduce refused). The local
+//! start keeps the frames of its own shape and drops the rest.
 //! Every held frame keeps its share of a budget until it is consumed, refused, or dropped: frames
 //! held ahead for a step the worker has moved past (it can no longer start) and everything of
 //! another generation are dropped.
@@ -80,8 +84,10 @@ pub struct Mailbox {
 struct State {
     /// The (job, generation) this worker's current ring serves; `None` before the first ring.
     membership: Option<Membership>,
-    /// Frames per all-reduce, whether or not the local call has started yet.
+    /// Frames of the all-reduces running here.
     slots: HashMap<SlotKey, Slot>,
+    /// Frames held ahead, of all-reduces not started here, by the shape they were sent for.
+    ahead: HashMap<AheadKey, Slot>,
     /// All-reduces that finished (or failed) here: late frames for them are refused.
     finished: HashSet<SlotKey>,
     /// `finished` in insertion order, to forget the oldest first.
@@ -112,6 +118,20 @@ struct SlotKey {
     bucket: u32,
 }
 
+/// One all-reduce not started here, and the shape its frames were sent for: the buffer
+/// length (elements), the wire dtype and the collective.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct AheadKey {
+    /// The all-reduce.
+    key: SlotKey,
+    /// Sender's buffer length, elements.
+    total_len: u64,
+    /// How the elements travel.
+    dtype: WireDtype,
+    /// The collective the sender runs.
+    collective: Collective,
+}
+
 /// The frames of one all-reduce.
 struct Slot {
     /// Where `deliver` puts frames (unbounded: the plan and the byte budgets bound it).
@@ -135,11 +155,6 @@ impl Slot {
             schedule,
             seen: HashSet::new(),
         }
-    }
-
-    /// Whether the local all-reduce has not started yet.
-    fn is_ahead(&self) -> bool {
-        self.rx.is_some()
     }
 }
 
@@ -266,10 +281,12 @@ impl Mailbox {
         });
         if same_job {
             st.slots.retain(|key, _| key.generation == generation);
+            st.ahead.retain(|held, _| held.key.generation == generation);
         } else {
             // A new job starts its steps (and generations) from 0 again: what the previous
             // job left (buffered frames, finished keys) must not collide with it.
             st.slots.clear();
+            st.ahead.clear();
             st.finished.clear();
             st.finished_order.clear();
         }
@@ -334,12 +351,24 @@ impl Mailbox {
         let mut st = self.lock();
         // Membership, the all-reduce or its frames may have moved on while we waited.
         let admission = admit::admit(&st, &frame, elems, dtype, collective)?;
-        let slot = match st.slots.entry(admission.key) {
-            Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => match admission.new_slot {
-                Some(schedule) => e.insert(Slot::new(schedule)),
-                None => return Err(FrameRejected::Malformed("slot vanished".to_string())),
-            },
+        let slot = if admission.ahead {
+            let held = AheadKey {
+                key: admission.key,
+                total_len: frame.total_len,
+                dtype,
+                collective,
+            };
+            match st.ahead.entry(held) {
+                Entry::Occupied(e) => e.into_mut(),
+                Entry::Vacant(e) => match admission.new_slot {
+                    Some(schedule) => e.insert(Slot::new(schedule)),
+                    None => return Err(FrameRejected::Malformed("slot vanished".to_string())),
+                },
+            }
+        } else {
+            st.slots
+                .get_mut(&admission.key)
+                .ok_or_else(|| FrameRejected::Malformed("slot vanished".to_string()))?
         };
         slot.seen.insert(admission.planned.index);
         let inbound = InboundFrame {
@@ -359,9 +388,9 @@ impl Mailbox {
     }
 
     /// Starts receiving for the local `collective` (job, generation, step, bucket) of
-    /// `total_len` elements sent as `dtype`; frames buffered so far come first (if they were
-    /// sent for another length, dtype or collective, the collective finds them so and fails). Frames held ahead for steps this worker has now
-    /// moved past are dropped.
+    /// `total_len` elements sent as `dtype`; frames held ahead for it come first. Frames held
+    /// ahead for it with another length, dtype or collective are dropped (with a warning), as
+    /// are frames held ahead for steps this worker has now moved past.
     ///
     /// Errors: [`AllReduceError::StaleGeneration`] if the mailbox serves another (job,
     /// generation); [`AllReduceError::Duplicate`] if this all-reduce is running or finished here.
@@ -404,36 +433,51 @@ impl Mailbox {
         if st.finished.contains(&key) {
             return Err(AllReduceError::Duplicate { step, bucket });
         }
-        if st.slots.get(&key).is_some_and(|s| !s.is_ahead()) {
+        if st.slots.contains_key(&key) {
             return Err(AllReduceError::Duplicate { step, bucket });
         }
         let newest = st.newest_step.map_or(step, |n| n.max(step));
         st.newest_step = Some(newest);
+        let mine = AheadKey {
+            key,
+            total_len: total_len as u64,
+            dtype,
+            collective,
+        };
+        let mut held = None;
+        for (other, slot) in st.ahead.extract_if(|k, _| k.key == key) {
+            if other == mine {
+                held = Some(slot);
+            } else {
+                // Sent for a buffer this all-reduce is not: a peer's mistake or a forgery.
+                // Dropping them frees their budget; the real frames were kept apart.
+                tracing::warn!(
+                    step,
+                    bucket,
+                    frames = slot.seen.len(),
+                    their_len = other.total_len,
+                    their_dtype = ?other.dtype,
+                    their_collective = ?other.collective,
+                    total_len,
+                    ?dtype,
+                    ?collective,
+                    "frames held ahead for another shape of this all-reduce dropped"
+                );
+            }
+        }
         // An all-reduce held ahead for a step this far from the newest can no longer start here.
-        st.slots.retain(|k, s| {
-            *k == key
-                || !s.is_ahead()
-                || (k.step.saturating_add(LATE_STEPS) >= newest
-                    && k.step <= newest.saturating_add(EARLY_STEPS))
+        st.ahead.retain(|k, _| {
+            k.key.step.saturating_add(LATE_STEPS) >= newest
+                && k.key.step <= newest.saturating_add(EARLY_STEPS)
         });
         let schedule = FrameSchedule::new(shape, total_len, dtype, collective);
-        let slot = st
-            .slots
-            .entry(key)
-            .or_insert_with(|| Slot::new(schedule.clone()));
+        let mut slot = held.unwrap_or_else(|| Slot::new(schedule.clone()));
         let rx = slot
             .rx
             .take()
             .ok_or(AllReduceError::Duplicate { step, bucket })?;
-        if slot.schedule.len() != total_len
-            || slot.schedule.dtype() != dtype
-            || slot.schedule.collective() != collective
-        {
-            // Frames held for another length, dtype or collective stay queued: the collective
-            // reports the mismatch.
-            slot.seen.clear();
-        }
         slot.schedule = schedule;
+        st.slots.insert(key, slot);
         drop(st);
         // Frames waiting for room ahead for this all-reduce go on under the running budget.
         self.changed.notify_waiters();
@@ -448,6 +492,7 @@ impl Mailbox {
     fn close(&self, key: SlotKey) {
         let mut st = self.lock();
         st.slots.remove(&key);
+        st.ahead.retain(|held, _| held.key != key);
         if st.finished.insert(key) {
             st.finished_order.push_back(key);
         }

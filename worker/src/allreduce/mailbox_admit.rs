@@ -4,7 +4,7 @@
 
 use keel_proto::ring_rpc::{Collective, RingFrame, WireDtype};
 
-use super::{EARLY_STEPS, LATE_STEPS, SlotKey, State};
+use super::{AheadKey, EARLY_STEPS, LATE_STEPS, SlotKey, State};
 use crate::allreduce::error::FrameRejected;
 use crate::allreduce::expect::{FrameSchedule, PlannedFrame};
 
@@ -14,7 +14,8 @@ pub(super) struct Admission {
     pub(super) key: SlotKey,
     /// Its place in that all-reduce's plan.
     pub(super) planned: PlannedFrame,
-    /// Whether the local all-reduce has not started (the frame is held under the ahead budget).
+    /// Whether the local all-reduce has not started (the frame is held ahead, under the ahead
+    /// budget, by the shape it was sent for).
     pub(super) ahead: bool,
     /// The plan of a slot the frame would create (`None` if the slot exists).
     pub(super) new_slot: Option<FrameSchedule>,
@@ -70,8 +71,19 @@ pub(super) fn admit(
         bucket,
         reason,
     };
-    let existing = st.slots.get(&key);
-    let new_slot = match existing {
+    // A running all-reduce checks the frame against its own shape; before it starts, frames
+    // are held by the shape they were sent for (`super::AheadKey`), so none is refused here
+    // for disagreeing with another frame.
+    let running = st.slots.get(&key);
+    let existing = running.or_else(|| {
+        st.ahead.get(&AheadKey {
+            key,
+            total_len: frame.total_len,
+            dtype,
+            collective,
+        })
+    });
+    let new_slot = match running {
         Some(slot) => {
             if slot.schedule.len() as u64 != frame.total_len {
                 return Err(FrameRejected::LengthMismatch {
@@ -99,6 +111,7 @@ pub(super) fn admit(
             }
             None
         }
+        None if existing.is_some() => None,
         None => {
             if let Some(newest) = st.newest_step
                 && (step.saturating_add(LATE_STEPS) < newest
@@ -117,7 +130,7 @@ pub(super) fn admit(
         }
     };
     let (schedule, ahead) = match (existing, &new_slot) {
-        (Some(slot), _) => (&slot.schedule, slot.is_ahead()),
+        (Some(slot), _) => (&slot.schedule, running.is_none()),
         (None, Some(schedule)) => (schedule, true),
         (None, None) => return Err(FrameRejected::Malformed("no plan".to_string())),
     };

@@ -96,7 +96,9 @@ async fn frames_the_plan_does_not_expect_are_refused_naming_why_and_hold_nothing
     }
     assert_eq!(mailbox.held_bytes(), 0);
 
-    // Each planned frame once: a second copy is refused, as is another length.
+    // Each planned frame once: a second copy is refused. Before its all-reduce starts, a frame
+    // of another length is held apart (its own plan), not refused: see
+    // `a_forged_first_frame_of_another_length_does_not_get_the_real_all_reduce_refused`.
     mailbox.deliver(frame(1, 0)).await.unwrap();
     let err = mailbox.deliver(frame(1, 0)).await.unwrap_err();
     assert!(
@@ -111,11 +113,23 @@ async fn frames_the_plan_does_not_expect_are_refused_naming_why_and_hold_nothing
         "{err}"
     );
     mailbox.deliver(frame(2, 0)).await.unwrap();
+    let other_length = RingFrame {
+        total_len: 12,
+        offset: 6,
+        ..frame(2, 0)
+    };
+    mailbox.deliver(other_length.clone()).await.unwrap();
+    let err = mailbox.deliver(other_length).await.unwrap_err();
+    assert!(matches!(err, FrameRejected::Duplicate { .. }), "{err}");
+    let err = mailbox.deliver(frame(2, 0)).await.unwrap_err();
+    assert!(matches!(err, FrameRejected::Duplicate { .. }), "{err}");
+    assert_eq!(mailbox.held_bytes(), 3 * 16);
+    // Running, the all-reduce refuses any other length outright.
     let err = mailbox
         .deliver(RingFrame {
             total_len: 12,
-            offset: 8,
-            ..frame(2, 0)
+            offset: 6,
+            ..frame(1, 0)
         })
         .await
         .unwrap_err();
@@ -130,9 +144,6 @@ async fn frames_the_plan_does_not_expect_are_refused_naming_why_and_hold_nothing
         ),
         "{err}"
     );
-    let err = mailbox.deliver(frame(2, 0)).await.unwrap_err();
-    assert!(matches!(err, FrameRejected::Duplicate { .. }), "{err}");
-    assert_eq!(mailbox.held_bytes(), 2 * 16);
 }
 
 #[tokio::test]
@@ -268,4 +279,62 @@ async fn frames_held_ahead_are_bounded_apart_and_freed_when_the_step_moves_on() 
         )
         .unwrap();
     assert_eq!(mailbox.held_bytes(), 0);
+}
+
+#[tokio::test]
+async fn a_forged_first_frame_of_another_length_does_not_get_the_real_all_reduce_refused() {
+    // A peer pushes, for step 6 bucket 0 (not started here yet), a frame of a 16-element
+    // buffer; the real all-reduce there is of 8 elements. Both orders: the real frame before
+    // and after the local start.
+    for real_before_start in [true, false] {
+        let mailbox = Mailbox::new();
+        mailbox.join("job-1", 1, SHAPE).unwrap();
+        drop(
+            mailbox
+                .open("job-1", 1, 5, 0, 8, WireDtype::F32, Collective::AllReduce)
+                .unwrap(),
+        );
+        let forged = RingFrame {
+            total_len: 16,
+            offset: 8,
+            data: vec![0xffu8; 16].into(),
+            ..frame(6, 0)
+        };
+        mailbox.deliver(forged).await.unwrap();
+        let real = RingFrame {
+            data: vec![1u8; 16].into(),
+            ..frame(6, 0)
+        };
+        if real_before_start {
+            mailbox.deliver(real.clone()).await.unwrap();
+            assert_eq!(mailbox.held_bytes(), 32);
+        }
+        let mut inbox = mailbox
+            .open("job-1", 1, 6, 0, 8, WireDtype::F32, Collective::AllReduce)
+            .unwrap();
+        // The forged frame is gone; only the real one's bytes can be held.
+        let expected = if real_before_start { 16 } else { 0 };
+        assert_eq!(
+            mailbox.held_bytes(),
+            expected,
+            "before: {real_before_start}"
+        );
+        if !real_before_start {
+            mailbox.deliver(real).await.unwrap();
+        }
+        let got = tokio::time::timeout(Duration::from_secs(5), inbox.recv())
+            .await
+            .expect("the real frame arrives")
+            .expect("the inbox is open");
+        assert_eq!((got.total_len, got.offset), (8, 4));
+        assert_eq!(&got.data[..], &[1u8; 16][..]);
+        // Now the all-reduce runs, a frame of another length is refused outright.
+        let late = RingFrame {
+            total_len: 16,
+            offset: 12,
+            ..frame(6, 0)
+        };
+        let err = mailbox.deliver(late).await.unwrap_err();
+        assert!(matches!(err, FrameRejected::LengthMismatch { .. }), "{err}");
+    }
 }
