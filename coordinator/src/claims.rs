@@ -146,13 +146,19 @@ mod tests {
     fn an_honest_claim_one_step_ahead_of_the_others_is_kept() {
         // w-2 finished step 51; w-1 died in it after sending its gradients and holds 50.
         let c = claims(&[("w-1", Some(50)), ("w-2", Some(51))]);
-        assert_eq!(corroborated_newest(&c, 10, 1), Some((51, "w-2".to_string())));
+        assert_eq!(
+            corroborated_newest(&c, 10, 1),
+            Some((51, "w-2".to_string()))
+        );
     }
 
     #[test]
     fn a_sole_claim_is_kept_only_within_the_reachable_steps() {
         let c = claims(&[("w-1", Some(30)), ("w-2", None)]);
-        assert_eq!(corroborated_newest(&c, 25, 5), Some((30, "w-1".to_string())));
+        assert_eq!(
+            corroborated_newest(&c, 25, 5),
+            Some((30, "w-1".to_string()))
+        );
         assert_eq!(corroborated_newest(&c, 24, 5), None);
         // Its own second claim does not back it.
         let twice = claims(&[("w-1", Some(30)), ("w-1", Some(29))]);

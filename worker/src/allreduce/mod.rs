@@ -1,4 +1,4 @@
-//! Ring all-reduce between workers over gRPC: reduce-scatter then all-gather, directly between
+//! Ring all-reduce between workers over gRPC (or any [`Transport`]): reduce-scatter then all-gather, directly between
 //! neighbours, pipelined frame by frame (Patarasuk and Yuan, JPDC 2009; as in Horovod/NCCL).
 //!
 //! # Layout
@@ -13,7 +13,11 @@
 //! - `shared_buf`: the buffer of one all-reduce, which frames are sent from without a copy.
 //! - `wire`: `Ring/Stream` messages encoded and decoded without copying their payloads.
 //! - `config`: [`RingConfig`], how a worker takes part in a ring, checked.
-//! - `ring`: [`Ring`], the send side and the algorithm.
+//! - `ring`: [`Ring`], the send side and the algorithm, written against a [`Transport`].
+//! - `transport`: [`Transport`] and [`Link`], what the ring needs from the network, and
+//!   [`GrpcTransport`], the HTTP/2 one jobs use.
+//! - `memory`: [`MemoryNetwork`], peers' mailboxes in one process with injected faults
+//!   ([`LinkFaults`]), for tests and simulations.
 //! - `absorb`: what a received frame does to the buffer (add or copy) and what it passes on.
 //! - `bf16_wire`: frames of bf16 elements (`train.allreduce_dtype = "bf16"`), summed in f32.
 //! - `link`: one long-lived `Ring/Stream` call to the right neighbour, acked frame by frame,
@@ -71,19 +75,23 @@ mod error;
 mod expect;
 mod link;
 mod mailbox;
+mod memory;
 mod plan;
 mod ring;
 mod service;
 mod shared_buf;
+mod transport;
 mod wire;
 
 pub use config::RingConfig;
 pub use error::{AllReduceError, FrameRejected};
 pub use keel_proto::ring_rpc::{Collective, WireDtype};
 pub use mailbox::{DEFAULT_CAPACITY_BYTES, MAX_FRAME_BYTES, Mailbox};
+pub use memory::{FaultCounts, LinkFaults, MemoryNetwork};
 pub use plan::{chunk_plan, frame_count, frame_plan, owned_chunk, recv_chunk, send_chunk};
 pub use ring::Ring;
 pub use service::{AckStream, MAX_MESSAGE_BYTES, RingDataPlane, RingService, ring_service};
+pub use transport::{Ack, GrpcTransport, Link, Transport};
 
 /// HTTP/2 stream flow-control window, bytes (16 MiB windows gained 20-40% when measured).
 pub const STREAM_WINDOW_BYTES: u32 = 16 << 20;

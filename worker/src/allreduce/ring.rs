@@ -22,7 +22,6 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use keel_proto::ring_rpc::{Collective, RingFrame, WireDtype};
 
-use super::link::LinkStream;
 use backon::{ExponentialBuilder, Retryable};
 use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 use tonic::Code;
@@ -35,73 +34,64 @@ use super::expect::{FrameSchedule, PlannedFrame, RingShape};
 use super::mailbox::{InboundFrame, Mailbox};
 use super::plan::{chunk_plan, frame_plan, send_chunk};
 use super::shared_buf::SharedBuf;
-use super::{CONNECTION_WINDOW_BYTES, H2_MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
+use super::transport::{GrpcTransport, Link, Transport, before};
 
 /// Frames in flight per stream of the link to the right neighbour.
 const IN_FLIGHT_PER_STREAM: usize = 8;
 
-/// One worker's membership in a ring: connections to its right neighbour, plus the mailbox where
-/// its left neighbour's frames arrive.
+/// One worker's membership in a ring: links to its right neighbour (over a [`Transport`]),
+/// plus the mailbox where its left neighbour's frames arrive.
 pub struct Ring {
     /// As given to [`Ring::connect`].
     cfg: RingConfig,
     /// Shared with the worker's ring service.
     mailbox: Arc<Mailbox>,
-    /// `streams_per_link` streams, each on its own connection to the right neighbour (empty for
-    /// world size 1).
-    right: Vec<LinkStream>,
+    /// `streams_per_link` links to the right neighbour (over gRPC: each its own connection;
+    /// empty for world size 1).
+    right: Vec<Box<dyn Link>>,
     /// Round-robin cursor over `right`.
     next_stream: AtomicUsize,
 }
 
 impl Ring {
-    /// Joins the worker's mailbox to (job, generation) and opens `streams_per_link` connections to
-    /// the right neighbour, retrying until `timeout` while it starts up.
+    /// Joins the worker's mailbox to (job, generation) and opens `streams_per_link` HTTP/2
+    /// connections to the right neighbour, with the mailbox's peer security (cluster token,
+    /// TLS), retrying until `timeout` while it starts up: [`Ring::connect_over`] a
+    /// [`GrpcTransport`].
     ///
     /// Errors: [`AllReduceError::InvalidConfig`], [`AllReduceError::StaleGeneration`] (the mailbox
     /// already serves a newer generation of this job), [`AllReduceError::PeerUnreachable`].
     pub async fn connect(cfg: RingConfig, mailbox: Arc<Mailbox>) -> Result<Ring, AllReduceError> {
+        let transport = GrpcTransport::new(mailbox.peer_security().clone(), cfg.timeout);
+        Self::connect_over(cfg, mailbox, &transport).await
+    }
+
+    /// Joins the worker's mailbox to (job, generation) and opens `streams_per_link` links to
+    /// the right neighbour over `transport`, until `timeout`.
+    ///
+    /// Errors: as [`Ring::connect`].
+    pub async fn connect_over(
+        cfg: RingConfig,
+        mailbox: Arc<Mailbox>,
+        transport: &dyn Transport,
+    ) -> Result<Ring, AllReduceError> {
         cfg.validate()?;
         mailbox.join(&cfg.job_id, cfg.generation, shape(&cfg))?;
         let mut right = Vec::new();
         if cfg.world_size > 1 {
             let (rank, addr) = right_neighbour(&cfg);
-            let unreachable = |reason: String| AllReduceError::PeerUnreachable {
-                rank,
-                addr: addr.to_string(),
-                step: 0,
-                bucket: 0,
-                reason,
-            };
-            let security = mailbox.peer_security().clone();
-            let endpoint = security
-                .endpoint(addr)
-                .map_err(|e| unreachable(format!("bad address: {}", e.reason)))?
-                .connect_timeout(cfg.timeout)
-                .tcp_nodelay(true)
-                .initial_stream_window_size(STREAM_WINDOW_BYTES)
-                .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
-                .max_frame_size(H2_MAX_FRAME_BYTES);
             let deadline = Instant::now() + cfg.timeout;
             for _ in 0..cfg.streams_per_link {
-                let endpoint = &endpoint;
-                let tries = (move || endpoint.connect())
-                    .retry(CONNECT_BACKOFF)
-                    .adjust(|_, pause| before(deadline, pause))
-                    .notify(|e, _| {
-                        tracing::debug!(rank, addr, error = %e, "ring peer not up yet, retrying");
-                    });
-                let channel = match timeout_at(deadline, tries).await {
-                    Ok(Ok(channel)) => channel,
-                    Ok(Err(e)) => return Err(unreachable(format!("{e}: {e:?}"))),
-                    Err(_) => {
-                        return Err(unreachable(format!(
-                            "no connection within {:?}",
-                            cfg.timeout
-                        )));
+                let link = transport.connect(addr, deadline).await.map_err(|reason| {
+                    AllReduceError::PeerUnreachable {
+                        rank,
+                        addr: addr.to_string(),
+                        step: 0,
+                        bucket: 0,
+                        reason,
                     }
-                };
-                right.push(LinkStream::spawn(security.wrap(channel)));
+                })?;
+                right.push(link);
             }
         }
         Ok(Ring {
@@ -516,14 +506,6 @@ impl Ring {
     }
 }
 
-/// Pauses between tries to connect to the right neighbour while it starts up: 5 ms, doubling
-/// up to 200 ms, until the ring's `timeout`.
-const CONNECT_BACKOFF: ExponentialBuilder = ExponentialBuilder::new()
-    .with_min_delay(Duration::from_millis(5))
-    .with_factor(2.0)
-    .with_max_delay(Duration::from_millis(200))
-    .without_max_times();
-
 /// Pauses between tries to push a frame the right neighbour could not take yet: 1 ms,
 /// doubling up to 100 ms, until the ring's `timeout`.
 const SEND_BACKOFF: ExponentialBuilder = ExponentialBuilder::new()
@@ -531,11 +513,6 @@ const SEND_BACKOFF: ExponentialBuilder = ExponentialBuilder::new()
     .with_factor(2.0)
     .with_max_delay(Duration::from_millis(100))
     .without_max_times();
-
-/// `pause` if waiting it still ends before `deadline`; else `None` (no more tries).
-fn before(deadline: Instant, pause: Option<Duration>) -> Option<Duration> {
-    pause.filter(|p| Instant::now() + *p < deadline)
-}
 
 /// Whether a refused push may heal within the timeout: the receiver has not joined yet (still
 /// in its previous job, `NotFound`, or fetching this job's files), or the connection is down.
