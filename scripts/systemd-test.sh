@@ -236,6 +236,22 @@ sandbox_check() { # sandbox_check MACHINE UNIT WRITABLE_DIR: prints one line
 line="$(sandbox_check coord keel-coordinator /var/lib/keel/coordinator)"; log "sandbox: $line"
 for m in w1 w2; do line="$(sandbox_check "$m" keel-worker /var/cache/keel/worker)"; log "sandbox: $line"; done
 
+# The bf16 route under the unit's sandbox is the route outside it: `keel-worker bf16-probe` run
+# by a oneshot copy of the installed keel-worker.service (same user, same options, only
+# ExecStart and Type changed) against the same probe run by root. oneDNN JIT-compiles its
+# kernels: MemoryDenyWriteExecute=yes makes them fail and the probe fall back to emulated bf16
+# (on a CPU without AMX or AVX512_BF16 both say "emulated" whatever the sandbox).
+# shellcheck disable=SC2016 # expanded by the container's bash
+on w1 bash -c 'sed -e "s|^ExecStart=.*|ExecStart=/usr/local/bin/keel-worker bf16-probe|" -e "s/^Type=.*/Type=oneshot/" \
+  -e "/^Restart/d" -e "/^\[Install\]/,\$d" /etc/systemd/system/keel-worker.service >/run/systemd/system/keel-bf16-probe.service \
+  && systemctl daemon-reload && timeout 120 systemctl start keel-bf16-probe' \
+  || die "w1: keel-worker bf16-probe under keel-worker.service's settings failed: $(on w1 journalctl --no-pager -o cat -u keel-bf16-probe 2>&1 | tail -n 5)"
+in_unit="$(on w1 journalctl --no-pager -o cat -u keel-bf16-probe | grep '^bf16 GEMMs' | tail -n 1)"
+outside="$(on w1 timeout 120 keel-worker bf16-probe 2>/dev/null | grep '^bf16 GEMMs' | tail -n 1)"
+on w1 bash -c 'rm /run/systemd/system/keel-bf16-probe.service && systemctl daemon-reload'
+{ [ -n "$in_unit" ] && [ "$in_unit" = "$outside" ]; } || die "w1: keel-worker bf16-probe under the unit's settings says '$in_unit', outside them '$outside'"
+log "bf16 route under keel-worker.service's settings = outside them: \"$in_unit\""
+
 # ---------------------------------------------------------------------------------------------
 # A job, from coord's shell.
 write_job() { # write_job FILE STEPS CHECKPOINT_EVERY
