@@ -70,8 +70,10 @@ if [ "$(id -u)" = 0 ] && command -v docker >/dev/null && docker info >/dev/null 
     scripts/container-test.sh target/release
   run "Slurm: a real cluster in containers (slurmctld, 3 slurmd, munge) runs deploy/slurm/keel.sbatch" \
     scripts/slurm-test.sh target/release
+  run "systemd: the units under systemd as PID 1 in containers, installed as deploy/README.md says; a job, the sandbox, a worker killed" \
+    scripts/systemd-test.sh target/release
 else
-  step "container and Slurm tests skipped: they need root and a running Docker engine"
+  step "container, Slurm and systemd tests skipped: they need root and a running Docker engine"
 fi
 run "docs checks" scripts/check-docs.sh target/release
 
