@@ -214,7 +214,7 @@ if have docker-compose; then
 else
   skip "docker-compose config" "docker-compose not installed"
 fi
-run "compose.yaml: coordinator + 3 workers, advertise addresses, volumes" "$PY" "$CHECK" compose
+run "compose.yaml: coordinator + 3 workers, advertise addresses, volumes; example-job.toml: keys, corpus, workers" "$PY" "$CHECK" compose
 if [ -x "$VENV/bin/python" ]; then
   run "Kubernetes manifests: structure + API schema (kubernetes client $K8S_CLIENT_VERSION models)" \
     "$VENV/bin/python" "$CHECK" k8s --typed
