@@ -98,6 +98,7 @@ DEPLOY_OWN_ENV = {
     "KEEL_OUT_DIR",  # compose: host folder mounted at /out
     "KEEL_COORDINATOR_PUBLISH",  # compose: host address:port the coordinator's 7070 is published on
     "KEEL_METRICS_PUBLISH",  # compose: host address:port the coordinator's 9470 is published on
+    "KEEL_WORKER_THREADS",  # compose: each worker's --threads and CPU limit
     "KEEL_BIN_DIR",  # slurm: where the binaries are
     "KEEL_IFACE",  # slurm: interface whose address is advertised
     "KEEL_WORKER_BIN",  # slurm: the worker's path, passed to srun tasks
