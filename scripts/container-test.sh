@@ -179,7 +179,8 @@ MPORT="$(free_port)"
 export KEEL_COORDINATOR_PUBLISH="127.0.0.1:$PORT" KEEL_METRICS_PUBLISH="127.0.0.1:$MPORT"
 export KEEL_CORPUS_DIR="$REPO/corpora/en-kjv"
 export KEEL_JOBS_DIR="$WORK/jobs" KEEL_OUT_DIR="$WORK/out"
-mkdir -p "$WORK/jobs" "$WORK/out"
+mkdir -p "$WORK/jobs"
+install -d -o 10001 -g 10001 "$WORK/out"   # as deploy/README.md makes out/: the CLI service writes as uid 10001
 # The token must be readable by the programs' uid (10001) and by nobody else.
 (umask 077 && head -c 32 /dev/urandom | base64 >"$WORK/token")
 chown 10001:10001 "$WORK/token"
@@ -375,7 +376,7 @@ fi
 # The compose file's CLI service (profile cli) too: `jobs`, and `pull` into KEEL_OUT_DIR.
 compose run --rm keel jobs >"$WORK/logs/run-jobs.log" 2>&1 || die "compose run --rm keel jobs failed: $(tail -n 3 "$WORK/logs/run-jobs.log")"
 grep -q "^$JOB0 .*completed" "$WORK/logs/run-jobs.log" || die "compose run --rm keel jobs does not list $JOB0 completed: $(cat "$WORK/logs/run-jobs.log")"
-compose run --rm --user "$(id -u)" keel pull "$JOB0" --out "/out/$JOB0" >"$WORK/logs/run-pull.log" 2>&1 \
+compose run --rm keel pull "$JOB0" --out "/out/$JOB0" >"$WORK/logs/run-pull.log" 2>&1 \
   || die "compose run --rm keel pull failed: $(tail -n 3 "$WORK/logs/run-pull.log")"
 cmp -s "$WORK/out/$JOB0/model.safetensors" "$WORK/pulled-$JOB0/model.safetensors" \
   || die "compose run --rm keel pull brought a different model.safetensors"

@@ -214,7 +214,7 @@ if have docker-compose; then
 else
   skip "docker-compose config" "docker-compose not installed"
 fi
-run "compose.yaml: coordinator + 3 workers, advertise addresses, volumes" "$PY" "$CHECK" compose
+run "compose.yaml: coordinator + 3 workers, advertise addresses, volumes; example-job.toml: keys, corpus, workers" "$PY" "$CHECK" compose
 if [ -x "$VENV/bin/python" ]; then
   run "Kubernetes manifests: structure + API schema (kubernetes client $K8S_CLIENT_VERSION models)" \
     "$VENV/bin/python" "$CHECK" k8s --typed
@@ -276,7 +276,8 @@ echo "  - docker build / run: not here (scripts/container-test.sh builds the run
 echo "    compose.yaml; the builder stage needs rust:1-bookworm from a registry)"
 echo "  - Kubernetes admission and scheduling: no API server (the manifests were checked against the"
 echo "    kubernetes client's API models only); grpc probes need Kubernetes >= 1.24"
-echo "  - systemd units started for real: this machine is not booted with systemd"
+echo "  - systemd units started for real: not here (scripts/systemd-test.sh runs them under systemd as"
+echo "    PID 1 in containers)"
 echo "  - Grafana: no Grafana here; the dashboard JSON is checked for structure, names and PromQL syntax, never imported"
 echo "  - Prometheus scraping real targets: the scrape configuration is only checked (promtool, YAML)"
 echo "  - sbatch on a Slurm cluster: here keel.sbatch is only parsed and shellchecked"

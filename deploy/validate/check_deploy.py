@@ -9,7 +9,8 @@ status is 1 when any check failed.
 - `CONTRACT_FLAGS`, `CONTRACT_ENV`: the command lines and environment variables the Keel
   binaries promise (deploy/README.md); every file is checked against them, and against the
   binaries' own `--help` when built ones are given.
-- `check_systemd`, `check_compose`, `check_dockerfile`, `check_k8s`, `check_slurm`: one per kind.
+- `check_systemd`, `check_compose`, `check_dockerfile`, `check_k8s`, `check_slurm`: one per kind
+  (`compose` also checks deploy/docker/example-job.toml against docs/job-file.md's keys).
 - `check_monitoring`: the Grafana dashboard and the Prometheus scrape configuration use only the
   metric names in deploy/grafana/metric-names.txt (the one list of them; the programs must serve
   exactly these); `check_promtool`: the same files through Prometheus' promtool.
@@ -97,6 +98,7 @@ DEPLOY_OWN_ENV = {
     "KEEL_OUT_DIR",  # compose: host folder mounted at /out
     "KEEL_COORDINATOR_PUBLISH",  # compose: host address:port the coordinator's 7070 is published on
     "KEEL_METRICS_PUBLISH",  # compose: host address:port the coordinator's 9470 is published on
+    "KEEL_WORKER_THREADS",  # compose: each worker's --threads and CPU limit
     "KEEL_BIN_DIR",  # slurm: where the binaries are
     "KEEL_IFACE",  # slurm: interface whose address is advertised
     "KEEL_WORKER_BIN",  # slurm: the worker's path, passed to srun tasks
@@ -418,6 +420,66 @@ def check_compose(root: Path, rep: Report) -> None:
             _, port = split_host_port(wmetrics)
             exposed = [str(p) for p in services[name].get("expose", [])]
             rep.check(str(port) in exposed, f"compose: {name}'s --metrics-listen {wmetrics} port is exposed ({exposed})")
+
+
+def job_file_keys(root: Path) -> dict[str, set[str]]:
+    """The keys of each job-file section, from docs/job-file.md's tables (generated from the code)."""
+    keys: dict[str, set[str]] = {}
+    section = None
+    for line in (root / "docs/job-file.md").read_text().splitlines():
+        m = re.fullmatch(r"### `\[+(\w+)\]+`", line)
+        if m:
+            section = keys.setdefault(m.group(1), set())
+        elif line.startswith("## "):
+            section = None
+        elif section is not None:
+            m = re.match(r"\| `(\w+)` \|", line)
+            if m:
+                section.add(m.group(1))
+    return keys
+
+
+def check_example_job(root: Path, rep: Report) -> None:
+    """deploy/docker/example-job.toml parses, uses only documented keys, reads its corpus inside
+    the coordinator's --input-root and asks for no more workers than compose.yaml runs."""
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        print("  skip: example-job.toml: no tomllib (Python 3.11+)")
+        return
+    path = root / "deploy/docker/example-job.toml"
+    try:
+        job = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        rep.error(f"example-job.toml: not TOML: {e}")
+        return
+    rep.ok("example-job.toml parses (TOML)")
+    documented = job_file_keys(root)
+    rep.check({"data", "model", "train"} <= set(documented), f"docs/job-file.md documents the sections ({sorted(documented)})")
+    for section, table in job.items():
+        rows = table if isinstance(table, list) else [table]
+        for row in rows:
+            unknown = sorted(set(row) - documented.get(section, set()))
+            rep.check(
+                section in documented and not unknown,
+                f"example-job.toml: [{section}] {', '.join(sorted(row))} are keys of docs/job-file.md",
+                f"unknown: {unknown or section}",
+            )
+    compose = yaml.safe_load((root / "deploy/docker/compose.yaml").read_text())
+    services = compose.get("services", {})
+    input_root = flag_value(services.get("coordinator", {}).get("command", []), "--input-root") or ""
+    for corpus in job.get("data", {}).get("corpus", []):
+        rep.check(
+            corpus.startswith(input_root.rstrip("/") + "/"),
+            f"example-job.toml: corpus {corpus} is inside the coordinator's --input-root {input_root}",
+        )
+    workers = len([s for s in services if s.startswith("worker")])
+    cluster = job.get("cluster", {})
+    lo, hi = cluster.get("min_workers", 1), cluster.get("max_workers", 1)
+    rep.check(
+        1 <= lo <= hi <= workers,
+        f"example-job.toml: min_workers {lo} <= max_workers {hi} <= the {workers} workers of compose.yaml",
+    )
 
 
 def split_host_port(addr: str) -> tuple[str, int | None]:
@@ -1150,6 +1212,7 @@ def main() -> int:
             check_dockerfile(args.root, rep)
         elif args.what == "compose":
             check_compose(args.root, rep)
+            check_example_job(args.root, rep)
         elif args.what == "k8s":
             check_k8s(args.root, rep, args.typed)
         elif args.what == "slurm":

@@ -57,9 +57,19 @@ pub enum AuthError {
     /// No token file was given.
     #[error("no cluster token: pass --token-file FILE or set KEEL_TOKEN_FILE ({TOKEN_HOWTO})")]
     NotGiven,
-    /// The file cannot be read (missing, no permission) or written.
-    #[error("cluster token file {path}: {source} ({TOKEN_HOWTO})")]
+    /// The file cannot be read (missing, no permission). The message says how to make one
+    /// only when the file is missing, and what to check when this user may not read it.
+    #[error("cluster token file {path}: {source}{}", read_hint(.path, .source))]
     Io {
+        /// The token file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A fresh token file cannot be written ([`ClusterToken::create_file`]: it exists already,
+    /// or its folder is not writable).
+    #[error("cluster token file {path}: cannot create it: {source}")]
+    Create {
         /// The token file.
         path: PathBuf,
         /// The underlying error.
@@ -91,6 +101,39 @@ pub enum AuthError {
         /// Offset of the first bad byte in the trimmed token.
         offset: usize,
     },
+}
+
+/// What to do about an error reading the token file at `path`: make one when it is missing;
+/// when this user may not read it, check the file's owner and mode (or, when even its
+/// metadata is out of reach, the folders above it); nothing to add otherwise.
+fn read_hint(path: &Path, source: &std::io::Error) -> String {
+    match source.kind() {
+        std::io::ErrorKind::NotFound => format!(" ({TOKEN_HOWTO})"),
+        std::io::ErrorKind::PermissionDenied if std::fs::metadata(path).is_ok() => format!(
+            " (the file exists, but {} may not read it: check its owner and mode with ls -l {})",
+            this_user(),
+            path.display()
+        ),
+        std::io::ErrorKind::PermissionDenied => format!(
+            " ({} may not reach it: check the owner and mode of the folders above it)",
+            this_user()
+        ),
+        _ => String::new(),
+    }
+}
+
+/// "this user (uid N)", N the effective uid file permissions are checked against.
+fn this_user() -> String {
+    #[cfg(unix)]
+    {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let uid = unsafe { libc::geteuid() };
+        format!("this user (uid {uid})")
+    }
+    #[cfg(not(unix))]
+    {
+        "this user".to_string()
+    }
 }
 
 /// The cluster's shared secret. Cheap to clone; `Debug` never prints it.
@@ -149,13 +192,13 @@ impl ClusterToken {
     /// which must not exist yet, readable by its owner only (mode 600). For `keel local`'s
     /// throwaway cluster.
     ///
-    /// Errors: [`AuthError::Io`] if the file exists or cannot be written.
+    /// Errors: [`AuthError::Create`] if the file exists or cannot be written.
     pub fn create_file(path: &Path) -> Result<ClusterToken, AuthError> {
         use std::io::Write;
         // ThreadRng: a CSPRNG seeded from the operating system.
         let bytes: [u8; 32] = rand::random();
         let secret = keel_proto::checkpoint::hex(&bytes);
-        let io = |source| AuthError::Io {
+        let io = |source| AuthError::Create {
             path: path.to_path_buf(),
             source,
         };
@@ -419,6 +462,71 @@ mod tests {
             TokenArgs::default().load(),
             Err(AuthError::NotGiven)
         ));
+    }
+
+    /// A missing file gets the recipe for a new token; a file this user may not read gets
+    /// what to check instead (a new token would not help: the cluster already has one).
+    #[test]
+    fn unreadable_and_missing_token_files_say_different_things() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keel.token");
+        let missing = AuthError::Io {
+            path: path.clone(),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        }
+        .to_string();
+        assert!(missing.contains("make one with: head -c 32"), "{missing}");
+        assert!(!missing.contains("owner and mode"), "{missing}");
+
+        // The file exists (its metadata can be read): its own owner and mode are the problem.
+        write(dir.path(), "keel.token", "0123456789abcdef0123\n");
+        let denied = AuthError::Io {
+            path: path.clone(),
+            source: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        }
+        .to_string();
+        assert!(!denied.contains("head -c 32"), "{denied}");
+        assert!(
+            denied.contains("the file exists, but this user")
+                && denied.contains("may not read it: check its owner and mode")
+                && denied.contains(&format!("ls -l {}", path.display())),
+            "{denied}"
+        );
+        #[cfg(unix)]
+        assert!(
+            denied.contains(&format!("(uid {})", unsafe { libc::geteuid() })),
+            "{denied}"
+        );
+
+        // Not even its metadata: a folder above it is in the way.
+        let hidden = AuthError::Io {
+            path: dir.path().join("missing").join("keel.token"),
+            source: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        }
+        .to_string();
+        assert!(
+            !hidden.contains("head -c 32") && hidden.contains("folders above it"),
+            "{hidden}"
+        );
+
+        // For real, where the test runs unprivileged (root reads any file).
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o000)).unwrap();
+            if std::fs::read(&path).is_err() {
+                let e = ClusterToken::load(&path).unwrap_err().to_string();
+                assert!(
+                    e.contains("the file exists") && !e.contains("head -c 32"),
+                    "{e}"
+                );
+            }
+        }
+
+        // Making a token where one exists says so, without the recipe.
+        let e = ClusterToken::create_file(&path).unwrap_err();
+        assert!(matches!(e, AuthError::Create { .. }), "{e}");
+        assert!(e.to_string().contains("cannot create it"), "{e}");
     }
 
     #[test]
