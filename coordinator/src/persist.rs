@@ -107,6 +107,10 @@ pub struct JobRecord {
     /// stalling this job: they are not given it again, also after a restart.
     #[serde(default)]
     pub excluded_workers: Vec<String>,
+    /// When the job ended, milliseconds since the Unix epoch (`None` while it runs, and in
+    /// records written before it existed): its elapsed time stops there.
+    #[serde(default)]
+    pub finished_unix_ms: Option<u64>,
     /// The latest step and eval metrics.
     pub metrics: LastMetrics,
 }
@@ -320,6 +324,7 @@ mod tests {
             submitted_unix_ms: 1,
             step_heard_unix_ms: None,
             excluded_workers: Vec::new(),
+            finished_unix_ms: None,
             metrics: LastMetrics::default(),
         }
     }

@@ -79,6 +79,7 @@ fn restored_jobs_keep_their_prepared_data() {
         submitted_unix_ms: 1,
         step_heard_unix_ms: None,
         excluded_workers: Vec::new(),
+        finished_unix_ms: None,
         metrics: LastMetrics::default(),
     }
     .write(&dir)

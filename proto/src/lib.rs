@@ -46,6 +46,7 @@ pub mod atomic;
 pub mod checkpoint;
 pub mod config;
 pub mod diloco;
+pub mod disk;
 pub mod host;
 pub mod jobfile_reference;
 pub mod jobspec;

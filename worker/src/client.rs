@@ -39,6 +39,22 @@ pub enum TransferError {
     /// The stream broke the chunk protocol (name, offset, missing last chunk).
     #[error("{0}")]
     Protocol(String),
+    /// The worker's cache folder has no room for a file of the job (checked before it is
+    /// fetched, or the disk filled up while it was written; nothing of it is kept).
+    #[error(
+        "the worker's cache folder {path} has no room for {name}: it needs {needed} bytes and \
+         {free} are free (free some space or give the worker a larger --cache-dir)"
+    )]
+    NoRoom {
+        /// The folder the file goes to.
+        path: PathBuf,
+        /// The file's name in the job.
+        name: String,
+        /// Its size, bytes.
+        needed: u64,
+        /// Bytes free in that folder's file system when it was found full.
+        free: u64,
+    },
     /// The coordinator address is malformed or unreachable.
     #[error("coordinator {addr}: {reason}")]
     Connect {
@@ -140,6 +156,12 @@ pub async fn fetch_cached(
     let dir = cache_dir.join("files");
     tokio::fs::create_dir_all(&dir).await.map_err(io(&dir))?;
     let path = dir.join(&file.sha256);
+    let no_room = |free: u64| TransferError::NoRoom {
+        path: dir.clone(),
+        name: file.name.clone(),
+        needed: file.size,
+        free,
+    };
     if path.is_file() {
         let p = path.clone();
         let cached = tokio::task::spawn_blocking(move || sha256_file(&p).ok())
@@ -150,6 +172,13 @@ pub async fn fetch_cached(
             tracing::info!(file = %file.name, "using cached copy");
             return Ok(path);
         }
+    }
+    // A file that cannot fit is not fetched at all (`free_bytes` failing is not a reason to
+    // refuse: the write below finds out).
+    if let Ok(free) = keel_proto::disk::free_bytes(&dir)
+        && free < file.size
+    {
+        return Err(no_room(free));
     }
     let mut stream = client
         .fetch_file(FetchFileRequest {
@@ -175,7 +204,14 @@ pub async fn fetch_cached(
             status,
         })?
     {
-        receiver.accept(chunk).await?;
+        receiver.accept(chunk).await.map_err(|e| match e {
+            keel_proto::transfer::TransferError::Io { source, .. }
+                if keel_proto::disk::is_disk_full(&source) =>
+            {
+                no_room(keel_proto::disk::free_bytes(&dir).unwrap_or(0))
+            }
+            other => TransferError::from(other),
+        })?;
     }
     let ended = |detail: String| {
         TransferError::Protocol(format!(
@@ -265,7 +301,9 @@ impl TransferError {
                     | Code::Unknown
             ),
             TransferError::Io { .. } | TransferError::Connect { .. } => true,
-            TransferError::Stream(_) | TransferError::Protocol(_) => false,
+            TransferError::Stream(_)
+            | TransferError::Protocol(_)
+            | TransferError::NoRoom { .. } => false,
         }
     }
 }

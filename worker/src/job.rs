@@ -72,7 +72,7 @@ impl JobError {
     /// job (bad data, a non-finite loss past the limit).
     pub fn is_recoverable(&self) -> bool {
         match self {
-            JobError::Transfer(TransferError::Io { .. }) => false,
+            JobError::Transfer(TransferError::Io { .. } | TransferError::NoRoom { .. }) => false,
             JobError::Transfer(_) | JobError::Ring(_) => true,
             JobError::Train(e) => e.is_recoverable(),
             JobError::Assignment(_) | JobError::Panic(_) => false,

@@ -68,6 +68,7 @@ pub fn sibling(name: &str) -> PathBuf {
 }
 
 pub mod cluster;
+pub mod disk;
 
 #[path = "../../../fixtures/testdata.rs"]
 mod testdata;

@@ -78,7 +78,10 @@ const JOB_GAUGES: [(&str, &str); 11] = [
         "eval_accuracy_ratio",
         "Latest held-out MLM accuracy, 0 to 1",
     ),
-    ("elapsed_seconds", "Seconds since the job was submitted"),
+    (
+        "elapsed_seconds",
+        "Seconds from the job's submission to now, or to its end once finished",
+    ),
 ];
 
 /// The values of [`JOB_GAUGES`] for one job, in that order (NaN: not known, left out).

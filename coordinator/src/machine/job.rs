@@ -42,6 +42,8 @@ pub struct Job {
     pub(super) last_eval: Option<EvalReport>,
     /// When it was submitted (machine time: for elapsed time).
     pub(super) submitted: Instant,
+    /// When it ended (machine time; `None` while it runs): its elapsed time stops there.
+    pub(super) finished: Option<Instant>,
     /// When it was submitted, wall clock (saved, so elapsed time survives a restart).
     pub(super) submitted_at: SystemTime,
     /// Set once preparation succeeded.
@@ -106,6 +108,7 @@ impl Job {
             last_step: None,
             last_eval: None,
             submitted: now,
+            finished: None,
             submitted_at: wall,
             prepared: None,
             files: BTreeMap::new(),
@@ -213,7 +216,11 @@ impl Job {
             error,
             eval_loss: self.last_eval.as_ref().map_or(f64::NAN, |e| e.mlm_loss),
             eval_accuracy: self.last_eval.as_ref().map_or(f64::NAN, |e| e.mlm_accuracy),
-            elapsed_seconds: now.saturating_duration_since(self.submitted).as_secs_f64(),
+            elapsed_seconds: self
+                .finished
+                .unwrap_or(now)
+                .saturating_duration_since(self.submitted)
+                .as_secs_f64(),
             recoveries: self.recoveries,
             skipped_steps: self.skipped_steps,
             precision: self
@@ -269,6 +276,7 @@ impl Job {
             precision: self.precision,
             submitted_unix_ms: self.unix_ms(self.submitted),
             step_heard_unix_ms: Some(self.unix_ms(self.step_heard)),
+            finished_unix_ms: self.finished.map(|at| self.unix_ms(at)),
             excluded_workers: self.excluded.iter().cloned().collect(),
             metrics: LastMetrics {
                 loss: step.map(|s| s.loss).filter(|v| v.is_finite()),
@@ -308,6 +316,12 @@ impl Job {
             None => now,
         };
         job.excluded = record.excluded_workers.iter().cloned().collect();
+        // A finished job's clock stays stopped (records before this field: at the restart).
+        job.finished = record.finished_unix_ms.map(|ms| {
+            let at = UNIX_EPOCH + Duration::from_millis(ms);
+            now.checked_sub(wall.duration_since(at).unwrap_or_default())
+                .unwrap_or(now)
+        });
         job.checkpoints = record.checkpoints.clone();
         job.worker_names = record.worker_names.clone();
         job.recoveries = record.recoveries;

@@ -567,6 +567,7 @@ impl Machine {
             }
         };
         job.phase = Phase::Finished(outcome);
+        job.finished = Some(now);
         let key = TrainingKey {
             job_id: job.id.clone(),
             generation: job.generation,

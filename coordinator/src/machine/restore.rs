@@ -63,10 +63,16 @@ impl Machine {
                     })
                 }
             };
+            if job.is_finished() && job.finished.is_none() {
+                // A record from before finish times were saved: the restart is the latest
+                // it can have ended.
+                job.finished = Some(now);
+            }
             let n = r.interrupted_preparations;
             if n >= crate::prepare_job::MAX_INTERRUPTED_PREPARATIONS && !job.is_finished() {
                 // It stays failed (and is saved so), so it is never prepared again.
                 tracing::error!(job = %job.id, interrupted = n, "not preparing it again");
+                job.finished = Some(now);
                 job.phase = Phase::Finished(Outcome::Failed(format!(
                     "its preparation was interrupted {n} times (the coordinator stopped or was \
                      killed while preparing it, perhaps for memory): not retried; fix the \
@@ -77,6 +83,7 @@ impl Machine {
                 && !job.is_finished()
             {
                 tracing::error!(job = %job.id, "not restoring it: {e}");
+                job.finished = Some(now);
                 job.phase =
                     Phase::Finished(Outcome::Failed(format!("restored after a restart: {e}")));
                 job.prepared = None;

@@ -97,6 +97,43 @@ fn a_job_completes_only_with_its_final_checkpoint() {
 }
 
 #[test]
+fn a_finished_jobs_clock_stops_and_stays_stopped_after_a_restart() {
+    let (mut h, job, _) = running(1, "");
+    h.at(5.0);
+    for step in [4, 8, 12, 16, 20] {
+        let key = h.key(&job, step);
+        h.feed(Input::CheckpointStored(key)).unwrap();
+    }
+    h.at(7.0).done(&job, 1, 20);
+    assert_eq!(h.state(&job), JobState::Completed);
+    h.at(60.0);
+    let elapsed = h.m.job(&job).unwrap().status(h.now).elapsed_seconds;
+    assert!((elapsed - 7.0).abs() < 1e-3, "elapsed {elapsed} s");
+
+    // Restarted 53 s after the end: still 7 s.
+    let record = h.m.job(&job).unwrap().record();
+    let ended = record.finished_unix_ms.expect("the end is saved");
+    assert_eq!(ended - record.submitted_unix_ms, 7000);
+    let mut h2 = Harness::new();
+    let wall = std::time::UNIX_EPOCH + Duration::from_millis(ended + 53_000);
+    let restored = Restored {
+        spec: spec(""),
+        dir: PathBuf::from("/nonexistent/jobs/job-1"),
+        prepared: None,
+        interrupted_preparations: 0,
+        refused: None,
+        record,
+    };
+    h2.m.restore(h2.now, wall, vec![restored], 1);
+    h2.at(100.0);
+    let elapsed = h2.m.job(&job).unwrap().status(h2.now).elapsed_seconds;
+    assert!(
+        (elapsed - 7.0).abs() < 1e-2,
+        "elapsed after a restart {elapsed} s"
+    );
+}
+
+#[test]
 fn a_stalled_job_drops_the_worker_that_never_started_and_regroups() {
     let (mut h, job, w) = running(2, "min_workers = 1\nprogress_timeout_seconds = 30");
     // w[0] heartbeats the generation; w[1] heartbeats but never names it.

@@ -140,6 +140,7 @@ pub(super) fn restored() -> (Harness, String) {
         submitted_unix_ms: 1,
         step_heard_unix_ms: None,
         excluded_workers: Vec::new(),
+        finished_unix_ms: None,
         metrics: LastMetrics::default(),
     };
     let restored = Restored {

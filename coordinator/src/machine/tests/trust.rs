@@ -110,6 +110,7 @@ fn restored_heard(seconds_ago: u64, step_seconds: Option<f64>) -> (Harness, Stri
         submitted_unix_ms: ms(heard) - 1000,
         step_heard_unix_ms: Some(ms(heard)),
         excluded_workers: Vec::new(),
+        finished_unix_ms: None,
         metrics: LastMetrics {
             loss: Some(1.0),
             step_seconds,
