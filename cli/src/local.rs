@@ -4,7 +4,7 @@
 //! processes, also on error or Ctrl-C. The cluster gets a fresh random token, written to
 //! `keel.token` (mode 600) in the work folder and given to every process.
 
-use crate::client::{finished_ok, submit};
+use crate::conn::{finished_ok, submit};
 use crate::output::{errln, outln};
 use crate::{pull, watch};
 use anyhow::Context;
@@ -204,7 +204,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         &coordinator_args,
         &logs,
     )?;
-    let mut client = crate::client::connect_with(&coord_addr, &security)?;
+    let mut client = crate::conn::connect_with(&coord_addr, &security)?;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         cluster.check_alive(&logs)?;

@@ -8,6 +8,7 @@
 use clap::{Parser, Subcommand};
 
 mod client;
+mod conn;
 mod errors;
 mod eta;
 mod fill_mask;

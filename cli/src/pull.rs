@@ -2,7 +2,7 @@
 //! manifest, writes the folder atomically, then adds `metrics.jsonl`, `loss.png` and the
 //! job's TensorBoard event files (`events.out.tfevents.*`).
 
-use crate::client::Conn;
+use crate::conn::Conn;
 use crate::output::errln;
 use anyhow::Context;
 use keel_proto::checkpoint::{Manifest, check_plain_name};

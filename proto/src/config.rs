@@ -5,12 +5,30 @@
 //! - [`BertConfig::preset`]: the model sizes of Turc et al. 2019 ("Well-Read Students Learn
 //!   Better", table of compact BERTs) plus BERT base and large (Devlin et al. 2019, section 3).
 //! - [`BertConfig::validate`]: the checks that make a config safe to build a model from.
+//! - [`Heads`]: which heads sit on the encoder, as `architectures` names them.
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::params::Heads;
+/// Which heads sit on the encoder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Heads {
+    /// Masked-LM head only (HF: `BertForMaskedLM`; no pooler).
+    MaskedLm,
+    /// Masked-LM head plus pooler and next-sentence head (HF: `BertForPreTraining`).
+    PreTraining,
+}
+
+impl Heads {
+    /// The HF class name, as written in `config.json`'s `architectures`.
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Heads::MaskedLm => "BertForMaskedLM",
+            Heads::PreTraining => "BertForPreTraining",
+        }
+    }
+}
 
 /// Errors of reading or checking a model config.
 #[derive(Debug, thiserror::Error)]

@@ -94,7 +94,7 @@ pub struct JobSpec {
     /// Later training phases (`[[phase]]`, BERT's phase 2: `crate::phases`); empty: the job
     /// is one phase.
     #[serde(default, rename = "phase", skip_serializing_if = "Vec::is_empty")]
-    pub phases: Vec<crate::phases::PhaseSpec>,
+    pub phases: Vec<PhaseSpec>,
 }
 
 /// Training objective (BERT paper, section 3.1).
@@ -308,6 +308,33 @@ pub struct ClusterSpec {
     /// generation (fetching the data, a state broadcast), an evaluation, checkpoint staging.
     #[serde(default = "default_progress_timeout")]
     pub progress_timeout_seconds: f64,
+}
+
+/// A phase after the first: what changes at `start_step`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PhaseSpec {
+    /// The phase's first step (0-based; steps `start_step..` the next phase's start or
+    /// `train.max_steps`).
+    pub start_step: u64,
+    /// Tokens per sequence (`data.max_seq_length` of the phase).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_seq_length: Option<usize>,
+    /// Masked positions per sequence at most.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_predictions_per_seq: Option<usize>,
+    /// Sequences per micro-batch on each worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro_batch_size: Option<usize>,
+    /// Micro-batches per step on each worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gradient_accumulation_steps: Option<usize>,
+    /// Peak learning rate of the phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub learning_rate: Option<f64>,
+    /// Steps of linear warmup at the phase's start, from 0 to its learning rate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup_steps: Option<u64>,
 }
 
 impl Default for ClusterSpec {

@@ -18,25 +18,9 @@
 //! Linear weights are `[out, in]` (PyTorch's `nn.Linear`), embeddings `[rows, hidden]`.
 
 use crate::config::BertConfig;
-
-/// Which heads sit on the encoder.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Heads {
-    /// Masked-LM head only (HF: `BertForMaskedLM`; no pooler).
-    MaskedLm,
-    /// Masked-LM head plus pooler and next-sentence head (HF: `BertForPreTraining`).
-    PreTraining,
-}
-
-impl Heads {
-    /// The HF class name, as written in `config.json`'s `architectures`.
-    pub fn architecture(self) -> &'static str {
-        match self {
-            Heads::MaskedLm => "BertForMaskedLM",
-            Heads::PreTraining => "BertForPreTraining",
-        }
-    }
-}
+// Which heads sit on the encoder is the model config's (`architectures`); a layout is made
+// for one, and `keel_proto::params::Heads` keeps naming it.
+pub use crate::config::Heads;
 
 /// One named tensor in the flat buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -32,8 +32,11 @@
 //! unchanged across a switch; the switch needs no restart and happens at `start_step`
 //! exactly, on every rank.
 
+// The `[[phase]]` section is one of the job file's sections, in `jobspec`; named here too
+// (`keel_proto::phases::PhaseSpec`) with the rest of the phases.
+pub use crate::jobspec::PhaseSpec;
+
 use crate::jobspec::JobSpec;
-use serde::{Deserialize, Serialize};
 use std::ops::Range;
 
 /// Role of a later phase's shard among a rank's files, followed by the phase's 1-based
@@ -44,33 +47,6 @@ pub const SHARD_PHASE_ROLE: &str = "shard_phase";
 /// `max_seq_length`), followed by its number: `heldout_phase2`. Without it the phase
 /// evaluates on the previous phase's held-out set.
 pub const HELDOUT_PHASE_ROLE: &str = "heldout_phase";
-
-/// A phase after the first: what changes at `start_step`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PhaseSpec {
-    /// The phase's first step (0-based; steps `start_step..` the next phase's start or
-    /// `train.max_steps`).
-    pub start_step: u64,
-    /// Tokens per sequence (`data.max_seq_length` of the phase).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_seq_length: Option<usize>,
-    /// Masked positions per sequence at most.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_predictions_per_seq: Option<usize>,
-    /// Sequences per micro-batch on each worker.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub micro_batch_size: Option<usize>,
-    /// Micro-batches per step on each worker.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gradient_accumulation_steps: Option<usize>,
-    /// Peak learning rate of the phase.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub learning_rate: Option<f64>,
-    /// Steps of linear warmup at the phase's start, from 0 to its learning rate.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub warmup_steps: Option<u64>,
-}
 
 /// A setting of `[[phase]]` that does not fit: `(dotted key, value given, what is allowed)`.
 pub type PhaseProblem = (&'static str, String, String);

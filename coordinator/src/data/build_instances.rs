@@ -7,11 +7,12 @@
 //! train on text another phase holds out. Held out by document, the same documents are held
 //! out at every length, whatever the phase.
 
+use super::error::PrepareError;
 use super::instance::Instance;
 use super::instances_mlm::MlmPacker;
 use super::instances_nsp::{NspSettings, create_nsp_instances};
 use super::manifest::Objective;
-use super::prepare::{PrepareError, PrepareOptions};
+use super::prepare_options::PrepareOptions;
 use super::spill::{Spill, SpillWriter, words_to_doc};
 use keel_proto::tokenizer::KeelTokenizer;
 use rand_chacha::ChaCha8Rng;

@@ -6,7 +6,8 @@
 //! - `tokenize`: parallel, order-keeping tokenisation into a spill file.
 //! - `spill`: on-disk temporary records (bounded memory).
 //! - `instance`, `instances_mlm`, `instances_nsp`: building training sequences.
-//! - `prepare`: the pipeline and its options; `error`: its errors; `manifest`: `manifest.json`.
+//! - `prepare`: the pipeline; `prepare_options`: its options; `error`: its errors; `manifest`:
+//!   `manifest.json`.
 //! - `prepared`: [`PreparedData`], a prepared folder opened for training.
 //! - `worker_shard`: [`build_worker_shard`], one rank's sequences as a shard.
 
@@ -18,6 +19,7 @@ pub mod instances_mlm;
 pub mod instances_nsp;
 pub mod manifest;
 pub mod prepare;
+pub mod prepare_options;
 pub mod prepared;
 pub mod spill;
 pub mod tokenize;

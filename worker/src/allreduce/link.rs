@@ -22,7 +22,7 @@ use tonic::codegen::{Service, http};
 use tonic::{Code, Status};
 use tonic_prost::ProstDecoder;
 
-use super::service::MAX_MESSAGE_BYTES;
+use super::wire::MAX_MESSAGE_BYTES;
 use super::wire::{STREAM_PATH, encode_frame};
 
 /// Result of pushing one frame: accepted, or the receiver's (or transport's) status.

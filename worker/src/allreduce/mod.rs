@@ -90,8 +90,9 @@ pub use mailbox::{DEFAULT_CAPACITY_BYTES, MAX_FRAME_BYTES, Mailbox};
 pub use memory::{FaultCounts, LinkFaults, MemoryNetwork};
 pub use plan::{chunk_plan, frame_count, frame_plan, owned_chunk, recv_chunk, send_chunk};
 pub use ring::Ring;
-pub use service::{AckStream, MAX_MESSAGE_BYTES, RingDataPlane, RingService, ring_service};
+pub use service::{AckStream, RingDataPlane, RingService, ring_service};
 pub use transport::{Ack, GrpcTransport, Link, Transport};
+pub use wire::MAX_MESSAGE_BYTES;
 
 /// HTTP/2 stream flow-control window, bytes (16 MiB windows gained 20-40% when measured).
 pub const STREAM_WINDOW_BYTES: u32 = 16 << 20;

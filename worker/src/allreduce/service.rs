@@ -23,12 +23,8 @@ use tonic::server::NamedService;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::error::FrameRejected;
-use super::mailbox::{MAX_FRAME_BYTES, Mailbox};
-use super::wire::{MessageReader, STREAM_PATH, encode_ack};
-
-/// Message size limit of the ring service, bytes: the largest frame plus room for its header
-/// fields (tonic's default of 4 MiB would refuse a full [`MAX_FRAME_BYTES`] frame).
-pub const MAX_MESSAGE_BYTES: usize = MAX_FRAME_BYTES + (64 << 10);
+use super::mailbox::Mailbox;
+use super::wire::{MAX_MESSAGE_BYTES, MessageReader, STREAM_PATH, encode_ack};
 
 /// Implements the `Ring` gRPC service on top of a [`Mailbox`].
 pub struct RingService {

@@ -17,7 +17,11 @@ use prost::Message;
 use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint};
 use tonic::Status;
 
-use super::service::MAX_MESSAGE_BYTES;
+use super::mailbox::MAX_FRAME_BYTES;
+
+/// Message size limit of the ring service, bytes: the largest frame plus room for its header
+/// fields (tonic's default of 4 MiB would refuse a full [`MAX_FRAME_BYTES`] frame).
+pub const MAX_MESSAGE_BYTES: usize = MAX_FRAME_BYTES + (64 << 10);
 
 /// The HTTP/2 path of `keel.ring.v1.Ring/Stream`.
 pub(crate) const STREAM_PATH: &str = "/keel.ring.v1.Ring/Stream";

@@ -9,67 +9,16 @@
 //! `ctx = P' V`. Each (sequence, head) GEMM works on row-strided views of `q`, `k`, `v`,
 //! `ctx`: no reshapes, no copies.
 
+// The dimensions are attention's parameter (`attention::AttentionDims` to its callers).
+pub(crate) use super::attention_dims::AttentionDims;
+
 use super::Element;
 use super::attention_batched::{KeptOperands, KeptPart};
-use super::dropout::{DropoutKey, Mask, Site};
 use super::element::grow;
 use super::gemm::{gemm, mat_mut};
 use super::parallel;
+use super::softmax::{masked_softmax, softmax_backward, softmax_keys};
 use ndarray::{ArrayView2, ArrayViewMut2, s};
-
-/// Dimensions and dropout of one attention call.
-pub(crate) struct AttentionDims<'a> {
-    /// Sequences `b`.
-    pub b: usize,
-    /// Tokens per sequence `t`.
-    pub t: usize,
-    /// Heads `h`.
-    pub h: usize,
-    /// Head size `d`.
-    pub d: usize,
-    /// Padding mask `[b, t]`.
-    pub mask: &'a [u8],
-    /// Training-mode dropout: key, sample ids `[b]`, layer index, probability.
-    pub dropout: Option<(DropoutKey, &'a [u64], usize, f64)>,
-    /// Stride of the dropout element index (`max_position_embeddings`), so masks do not
-    /// depend on the padded length.
-    pub max_positions: usize,
-}
-
-impl<'a> AttentionDims<'a> {
-    /// The dimensions of sequences `r` alone.
-    fn part(&self, r: &std::ops::Range<usize>) -> AttentionDims<'a> {
-        AttentionDims {
-            b: r.len(),
-            t: self.t,
-            h: self.h,
-            d: self.d,
-            mask: &self.mask[r.start * self.t..r.end * self.t],
-            dropout: self
-                .dropout
-                .map(|(key, ids, layer, p)| (key, &ids[r.start..r.end], layer, p)),
-            max_positions: self.max_positions,
-        }
-    }
-
-    fn c(&self) -> usize {
-        self.h * self.d
-    }
-
-    pub(super) fn mask_of(&self, bi: usize) -> Option<Mask> {
-        self.dropout
-            .map(|(key, ids, layer, p)| Mask::new(key, ids[bi], layer, Site::AttentionProbs, p))
-    }
-
-    /// Applies the attention-probs dropout of sequence `bi`, head `j` to a `[t, t]` block.
-    pub(super) fn drop_block<A: Element>(&self, mask: &Mask, j: usize, block: &mut [A]) {
-        let (t, pmax) = (self.t as u64, self.max_positions as u64);
-        for (q, row) in block.chunks_exact_mut(self.t).enumerate() {
-            mask.apply(row, (j as u64 * pmax + q as u64) * pmax);
-            debug_assert!(t <= pmax);
-        }
-    }
-}
 
 fn head<'a, A>(x: &'a [A], dims: &AttentionDims<'_>, bi: usize, j: usize) -> ArrayView2<'a, A> {
     let (t, c, d) = (dims.t, dims.c(), dims.d);
@@ -223,57 +172,6 @@ pub(super) fn forward_seqs<A: Element>(
                     &mut out,
                 ),
             }
-        }
-    }
-}
-
-/// The key mask one sequence's softmax rows use: `None` when every key counts (no padding, or
-/// no real key at all, where HF's additive mask shifts every score alike). Decided once per
-/// sequence rather than once per row.
-pub(super) fn softmax_keys(keys: &[u8]) -> Option<&[u8]> {
-    let all_real = keys.iter().all(|&m| m != 0);
-    let any_real = keys.iter().any(|&m| m != 0);
-    if all_real || !any_real {
-        None
-    } else {
-        Some(keys)
-    }
-}
-
-/// Softmax over the keys with `keys[k] != 0` (all keys for `None`, see [`softmax_keys`]);
-/// padded keys get exactly 0 (HF adds `finfo.min`, whose `exp` underflows to 0).
-pub(super) fn masked_softmax<A: Element>(row: &mut [A], keys: Option<&[u8]>) {
-    let Some(keys) = keys else {
-        let max = A::max_of(row);
-        let inv = A::one() / A::exp_shifted_sum(row, max);
-        row.iter_mut().for_each(|s| *s *= inv);
-        return;
-    };
-    let mut max = A::neg_infinity();
-    for (&s, &m) in row.iter().zip(keys) {
-        if m != 0 && s > max {
-            max = s;
-        }
-    }
-    A::exp_shifted_sum(row, max);
-    let mut sum = A::zero();
-    for (s, &m) in row.iter_mut().zip(keys) {
-        if m == 0 {
-            *s = A::zero();
-        }
-        sum += *s;
-    }
-    let inv = A::one() / sum;
-    row.iter_mut().for_each(|s| *s *= inv);
-}
-
-/// Softmax backward on `[t, t]` blocks, in place: `dp` (the gradient of the probabilities)
-/// becomes `dS = P * (dP - sum_k dP * P)` row by row, `p` the probabilities.
-pub(super) fn softmax_backward<A: Element>(dp: &mut [A], p: &[A], t: usize) {
-    for (dp_row, p_row) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
-        let dot: A = dp_row.iter().zip(p_row).map(|(&a, &b)| a * b).sum();
-        for (g, &pv) in dp_row.iter_mut().zip(p_row) {
-            *g = pv * (*g - dot);
         }
     }
 }

@@ -16,10 +16,11 @@
 use std::cell::RefCell;
 
 use super::Element;
-use super::attention::{AttentionDims, masked_softmax, softmax_backward, softmax_keys};
+use super::attention_dims::AttentionDims;
 use super::bf16::native_copy;
 use super::gemm::gemm_batched;
 use super::onednn::Strided4;
+use super::softmax::{masked_softmax, softmax_backward, softmax_keys};
 
 thread_local! {
     /// bf16 copies of the operands on the native route, each made once per call and shared

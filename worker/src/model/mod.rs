@@ -17,7 +17,8 @@
 //!   matmul behind a C shim.
 //! - One file per layer, each a forward/backward pair side by side: `linear`, `layernorm`,
 //!   `activation` (GELU, tanh-GELU, ReLU), `dropout`, `attention`, `embeddings`,
-//!   `encoder_layer`, `mlm_head`, `nsp_head`, `loss` (cross-entropy).
+//!   `encoder_layer`, `mlm_head`, `nsp_head`, `loss` (cross-entropy). Attention's two routes
+//!   (`attention`, `attention_batched`) share `attention_dims` and `softmax`.
 //! - `packing`: the rows a batch is computed on: only the real tokens', padding left out
 //!   (attention's operands scattered into the padded layout and back).
 //! - `bert`: the whole model ([`Bert`]) over one flat parameter buffer.
@@ -28,6 +29,7 @@
 mod activation;
 mod attention;
 mod attention_batched;
+mod attention_dims;
 mod bert;
 pub mod bf16;
 mod bf16_convert;
@@ -54,6 +56,7 @@ mod nsp_head;
 mod onednn;
 mod packing;
 mod parallel;
+mod softmax;
 mod vmath;
 
 pub use bert::{Bert, ForwardOutputs};

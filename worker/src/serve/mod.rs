@@ -2,19 +2,22 @@
 //! the jobs the coordinator assigns (protocol steps 1, 2, 5 in `keel_proto::protocol`).
 //!
 //! # Layout
-//! - this file: settings ([`Args`], [`Config`]), start-up and [`run`].
+//! - this file: settings ([`Args`]), start-up and [`run`]; `config`: what [`run`] needs
+//!   ([`Config`]).
 //! - `state`: what the worker is doing (its registration, the running job, the held
 //!   replica): one state behind one lock.
 //! - `session`: coordinator sessions: registration with retries, heartbeats, commands.
 //! - `outcome`: one job's generation, run and reported to the coordinator.
 
+mod config;
 mod outcome;
 mod session;
 mod state;
 
+pub use config::Config;
+
 use crate::allreduce::{Mailbox, RingDataPlane, ring_service, tune_server};
 use crate::client::coordinator_client;
-use keel_net::security::{ClientSecurity, ServerSecurity};
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -98,34 +101,6 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     n.checked_mul(1u64 << shift)
         .filter(|&b| b > 0)
         .ok_or_else(|| format!("{text:?} is zero or more than 2^64 bytes"))
-}
-
-/// What [`run`] needs.
-#[derive(Debug, Clone)]
-pub struct Config {
-    /// The coordinator, host:port.
-    pub coordinator: String,
-    /// host:port peers reach this worker at.
-    pub advertise_addr: String,
-    /// Compute threads.
-    pub threads: usize,
-    /// Cache folder.
-    pub cache_dir: PathBuf,
-    /// What the ring server requires (token, TLS).
-    pub server_security: ServerSecurity,
-    /// How this worker calls the coordinator and its ring peers (token, TLS).
-    pub client_security: ClientSecurity,
-    /// Fault injection for tests (see [`Args::fault_nan_at_step`]).
-    pub fault_nan_at_step: Option<u64>,
-    /// Fault injection for tests (see [`Args::fault_bad_frame_at_step`]).
-    pub fault_bad_frame_at_step: Option<u64>,
-    /// Bytes of memory a job may use here (see [`Args::memory_limit`]); `None`: unknown, not
-    /// checked.
-    pub memory_limit: Option<u64>,
-    /// Where to serve `/metrics` ([`crate::telemetry`]; `--metrics-listen`); `None`: off.
-    pub metrics_listen: Option<String>,
-    /// TLS for that port (the ring's certificate); `None`: plain HTTP.
-    pub metrics_tls: Option<std::sync::Arc<keel_net::rustls::ServerConfig>>,
 }
 
 /// Errors that stop a worker process.

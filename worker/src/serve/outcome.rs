@@ -2,12 +2,13 @@
 //! replica is kept for the next generation (unless the job was cancelled), then the
 //! coordinator hears done, failed, left (shutdown) or, on a suspend, what is held.
 
-use super::session::report_held;
 use super::state::WorkerState;
 use crate::control::StopReason;
 use crate::job::{self, JobContext};
 use crate::replica::HeldReplica;
-use keel_proto::rpc::{DoneReport, FailureReport, StartJob, TrainingKey};
+use keel_net::auth::AuthChannel;
+use keel_proto::rpc::coordinator_client::CoordinatorClient;
+use keel_proto::rpc::{DoneReport, FailureReport, HeldReport, StartJob, TrainingKey};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -111,4 +112,28 @@ pub(super) async fn run_and_report(
     }
     // Only now, after the report: a shutdown waits for this before closing the session.
     state.lock().clear_running(&job_id, generation);
+}
+
+/// Sends `ReportHeld` for `job_id` at `generation` (protocol step 14): the steps this worker
+/// holds of it (`held_steps`, empty if none). A failure to send is logged.
+pub(super) async fn report_held(
+    client: &mut CoordinatorClient<AuthChannel>,
+    state: &WorkerState,
+    job_id: &str,
+    generation: u64,
+    held_steps: Vec<u64>,
+) {
+    let report = HeldReport {
+        key: Some(TrainingKey {
+            job_id: job_id.to_string(),
+            generation,
+            step: held_steps.iter().copied().max().unwrap_or(0),
+        }),
+        worker_id: state.worker_id(),
+        held_steps,
+    };
+    tracing::info!(job = %job_id, generation, held = ?report.held_steps, "reporting what this worker holds");
+    if let Err(e) = client.report_held(report).await {
+        tracing::warn!("reporting held state: {e}");
+    }
 }

@@ -2,8 +2,8 @@
 //! refuses), heartbeat, and carry out the commands of the attach stream (start, cancel,
 //! suspend), one session after another until the worker stops.
 
-use super::Config;
-use super::outcome::run_and_report;
+use super::config::Config;
+use super::outcome::{report_held, run_and_report};
 use super::state::{Running, WorkerState};
 use crate::allreduce::Mailbox;
 use crate::control::{JobControl, StopReason};
@@ -11,10 +11,7 @@ use crate::job::JobContext;
 use backon::{BackoffBuilder, ConstantBuilder, ExponentialBackoff, ExponentialBuilder, Retryable};
 use keel_net::auth::AuthChannel;
 use keel_proto::rpc::coordinator_client::CoordinatorClient;
-use keel_proto::rpc::{
-    AttachRequest, HeartbeatRequest, HeldReport, RegisterRequest, StartJob, TrainingKey,
-    worker_command,
-};
+use keel_proto::rpc::{AttachRequest, HeartbeatRequest, RegisterRequest, StartJob, worker_command};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
@@ -256,30 +253,6 @@ fn start_job(
         memory_limit: config.memory_limit,
     };
     tokio::spawn(run_and_report(ctx, start, held, state.clone()));
-}
-
-/// Sends `ReportHeld` for `job_id` at `generation` (protocol step 14): the steps this worker
-/// holds of it (`held_steps`, empty if none). A failure to send is logged.
-pub(super) async fn report_held(
-    client: &mut CoordinatorClient<AuthChannel>,
-    state: &WorkerState,
-    job_id: &str,
-    generation: u64,
-    held_steps: Vec<u64>,
-) {
-    let report = HeldReport {
-        key: Some(TrainingKey {
-            job_id: job_id.to_string(),
-            generation,
-            step: held_steps.iter().copied().max().unwrap_or(0),
-        }),
-        worker_id: state.worker_id(),
-        held_steps,
-    };
-    tracing::info!(job = %job_id, generation, held = ?report.held_steps, "reporting what this worker holds");
-    if let Err(e) = client.report_held(report).await {
-        tracing::warn!("reporting held state: {e}");
-    }
 }
 
 /// Heartbeats every `interval`; a heartbeat that fails is tried again every `interval`, up to

@@ -1,6 +1,6 @@
 //! The training loop of one rank, run on a blocking thread (protocol step 8), in parts:
 //!
-//! - `start`: where the generation's starting state comes from ([`InitialState`]): the seed,
+//! - `start`: the generation's starting state from its source ([`InitialState`], in `setup`): the seed,
 //!   HF weights, a checkpoint, or the held replica plus a broadcast (`regather` for a sharded
 //!   optimizer's shares).
 //! - `pipeline`: this rank's micro-batches, masked as the spec says
@@ -40,8 +40,7 @@ pub mod trainer;
 
 pub use error::TrainError;
 pub use optimizer::{optimizer_for, schedule_for};
-pub use setup::{Event, PhaseInputs, TrainSetup};
-pub use start::InitialState;
+pub use setup::{Event, InitialState, PhaseInputs, TrainSetup};
 pub use trainer::{Links, Trainer};
 
 use crate::control::JobControl;

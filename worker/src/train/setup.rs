@@ -1,7 +1,7 @@
 //! What the training loop of one rank is given ([`TrainSetup`], prepared by `job`) and what it
 //! tells the reporter ([`Event`]).
 
-use super::start::InitialState;
+use crate::replica::Replica;
 use keel_proto::config::BertConfig;
 use keel_proto::jobspec::JobSpec;
 use keel_proto::precision::Precision;
@@ -112,5 +112,31 @@ pub enum Event {
         step: u64,
         /// The staged folder.
         dir: PathBuf,
+    },
+}
+
+/// Where a generation's starting state comes from (`StartJob.state_source`).
+#[derive(Debug)]
+pub enum InitialState {
+    /// Step 0: from the job seed, or from HF weights (`init_checkpoint`).
+    Init {
+        /// HF `model.safetensors`, or `None` for the seed.
+        weights: Option<PathBuf>,
+    },
+    /// A stored checkpoint of `start_step`.
+    Checkpoint {
+        /// Its `model.safetensors`.
+        weights: PathBuf,
+        /// Its `optimizer.safetensors`.
+        optimizer: PathBuf,
+        /// Its `trainer_state.json` (skipped-step count), if sent.
+        state: Option<PathBuf>,
+    },
+    /// Memory: this rank's held replica (if it has one), then a broadcast from `root_rank`.
+    Memory {
+        /// What this worker holds of the job, at any step.
+        held: Option<Replica>,
+        /// The rank whose replica everyone takes.
+        root_rank: u32,
     },
 }

@@ -4,40 +4,13 @@
 
 use super::error::{TrainError, io_err};
 use super::optimizer::{optimizer_for, sharded_optimizer_for};
-use super::setup::TrainSetup;
+use super::setup::{InitialState, TrainSetup};
 use crate::model::init_params;
 use crate::optim::ShardPlan;
 use crate::replica::{Replica, ShardOf, broadcast};
 use crate::ringlink::RingLink;
 use keel_proto::checkpoint::TrainerState;
 use keel_proto::params::ParamLayout;
-use std::path::PathBuf;
-
-/// Where a generation's starting state comes from (`StartJob.state_source`).
-#[derive(Debug)]
-pub enum InitialState {
-    /// Step 0: from the job seed, or from HF weights (`init_checkpoint`).
-    Init {
-        /// HF `model.safetensors`, or `None` for the seed.
-        weights: Option<PathBuf>,
-    },
-    /// A stored checkpoint of `start_step`.
-    Checkpoint {
-        /// Its `model.safetensors`.
-        weights: PathBuf,
-        /// Its `optimizer.safetensors`.
-        optimizer: PathBuf,
-        /// Its `trainer_state.json` (skipped-step count), if sent.
-        state: Option<PathBuf>,
-    },
-    /// Memory: this rank's held replica (if it has one), then a broadcast from `root_rank`.
-    Memory {
-        /// What this worker holds of the job, at any step.
-        held: Option<Replica>,
-        /// The rank whose replica everyone takes.
-        root_rank: u32,
-    },
-}
 
 /// A start that failed, and what this rank held, handed back (boxed: both are large).
 pub type Refused = Box<(TrainError, Option<Replica>)>;
