@@ -29,6 +29,11 @@ pub type Ack = Result<(), tonic::Status>;
 
 /// One link to a peer (one stream of frames): pushes a frame and waits for its answer.
 /// Several pushes may be in flight at once; their answers may come in any order.
+///
+/// The frame's payload may point into the buffer the ring is reducing (it is sent without a
+/// copy): once a push has resolved, the receiver must not read those bytes any more (a network
+/// has copied them by then). Copies still held by an attempt that failed are waited for by the
+/// ring before it writes that range again.
 pub trait Link: Send + Sync {
     /// Pushes `frame`; resolves with the receiver's answer, or `UNAVAILABLE` when the link
     /// failed before one came (the frame may or may not have landed: a retry that lands twice
