@@ -24,7 +24,7 @@ pub enum VocabSource {
     },
 }
 
-/// Settings of [`prepare`].
+/// Settings of [`prepare`](super::prepare::prepare).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PrepareOptions {
     /// Corpus files, directories or globs.
