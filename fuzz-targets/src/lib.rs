@@ -33,8 +33,11 @@ pub use ring::{GENERATION as RING_GENERATION, JOB_ID as RING_JOB_ID, ring_frame}
 pub use shard::shard;
 pub use text::{job_toml, vocab};
 
+/// A fuzz target: takes any bytes, must not panic.
+pub type Target = fn(&[u8]);
+
 /// Every target by name, as `fuzz/corpus/NAME/` names them.
-pub const TARGETS: [(&str, fn(&[u8])); 7] = [
+pub const TARGETS: [(&str, Target); 7] = [
     ("ring_frame", ring_frame),
     ("control_request", control_request),
     ("shard", shard),

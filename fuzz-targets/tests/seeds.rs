@@ -122,14 +122,12 @@ fn control_seeds() {
         }),
         last_step_seconds: 0.5,
         last_ring_wait_seconds: 0.1,
-        ..Default::default()
     }
     .encode_to_vec();
     let toml = std::fs::read_to_string(repo().join("examples/kjv-tiny.toml")).unwrap();
     let submit = SubmitJobRequest {
         spec_toml: toml,
         origin: "kjv-tiny.toml".into(),
-        ..Default::default()
     }
     .encode_to_vec();
     let step = StepReport {
