@@ -33,8 +33,22 @@ pub const HEAD_BYTES: usize = 7;
 /// Delivery to the mailbox must not wait: the input is far below its byte budgets, so a
 /// stream that does not end within 10 s is a bug (panics).
 pub fn ring_frame(data: &[u8]) {
+    let _ = deliver(data);
+}
+
+/// What a stream left in the mailbox.
+#[derive(Debug, PartialEq, Eq)]
+struct Outcome {
+    /// Frames the started all-reduce received.
+    received: usize,
+    /// Bytes the mailbox still holds (frames held ahead).
+    held_bytes: usize,
+}
+
+/// [`ring_frame`], saying what the mailbox took (`None` for an input too short).
+fn deliver(data: &[u8]) -> Option<Outcome> {
     if data.len() < HEAD_BYTES {
-        return;
+        return None;
     }
     let (head, body) = data.split_at(HEAD_BYTES);
     let world_size = 2 + usize::from(head[0] & 3);
@@ -97,10 +111,41 @@ pub fn ring_frame(data: &[u8]) {
             answered.is_ok(),
             "the ring stream was not answered within 10 s: a delivery waited"
         );
-        if let Some(running) = running.as_mut() {
-            running.drain();
-        }
+        let received = running.as_mut().map_or(0, OpenAllReduce::drain);
         drop(running);
-        let _ = mailbox.held_bytes();
-    });
+        Some(Outcome {
+            received,
+            held_bytes: mailbox.held_bytes(),
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seed(name: &str) -> Vec<u8> {
+        let path = format!(
+            "{}/../fuzz/corpus/ring_frame/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+    }
+
+    #[test]
+    fn the_seeds_reach_the_mailbox_and_are_taken() {
+        // One frame for the started all-reduce: received.
+        let one = deliver(&seed("running-one-frame")).unwrap();
+        assert_eq!((one.received, one.held_bytes), (1, 0));
+        // Ring step 0 of an all-reduce not started here is held (16 bytes); ring step 1 cannot
+        // come first and is refused.
+        let ahead = deliver(&seed("ahead-two-frames-split")).unwrap();
+        assert_eq!((ahead.received, ahead.held_bytes), (0, 16));
+        // A bf16 frame taken once; its copy refused.
+        let bf16 = deliver(&seed("running-bf16-duplicate")).unwrap();
+        assert_eq!((bf16.received, bf16.held_bytes), (1, 0));
+        // Another job's frame, an older generation's and a truncated message: nothing taken.
+        let refused = deliver(&seed("refused-and-truncated")).unwrap();
+        assert_eq!((refused.received, refused.held_bytes), (0, 0));
+    }
 }
