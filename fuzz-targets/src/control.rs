@@ -27,14 +27,29 @@ const MAX_ORIGIN_BYTES: usize = 256;
 /// Messages applied per input, at most.
 const MAX_MESSAGES: usize = 64;
 
-/// The input roots of the fuzzed coordinator: one empty folder, so that the submit check
-/// refuses every path outside it before touching the disk.
+/// The input root of the fuzzed coordinator: a fixed folder under the system's temporary
+/// folder holding one corpus file ([`CORPUS_FILE`]), so that a submitted job naming it passes
+/// the submit check (the seeds do) and every other path is refused before the disk is walked.
+pub fn input_root() -> PathBuf {
+    std::env::temp_dir().join("keel-fuzz-input-root")
+}
+
+/// The corpus file in [`input_root`].
+pub const CORPUS_FILE: &str = "corpus.txt";
+
+/// The coordinator's input roots ([`input_root`], made once per process).
 fn roots() -> &'static (InputRoots, PathBuf) {
     static ROOTS: OnceLock<(InputRoots, PathBuf)> = OnceLock::new();
     ROOTS.get_or_init(|| {
-        let dir = crate::temp_dir().keep();
-        let roots = InputRoots::new(std::slice::from_ref(&dir)).expect("an input root");
-        (roots, dir)
+        let root = input_root();
+        std::fs::create_dir_all(&root).expect("the input root");
+        let corpus = root.join(CORPUS_FILE);
+        if !corpus.is_file() {
+            std::fs::write(&corpus, "In the beginning.\nAnd the earth.\n")
+                .expect("the input root's corpus");
+        }
+        let roots = InputRoots::new(std::slice::from_ref(&root)).expect("an input root");
+        (roots, root)
     })
 }
 
@@ -47,8 +62,14 @@ const KINDS: u8 = 12;
 /// 6 `ReportFailure`, 7 `ReportHeld`, 8 `CancelJob`, 9 `GetJob`, 10 `PullCheckpoint`'s job
 /// and step lookup, 11 `FetchFile`'s lookup; a time tick after each.
 pub fn control_request(data: &[u8]) {
-    let (_, jobs_dir) = roots();
-    let mut machine = Machine::new(jobs_dir.join("jobs"));
+    let _ = apply_all(data);
+}
+
+/// [`control_request`], returning the machine the requests were applied to.
+fn apply_all(data: &[u8]) -> Machine {
+    // The machine never touches its jobs folder (its effects are not carried out here).
+    let (_, root) = roots();
+    let mut machine = Machine::new(root.join("jobs"));
     let mut rest = data;
     for _ in 0..MAX_MESSAGES {
         if rest.len() < 3 {
@@ -68,6 +89,7 @@ pub fn control_request(data: &[u8]) {
     for job in machine.jobs() {
         let _ = job.status(now);
     }
+    machine
 }
 
 /// Decodes `bytes` as message `kind` and applies it as the service does; errors are answers.
@@ -205,5 +227,22 @@ fn apply(machine: &mut Machine, kind: u8, bytes: &[u8]) {
                 let _ = job.file(&r.name);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_session_seed_registers_workers_and_queues_a_job() {
+        let path = format!(
+            "{}/../fuzz/corpus/control_request/register-submit-report-cancel",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let data = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let machine = apply_all(&data);
+        assert_eq!(machine.workers().count(), 2);
+        assert_eq!(machine.jobs().count(), 1, "the submitted job was refused");
     }
 }

@@ -27,7 +27,9 @@ mod shard;
 mod text;
 
 pub use checkpoint::checkpoint;
-pub use control::control_request;
+pub use control::{
+    CORPUS_FILE as CONTROL_CORPUS_FILE, control_request, input_root as control_input_root,
+};
 pub use corpus::corpus;
 pub use ring::{GENERATION as RING_GENERATION, JOB_ID as RING_JOB_ID, ring_frame};
 pub use shard::shard;

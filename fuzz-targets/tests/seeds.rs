@@ -124,7 +124,16 @@ fn control_seeds() {
         last_ring_wait_seconds: 0.1,
     }
     .encode_to_vec();
-    let toml = std::fs::read_to_string(repo().join("examples/kjv-tiny.toml")).unwrap();
+    // kjv-tiny.toml naming the corpus file the fuzzed coordinator's input root holds.
+    let corpus =
+        keel_fuzz_targets::control_input_root().join(keel_fuzz_targets::CONTROL_CORPUS_FILE);
+    let toml = std::fs::read_to_string(repo().join("examples/kjv-tiny.toml"))
+        .unwrap()
+        .replace(
+            "\"corpora/en-kjv\"",
+            &format!("{:?}", corpus.display().to_string()),
+        );
+    assert!(toml.contains(&corpus.display().to_string()));
     let submit = SubmitJobRequest {
         spec_toml: toml,
         origin: "kjv-tiny.toml".into(),
