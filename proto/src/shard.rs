@@ -425,7 +425,9 @@ impl ShardReader {
         let num_tokens = read_u64(&bytes, 56);
         let payload_len = read_u64(&bytes, 64);
         let stored_crc = read_u32(&bytes, 72);
-        let expected = HEADER_LEN as u64 + payload_len;
+        // A payload length past u64 (a corrupt header) cannot be the file's either: saturate
+        // and report it as a length mismatch rather than overflow.
+        let expected = (HEADER_LEN as u64).saturating_add(payload_len);
         if bytes.len() as u64 != expected {
             return Err(ShardError::Truncated {
                 path: p(),
@@ -463,7 +465,9 @@ impl ShardReader {
             let offset = read_u64(&bytes, r);
             let seq_len = u64::from(read_u32(&bytes, r + 24));
             let segment_b = u64::from(read_u32(&bytes, r + 28));
-            if seq_len == 0 || offset + seq_len > num_tokens || segment_b > seq_len {
+            // `offset` is read from the file: its end may overflow, which is out of the area too.
+            let end = offset.checked_add(seq_len);
+            if seq_len == 0 || end.is_none_or(|end| end > num_tokens) || segment_b > seq_len {
                 return Err(corrupt(format!("record {i} points outside the token area")));
             }
             by_global.push((read_u64(&bytes, r + 8), i));
@@ -593,5 +597,66 @@ impl ShardReader {
     /// Iterates over all sequences in file order.
     pub fn iter(&self) -> impl Iterator<Item = Sequence> + '_ {
         (0..self.len).filter_map(|i| self.get(i).ok())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `bytes` with both checksums set right (what the `shard` fuzz target does with its flag).
+    fn with_checksums(mut bytes: Vec<u8>) -> Vec<u8> {
+        let payload = crc32c::crc32c(&bytes[HEADER_LEN..]);
+        bytes[72..76].copy_from_slice(&payload.to_le_bytes());
+        let header = crc32c::crc32c(&bytes[..76]);
+        bytes[76..80].copy_from_slice(&header.to_le_bytes());
+        bytes
+    }
+
+    /// The `shard` fuzz target's input (fuzz/corpus/shard/crash-payload-length-overflow) less
+    /// its flag byte: a header whose payload length is `u64::MAX`.
+    const PAYLOAD_LENGTH_OVERFLOW: [u8; 80] = [
+        0x4b, 0x45, 0x45, 0x4c, 0x53, 0x48, 0x52, 0x44, 0x01, 0x00, 0x00, 0x00, 0x02, 0x00, 0x00,
+        0x00, 0x04, 0x00, 0x00, 0xff, 0xff, 0x00, 0x00, 0x80, 0x07, 0x07, 0x07, 0x07, 0x07, 0xff,
+        0xff, 0xff, 0x00, 0x00, 0x00, 0x00, 0x0b, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x07, 0x07,
+        0x07, 0x04, 0x00, 0x00, 0x00, 0x00, 0x00, 0x18, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x00,
+        0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x0b, 0x00,
+        0x00, 0x00, 0x00, 0x00, 0x00,
+    ];
+
+    #[test]
+    fn a_payload_length_past_u64_is_refused_as_truncated_not_overflowed() {
+        let bytes = with_checksums(PAYLOAD_LENGTH_OVERFLOW.to_vec());
+        let err = ShardReader::from_bytes(Path::new("x.shard"), bytes).unwrap_err();
+        assert!(
+            matches!(err, ShardError::Truncated { got: 80, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("x.shard"), "{err}");
+    }
+
+    #[test]
+    fn a_record_whose_end_overflows_is_refused_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.shard");
+        let mut writer = ShardWriter::create(&path, [0u8; 32], 100).unwrap();
+        let seq = Sequence {
+            global_index: 0,
+            ids: vec![2, 10, 3],
+            token_type_ids: vec![0, 0, 0],
+            nsp_label: None,
+        };
+        writer.push(&seq, 0).unwrap();
+        writer.finish().unwrap();
+        let mut bytes = std::fs::read(&path).unwrap();
+        // Record 0 (after 3 u16 tokens): an offset that wraps to 1 when its length is added.
+        let record = HEADER_LEN + 3 * 2;
+        bytes[record..record + 8].copy_from_slice(&(u64::MAX - 1).to_le_bytes());
+        let bytes = with_checksums(bytes);
+        let err = ShardReader::from_bytes(&path, bytes).unwrap_err();
+        assert!(
+            matches!(err, ShardError::Corrupt { ref reason, .. } if reason.contains("record 0")),
+            "{err}"
+        );
     }
 }

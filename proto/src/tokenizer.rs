@@ -299,14 +299,25 @@ impl KeelTokenizer {
     /// Loads a `tokenizer.json` holding a WordPiece model (as `BertTokenizerFast` saves it).
     /// Whether it lowercases is read from its `BertNormalizer`.
     ///
-    /// Errors: `Tokenizers` for an unreadable or invalid file, `NotWordPiece`,
-    /// `MissingSpecialToken`.
+    /// Errors: `Tokenizers` for an unreadable file, one that is not valid JSON, or an invalid
+    /// tokenizer, `NotWordPiece`, `MissingSpecialToken`.
     pub fn from_tokenizer_json(path: &Path) -> Result<Self, TokenizerError> {
         let bytes = crate::limits::read_bounded(
             path,
             crate::limits::MAX_TOKENIZER_JSON_BYTES,
             "a tokenizer.json",
         )?;
+        // The tokenizers crate panics (an `expect` in its decoders' deserializer) on JSON that
+        // breaks or ends inside the `decoder` value: check the syntax first, so that a cut or
+        // corrupt file is an error naming it.
+        // Into a `Value`, which checks every string (UTF-8, escapes) as the crate will;
+        // `IgnoredAny` skips strings unchecked.
+        serde_json::from_slice::<serde_json::Value>(&bytes).map_err(|e| {
+            lib_err(
+                path.display().to_string(),
+                format!("not valid JSON (a tokenizer.json is one JSON object): {e}"),
+            )
+        })?;
         let tokenizer =
             Tokenizer::from_bytes(bytes).map_err(|e| lib_err(path.display().to_string(), e))?;
         if !matches!(
@@ -573,4 +584,35 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TokenizerError> {
             source: e.source,
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `vocab` fuzz target's input (fuzz/corpus/vocab/crash-json-cut-in-decoder) less its
+    /// flag byte: a `tokenizer.json` that ends inside its `decoder` value.
+    #[test]
+    fn a_tokenizer_json_cut_inside_its_decoder_is_refused_not_a_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, br#"{"decoder":"#).unwrap();
+        let err = KeelTokenizer::from_tokenizer_json(&path).unwrap_err();
+        assert!(matches!(err, TokenizerError::Tokenizers { .. }), "{err}");
+        assert!(err.to_string().contains("not valid JSON"), "{err}");
+        assert!(err.to_string().contains("tokenizer.json"), "{err}");
+    }
+
+    /// The `vocab` fuzz target's input (fuzz/corpus/vocab/crash-invalid-utf8-in-decoder) less
+    /// its flag byte: a key of the `decoder` object that is not UTF-8.
+    #[test]
+    fn a_tokenizer_json_with_invalid_utf8_in_its_decoder_is_refused_not_a_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        let text = b"{\"normalizer\":{ \"clean_text\": true,   \"handle_chinese_chars\": true, \
+                     \"lowercase\": true\x0a},\x0a \"decoder\":{\"p\xb5\": {  }\x0a}}";
+        std::fs::write(&path, text).unwrap();
+        let err = KeelTokenizer::from_tokenizer_json(&path).unwrap_err();
+        assert!(err.to_string().contains("not valid JSON"), "{err}");
+    }
 }

@@ -24,6 +24,7 @@
 //!   sent below tonic's codec (see `wire`).
 //! - `error`: [`AllReduceError`] (callers), [`FrameRejected`] (wire).
 //! - `bench`: `keel-worker bench-allreduce`.
+//! - `fuzzing`: the mailbox's joining and starting, for the fuzz targets (hidden).
 //!
 //! # Protocol
 //! 1. Each worker creates one [`Mailbox`] and serves [`ring_service`] on its tonic server (built
@@ -73,6 +74,8 @@ mod bf16_wire;
 mod config;
 mod error;
 mod expect;
+#[doc(hidden)]
+pub mod fuzzing;
 mod link;
 mod mailbox;
 mod memory;
