@@ -11,7 +11,7 @@ use keel_proto::params::ParamLayout;
 use keel_proto::weights::{check_finite, load_safetensors, load_tensors_f64, tensor_names};
 
 /// Three parts: `manifest.json` and `config.json` (each length-prefixed, see
-/// [`crate::split_prefixed`]; an empty part is no file), then `model.safetensors` (the rest).
+/// `split_prefixed` in this crate; an empty part is no file), then `model.safetensors` (the rest).
 pub fn checkpoint(data: &[u8]) {
     let (manifest, rest) = crate::split_prefixed(data);
     let (config, model) = crate::split_prefixed(rest);
