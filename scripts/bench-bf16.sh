@@ -4,7 +4,8 @@
 # ROUNDS rounds of Keel fp32, Keel bf16, PyTorch fp32 and PyTorch bf16 autocast, one after the
 # other (this machine's speed drifts by tens of percent within an hour, so only ratios from the
 # same round mean anything), on 1 thread; then Keel bf16 on 2 threads against 1.
-# Writes JSON lines to OUT (default bench-bf16.jsonl) and prints a table of medians.
+# Writes JSON lines to OUT (default bench-bf16.jsonl) and prints tables of medians: speed, then
+# memory (peak RSS, and the activations each side keeps for the backward per token).
 #
 # Usage: scripts/bench-bf16.sh [OUT.jsonl]; ROUNDS=3 by default. The PyTorch side runs when
 # $PEER_PYTHON (default python3) imports torch and transformers (scripts/peer/); else it is
@@ -45,16 +46,24 @@ done
 python3 - "$out" <<'EOF'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-def med(side, cfg, prec, threads=1):
-    v = [r["tokens_per_s"] for r in rows if r["side"] == side and r["config"] == cfg
-         and r["precision"] == prec and r["threads"] == threads]
+def med(side, cfg, prec, threads=1, field="tokens_per_s"):
+    v = [r[field] for r in rows if r["side"] == side and r["config"] == cfg
+         and r["precision"] == prec and r["threads"] == threads and r.get(field) is not None]
     return statistics.median(v) if v else None
+f = lambda x: "-" if x is None else f"{x:,.0f}"
+r = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}x"
 print("\n| config | Keel fp32 | Keel bf16 | PyTorch fp32 | PyTorch bf16 | Keel bf16 / PyTorch bf16 | Keel bf16 2 threads / 1 |")
 print("|---|---|---|---|---|---|---|")
 for cfg in ["tiny", "mini", "base"]:
     kf, kb, pf, pb = med("keel", cfg, "fp32"), med("keel", cfg, "bf16"), med("pytorch", cfg, "fp32"), med("pytorch", cfg, "bf16-autocast")
     k2 = med("keel", cfg, "bf16", 2)
-    f = lambda x: "-" if x is None else f"{x:,.0f}"
-    r = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}x"
     print(f"| {cfg} | {f(kf)} | {f(kb)} | {f(pf)} | {f(pb)} | {r(kb, pb)} | {r(k2, kb)} |")
+print("\nMemory, 1 thread: peak RSS (MiB) and the activations kept for the backward (bytes per token)")
+print("\n| config | RSS Keel fp32 | RSS Keel bf16 | RSS PyTorch bf16 | Keel bf16 / fp32 | saved/token Keel fp32 | Keel bf16 | PyTorch bf16 |")
+print("|---|---|---|---|---|---|---|---|")
+for cfg in ["tiny", "mini", "base"]:
+    rss = lambda side, prec: med(side, cfg, prec, field="peak_rss_mib")
+    per = lambda side, prec: med(side, cfg, prec, field="saved_activation_bytes_per_token")
+    kf, kb, pb = rss("keel", "fp32"), rss("keel", "bf16"), rss("pytorch", "bf16-autocast")
+    print(f"| {cfg} | {f(kf)} | {f(kb)} | {f(pb)} | {r(kb, kf)} | {f(per('keel', 'fp32'))} | {f(per('keel', 'bf16'))} | {f(per('pytorch', 'bf16-autocast'))} |")
 EOF

@@ -134,6 +134,48 @@ def step_speed(path, cpu, date, command):
     return out
 
 
+# --- the step pass by pass --------------------------------------------------------------------
+
+def step_roofline(path, cpu, date, command, config):
+    """One config of a bench-passes run: each pass at 1 and 2 threads (medians over rounds)."""
+    rows = [r for r in read_jsonl(path) if r["config"] == config]
+
+    def med(threads, name, field):
+        return median([p[field] for r in rows if r["threads"] == threads for p in r["passes"]
+                       if p["pass"] == name and field in p])
+
+    def whole(threads, field):
+        return median([r[field] for r in rows if r["threads"] == threads])
+
+    s1, s2 = whole(1, "s_per_step"), whole(2, "s_per_step")
+    out = source_line(cpu, date, command, [path])
+    out.append("BERT-%s, batch %d x %d, %s: %s ms a step on 1 thread, %s on 2 (**%.2fx**); copy bandwidth "
+               "%.1f GB/s on 1 thread, %.1f on 2; activations kept for the backward: %s bytes a token." % (
+                   config, rows[0]["batch"], rows[0]["seq"], rows[0]["precision"], fmt_int(s1 * 1e3),
+                   fmt_int(s2 * 1e3), s1 / s2, whole(1, "copy_bandwidth_gb_s"), whole(2, "copy_bandwidth_gb_s"),
+                   fmt_int(whole(1, "saved_activation_bytes_per_token"))))
+    out.append("")
+    names = list(dict.fromkeys(p["pass"] for r in rows for p in r["passes"]))
+    body = []
+    for name in names:
+        a, b = med(1, name, "ms_per_step"), med(2, name, "ms_per_step")
+        rd, wr = med(1, name, "mib_read_per_step"), med(1, name, "mib_written_per_step")
+        gflops = med(1, name, "gflops")
+        body.append([
+            name,
+            "-" if a is None else "%.1f" % a,
+            "-" if a is None else "%.0f%%" % (100 * med(1, name, "share")),
+            "-" if b is None else "%.1f" % b,
+            "-" if not a or not b or name in ("join_wait", "untimed") else "%.2fx" % (a / b),
+            "-" if rd is None else fmt_int(rd + wr),
+            "-" if rd is None or not a else "%.0f%%" % (100 * med(1, name, "of_bandwidth")),
+            "-" if gflops is None else fmt_int(gflops),
+        ])
+    out += table(["pass", "ms a step, 1 thread", "share", "ms, 2 threads", "2 threads / 1", "MiB moved a step",
+                  "of copy bandwidth (1 thread)", "GFLOP/s (1 thread)"], body)
+    return out
+
+
 # --- time to quality and fine-tuning --------------------------------------------------------
 
 def machine(folder):

@@ -10,7 +10,10 @@ take bf16 inputs and accumulate in fp32 (oneDNN underneath), weights and AdamW s
 the peer of `keel-worker bench --precision bf16`.
 
 Prints one JSON line per variant: config, threads, batch, seq, precision, s_per_step,
-tokens_per_s, peak_rss_mib.
+tokens_per_s, peak_rss_mib, and saved_activation_mib / saved_activation_bytes_per_token: the
+bytes autograd keeps from one forward for the backward (each storage counted once, through
+torch.autograd.graph.saved_tensors_hooks; parameters left out), the peer of Keel's
+`saved_activation_*` fields.
 Needs torch and transformers (not a Keel dependency); see README "Measured" for the numbers.
 """
 import argparse, contextlib, json, resource, time
@@ -68,6 +71,7 @@ def main():
             return torch.nn.functional.cross_entropy(logits.float(), ids[mask], reduction="sum")
 
         step()  # warm-up
+        saved = saved_activation_bytes(model, autocast, forward)
         t0 = time.perf_counter()
         for _ in range(a.steps):
             step()
@@ -79,7 +83,27 @@ def main():
                           "tokens_per_s": round(a.batch * a.seq / s, 1),
                           "peak_rss_mib": round(
                               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                          "saved_activation_mib": round(saved / 2**20, 1),
+                          "saved_activation_bytes_per_token": round(saved / (a.batch * a.seq), 1),
                           "torch": torch.__version__}), flush=True)
+
+def saved_activation_bytes(model, autocast, forward):
+    """Bytes of the distinct storages autograd saves in one forward, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with autocast():
+            loss = forward()
+    del loss
+    return sum(seen.values())
+
 
 if __name__ == "__main__":
     main()

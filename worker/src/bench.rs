@@ -13,7 +13,11 @@
 //! `bf16_rate_share` (fraction of GEMM flops that ran natively in bf16), `onednn_reference_calls`
 //! (native bf16 GEMMs that oneDNN ran on a slow reference kernel: should be 0), and `gemm_classes`
 //! (per class: its share of the step's GEMM flops, of the step's time, and its GFLOP/s while
-//! inside its calls: the profile that says which GEMMs hold a step back).
+//! inside its calls: the profile that says which GEMMs hold a step back). Memory: `passes`
+//! (per pass of the step: time, bytes moved, GB/s and its fraction of `copy_bandwidth_gb_s`,
+//! this machine's copy bandwidth on the same threads: `crate::bench_roofline`), and
+//! `saved_activation_mib` / `saved_activation_bytes_per_token` (what the forward keeps for the
+//! backward, bf16 copies included: `Bert::saved_activation_bytes`).
 
 use std::time::Instant;
 
@@ -27,6 +31,8 @@ use rand_chacha::ChaCha8Rng;
 use keel_proto::precision::{PrecisionSetting, WorkerBf16};
 
 use crate::batch::Batch;
+use crate::bench_roofline;
+use crate::model::pass_profile::{self, Pass};
 use crate::model::bf16;
 use crate::model::{Bert, DropoutKey, StepOptions, gemm, init_params, set_blas_threads};
 use crate::optim::{AdamW, AdamWConfig, Optimizer, clip_grad_norm};
@@ -173,8 +179,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .collect();
 
     let mut step = |step: u64| -> anyhow::Result<()> {
+        let _hot = crate::model::parallel::hot();
         let batch = &batches[step as usize % batches.len()];
-        grads.fill(0.0);
+        {
+            let _zero = pass_profile::region(Pass::ZeroGradients, 0, grads.len() * 4);
+            crate::model::parallel::fill(&mut grads, 0.0);
+        }
         let opts = StepOptions {
             mlm_scale: 1.0 / batch.masked_positions.len().max(1) as f32,
             nsp_scale: 0.0,
@@ -188,6 +198,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     step(0)?;
     gemm::reset_stats();
+    bench_roofline::reset();
     let start = Instant::now();
     let cpu_start = cpu_seconds();
     for s in 1..=args.steps as u64 {
@@ -196,6 +207,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let elapsed = start.elapsed().as_secs_f64();
     let cpu = cpu_seconds() - cpu_start;
     let stats = gemm::stats();
+    let passes = pass_profile::totals();
     let s_per_step = elapsed / args.steps as f64;
     let real_tokens: usize = batches.iter().map(Batch::real_tokens).sum();
     let real_per_step = real_tokens as f64 / batches.len() as f64;
@@ -229,6 +241,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             (class.to_string(), value)
         })
         .collect();
+    let bandwidth = bench_roofline::copy_bandwidth_gb_s(args.threads);
+    let saved = model.saved_activation_bytes();
     let line = serde_json::json!({
         "config": args.config,
         "threads": args.threads,
@@ -254,6 +268,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "bf16_rate_share": stats.bf16_native_share(),
         "onednn_reference_calls": bf16::reference_kernel_calls(),
         "onednn_gemm_jit_calls": bf16::gemm_jit_kernel_calls(),
+        "copy_bandwidth_gb_s": bandwidth,
+        "passes": bench_roofline::table(&passes, args.steps, s_per_step, bandwidth),
+        "saved_activation_mib": saved as f64 / (1 << 20) as f64,
+        "saved_activation_bytes_per_token": saved as f64 / (args.batch * args.seq) as f64,
     });
     println!("{line}");
     Ok(())

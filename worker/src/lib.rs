@@ -33,6 +33,7 @@ pub mod allocator;
 pub mod allreduce;
 pub mod batch;
 pub mod bench;
+pub mod bench_roofline;
 pub mod blas_core;
 pub mod buckets;
 pub mod client;

@@ -172,3 +172,31 @@ fn adamw_is_identical_with_two_threads() {
     assert_eq!(results[0], results[1]);
     assert_ne!(results[0], params);
 }
+
+/// The global norm and the clipped gradients have the same bits on 1, 2 and 3 threads: the
+/// sum is cut into fixed blocks whatever the thread count (a buffer of several blocks and a
+/// tail, as a model's gradients are).
+#[test]
+fn clipping_is_identical_on_any_thread_count() {
+    use keel_worker::optim::{clip_grad_norm, sum_of_squares};
+    let grads: Vec<f32> = (0..(5 << 16) + 123)
+        .map(|i| ((i as f32) * 0.011).sin() * 0.3)
+        .collect();
+    let _only_us = THREAD_COUNT.lock().unwrap_or_else(|e| e.into_inner());
+    let mut results = Vec::new();
+    for threads in [1, 2, 3] {
+        set_blas_threads(threads);
+        let mut g = grads.clone();
+        let sum = sum_of_squares(&g);
+        let norm = clip_grad_norm(&mut g, 1.0);
+        results.push((sum.to_bits(), norm.to_bits(), g));
+    }
+    set_blas_threads(1);
+    let exact: f64 = grads.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+    assert!((f64::from_bits(results[0].0) - exact).abs() < 1e-9 * exact);
+    assert!(f32::from_bits(results[0].1) > 1.0, "the norm is above 1: clipping happened");
+    assert_ne!(results[0].2, grads, "clipped");
+    for r in &results[1..] {
+        assert_eq!(r, &results[0]);
+    }
+}

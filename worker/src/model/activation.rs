@@ -5,6 +5,7 @@
 //! - `gelu_new`: `x/2 * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (same paper, section 2).
 //! - `relu`: `max(0, x)`.
 
+use super::pass_profile::{Pass, bytes, region};
 use keel_proto::config::HiddenAct;
 
 use super::Element;
@@ -18,6 +19,7 @@ const MIN_PER_THREAD: usize = 1 << 15;
 /// `y = act(x)`, split among the model's threads.
 pub(crate) fn forward<A: Element>(act: HiddenAct, y: &mut [A], x: &[A]) {
     let n = y.len().min(x.len());
+    let _region = region(Pass::ActivationForward, bytes::<A>(n), bytes::<A>(n));
     parallel::zip_units(y, 1, x, 1, n, MIN_PER_THREAD, |y, x| {
         forward_serial(act, y, x)
     });
@@ -26,6 +28,7 @@ pub(crate) fn forward<A: Element>(act: HiddenAct, y: &mut [A], x: &[A]) {
 /// `d *= act'(x)`: turns the gradient w.r.t. the output into the gradient w.r.t. the input.
 pub(crate) fn backward<A: Element>(act: HiddenAct, d: &mut [A], x: &[A]) {
     let n = d.len().min(x.len());
+    let _region = region(Pass::ActivationBackward, bytes::<A>(2 * n), bytes::<A>(n));
     parallel::zip_units(d, 1, x, 1, n, MIN_PER_THREAD, |d, x| {
         backward_serial(act, d, x)
     });

@@ -12,6 +12,7 @@
 // The dimensions are attention's parameter (`attention::AttentionDims` to its callers).
 pub(crate) use super::attention_dims::AttentionDims;
 
+use super::pass_profile::{Pass, bytes, region};
 use super::Element;
 use super::attention_batched::{KeptOperands, KeptPart};
 use super::element::grow;
@@ -74,6 +75,12 @@ pub(crate) fn forward<A: Element>(
     dims: &AttentionDims<'_>,
 ) {
     let (t, c, h) = (dims.t, dims.c(), dims.h);
+    let (rows, scores) = (dims.b * t * c, dims.b * h * t * t);
+    let _region = region(
+        Pass::AttentionElementwise,
+        bytes::<A>(3 * rows),
+        bytes::<A>(rows + scores),
+    );
     let parts = parallel::split(dims.b, parallel::available_threads());
     let batched = batched::<A>();
     let (n, tt) = (dims.b * t * c, dims.b * h * t * t);
@@ -194,6 +201,12 @@ pub(crate) fn backward<A: Element>(
     dims: &AttentionDims<'_>,
 ) {
     let (t, c, h) = (dims.t, dims.c(), dims.h);
+    let (rows, scores) = (dims.b * t * c, dims.b * h * t * t);
+    let _region = region(
+        Pass::AttentionElementwise,
+        bytes::<A>(4 * rows + scores),
+        bytes::<A>(3 * rows),
+    );
     let parts = parallel::split(dims.b, parallel::available_threads());
     let batched = batched::<A>();
     let most = parts.iter().map(|r| r.len()).max().unwrap_or(0);

@@ -185,6 +185,20 @@ impl<A: Element> Bert<A> {
         self.state.packing.rows()
     }
 
+    /// Bytes of the activations the last forward kept for the backward: every layer's cache
+    /// (bf16 copies included), the hidden states `[L + 1][n, c]`, the embeddings' LayerNorm
+    /// and the MLM head's buffers (its logits `[m, v]`). Scratch shared by the layers is left
+    /// out. Counted by capacity: what stays allocated between steps.
+    pub fn saved_activation_bytes(&self) -> usize {
+        use super::element::held;
+        let st = &self.state;
+        st.layers.iter().map(|l| l.bytes()).sum::<usize>()
+            + st.hidden.iter().map(held).sum::<usize>()
+            + held(&st.emb.xhat)
+            + held(&st.emb.rstd)
+            + st.mlm.bytes()
+    }
+
     /// The parameter layout this model reads its flat buffers with.
     pub fn layout(&self) -> &ParamLayout {
         &self.layout

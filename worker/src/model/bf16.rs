@@ -284,6 +284,10 @@ pub(crate) fn native_gemm_f32(
                     Some(v) => v.reborrow(),
                     None => converted_bits(b, bb),
                 };
+                if bias.is_none() && super::gemm_ksplit::worth_cutting_k(&a16, &b16, parts) {
+                    super::gemm_ksplit::gemm_cut_k(alpha, &a16, &b16, beta, c, parts);
+                    return;
+                }
                 super::gemm::split_keeping_c_layout(&a16, &b16, c, parts, &|a, b, c, cols| {
                     let bias = bias.map(|z| &z[cols]);
                     if let Err(e) = onednn::matmul(InputType::Bf16, (alpha, a, b), bias, beta, c) {

@@ -9,6 +9,7 @@
 //! this one does 16 elements in a handful of instructions.
 
 use super::bf16::bf16_bits;
+use super::pass_profile::{Pass, bytes, region};
 
 /// Appends the bf16 bit patterns of `x` to `out`: 16 at a time with AVX-512F where the CPU has
 /// it, else one by one; a long `x` is cut among the model's threads (`super::parallel`), since
@@ -16,6 +17,7 @@ use super::bf16::bf16_bits;
 /// most of the work left on the first one: perf, BERT-mini bf16, 2026-12-04). Each element is
 /// converted alone, so the result does not depend on the cut.
 pub(crate) fn extend_bits(out: &mut Vec<u16>, x: &[f32]) {
+    let _region = region(Pass::Bf16Cast, bytes::<f32>(x.len()), bytes::<u16>(x.len()));
     out.reserve(x.len());
     let start = out.len();
     let spare = &mut out.spare_capacity_mut()[..x.len()];
@@ -31,6 +33,7 @@ pub(crate) fn extend_bits(out: &mut Vec<u16>, x: &[f32]) {
 /// Panics if the lengths differ (a caller's bug).
 pub(crate) fn convert_slice(out: &mut [u16], x: &[f32]) {
     assert_eq!(out.len(), x.len(), "one output per input");
+    let _region = region(Pass::Bf16Cast, bytes::<f32>(x.len()), bytes::<u16>(x.len()));
     // SAFETY: u16 and MaybeUninit<u16> have the same layout; every element is written.
     let out = unsafe {
         std::slice::from_raw_parts_mut(

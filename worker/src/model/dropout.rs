@@ -9,6 +9,7 @@
 //! finaliser; each element's 32 random bits are two rounds of murmur3's `fmix32` over its
 //! index, which vectorises (AVX-512 or AVX2, picked at run time).
 
+use super::pass_profile::{Pass, bytes, region};
 use super::Element;
 use super::packing::Packing;
 
@@ -156,6 +157,8 @@ pub(crate) fn apply_sequences<A: Element>(
     site: Site,
     p: f64,
 ) {
+    let rows = packing.rows() * c;
+    let _region = region(Pass::Dropout, bytes::<A>(rows), bytes::<A>(rows));
     packing.for_each_sequence(x, c, |i, seq| {
         Mask::new(key, sample_ids[i], layer, site, p).apply(seq, 0);
     });

@@ -179,3 +179,8 @@ pub(crate) fn grow<A: Element>(buf: &mut Vec<A>, len: usize) -> &mut [A] {
     }
     &mut buf[..len]
 }
+
+/// Bytes a buffer holds (its capacity: what it keeps allocated between steps).
+pub(crate) fn held<T>(buf: &Vec<T>) -> usize {
+    buf.capacity() * std::mem::size_of::<T>()
+}

@@ -5,6 +5,7 @@
 //! `token_type` `[types, c]`; output `[n, c]`, one row per row of the batch's
 //! [`Packing`] (`n = b * t`, or only the real tokens when padding is left out).
 
+use super::pass_profile::{Pass, bytes, region};
 use keel_proto::config::BertConfig;
 use keel_proto::params::ParamLayout;
 
@@ -35,6 +36,9 @@ pub(crate) struct EmbeddingsCache<A> {
     /// `[n]`.
     pub rstd: Vec<A>,
 }
+
+/// Fewest rows of the lookup worth a thread of their own.
+const MIN_ROWS: usize = 256;
 
 /// The token inputs of one batch.
 pub(crate) struct TokenInputs<'a> {
@@ -74,16 +78,21 @@ impl Embeddings {
         params: &[A],
     ) {
         let (c, n) = (self.c, inputs.packing.rows());
-        for (r, &at) in inputs.packing.padded_index().iter().enumerate() {
-            let col = at % inputs.t;
-            let w = self.word + inputs.input_ids[at] as usize * c;
-            let p = self.position + col * c;
-            let tt = self.token_type + inputs.token_type_ids[at] as usize * c;
-            let dst = &mut sum[r * c..(r + 1) * c];
-            for (i, o) in dst.iter_mut().enumerate() {
-                *o = params[w + i] + params[p + i] + params[tt + i];
+        let lookups = region(Pass::Embeddings, bytes::<A>(3 * n * c), bytes::<A>(n * c));
+        // Rows are independent: cut among the model's threads.
+        let index = inputs.packing.padded_index();
+        super::parallel::zip_units(&mut sum[..n * c], c, index, 1, n, MIN_ROWS, |dst, index| {
+            for (dst, &at) in dst.chunks_exact_mut(c).zip(index) {
+                let col = at % inputs.t;
+                let w = self.word + inputs.input_ids[at] as usize * c;
+                let p = self.position + col * c;
+                let tt = self.token_type + inputs.token_type_ids[at] as usize * c;
+                for (i, o) in dst.iter_mut().enumerate() {
+                    *o = params[w + i] + params[p + i] + params[tt + i];
+                }
             }
-        }
+        });
+        drop(lookups);
         let xhat = super::element::grow(&mut cache.xhat, n * c);
         let rstd = super::element::grow(&mut cache.rstd, n);
         self.ln.forward(
@@ -138,6 +147,7 @@ impl Embeddings {
             grads,
             n,
         );
+        let _scatter = region(Pass::Embeddings, bytes::<A>(4 * n * c), bytes::<A>(3 * n * c));
         for (r, &at) in inputs.packing.padded_index().iter().enumerate() {
             let col = at % inputs.t;
             let d = &dsum[r * c..(r + 1) * c];

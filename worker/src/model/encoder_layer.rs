@@ -23,7 +23,7 @@ use super::attention::{self, AttentionDims};
 use super::attention_batched::KeptOperands;
 use super::bf16_shared;
 use super::dropout::{self, DropoutKey, Site};
-use super::element::grow;
+use super::element::{grow, held};
 use super::layernorm::LayerNorm;
 use super::linear::Linear;
 use super::packing::Packing;
@@ -79,6 +79,38 @@ pub(crate) struct LayerCache<A> {
     pub act_bf16: Vec<u16>,
     /// bf16 copies of attention's operands (`q`, `k`, `v`, the probabilities after dropout).
     pub attention_bf16: KeptOperands,
+}
+
+impl<A> LayerCache<A> {
+    /// Bytes held, bf16 copies included.
+    pub fn bytes(&self) -> usize {
+        let f = [
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.probs,
+            &self.ctx,
+            &self.xhat1,
+            &self.rstd1,
+            &self.h1,
+            &self.pre,
+            &self.act,
+            &self.xhat2,
+            &self.rstd2,
+        ];
+        let kept = &self.attention_bf16;
+        let h = [
+            &self.x_bf16,
+            &self.ctx_bf16,
+            &self.h1_bf16,
+            &self.act_bf16,
+            &kept.q,
+            &kept.k,
+            &kept.v,
+            &kept.probs,
+        ];
+        f.into_iter().map(held).sum::<usize>() + h.into_iter().map(held).sum::<usize>()
+    }
 }
 
 /// Backward scratch shared by all layers.

@@ -29,6 +29,7 @@ use super::Element;
 use super::bf16::{self, Bf16Backend};
 use super::onednn::Strided4;
 use super::parallel;
+use super::pass_profile::{self, Pass, Region, bytes};
 
 /// Smallest GEMM worth cutting among threads (flops): below it, starting a thread (~20 us)
 /// costs more than it saves.
@@ -158,6 +159,7 @@ pub(crate) fn gemm<A: Element>(
     let flops = 2 * m * n * k;
     let parts = parts_for(m, k, n);
     let class = class_of(std::panic::Location::caller().file());
+    let _region = profile_region::<A>(class, m, k, n, beta != A::zero());
     let backend = block(alpha, a, b, beta, c, parts);
     count(class, backend, flops, start);
 }
@@ -188,10 +190,11 @@ pub(crate) fn gemm_bias<A: Element>(
         return;
     }
     let parts = parts_for(m, k, n);
+    let class = class_of(std::panic::Location::caller().file());
+    let _region = profile_region::<A>(class, m, k, n, false);
     if k > 0 && bf16::current() == Precision::Bf16 {
         let start = Instant::now();
         if A::gemm_bf16_native(A::one(), a, b, Some(bias), A::zero(), c, parts) {
-            let class = class_of(std::panic::Location::caller().file());
             count(class, 2, 2 * m * n * k, start);
             return;
         }
@@ -201,9 +204,26 @@ pub(crate) fn gemm_bias<A: Element>(
         return;
     }
     let start = Instant::now();
-    let class = class_of(std::panic::Location::caller().file());
     let backend = block(A::one(), a, b, A::one(), c, parts);
     count(class, backend, 2 * m * n * k, start);
+}
+
+/// The profile region of an `[m, k] x [k, n]` product of class `class` (its output read too
+/// when `reads_c`).
+fn profile_region<A>(class: usize, m: usize, k: usize, n: usize, reads_c: bool) -> Region {
+    let pass = class_pass(class);
+    let read = m * k + k * n + if reads_c { m * n } else { 0 };
+    pass_profile::gemm_region(pass, bytes::<A>(read), bytes::<A>(m * n), 2 * m * n * k)
+}
+
+/// The profile pass of GEMM class `class` ([`CLASSES`]).
+fn class_pass(class: usize) -> Pass {
+    [
+        Pass::GemmLinear,
+        Pass::GemmAttention,
+        Pass::GemmMlmHead,
+        Pass::GemmOther,
+    ][class.min(3)]
 }
 
 /// Every row of `c` set to `bias`, cut among the model's threads when `c` is one dense block.
@@ -303,6 +323,13 @@ pub(crate) fn gemm_batched<A: Element>(
     let start = Instant::now();
     let class = class_of(std::panic::Location::caller().file());
     let flops = 2 * bb * h * m * n * k;
+    let per = |d: [usize; 4]| d.iter().product::<usize>();
+    let _region = pass_profile::gemm_region(
+        class_pass(class),
+        bytes::<A>(per(sa.dims) + per(sb.dims) + if beta != A::zero() { per(sc.dims) } else { 0 }),
+        bytes::<A>(per(sc.dims)),
+        flops,
+    );
     if k > 0
         && bf16::current() == Precision::Bf16
         && A::gemm_batched_bf16_native(alpha, (a, a16, sa), (b, b16, sb), beta, (&mut *c, sc))
@@ -389,8 +416,15 @@ pub(crate) fn split_among<T: Sync, C: Send>(
     }
 }
 
-/// Like [`split_among`], but `c` keeps its memory layout in every part: cut by rows, or by
-/// blocks of columns when it is wider than tall (no transposed `C`). oneDNN's fast bf16
+/// Fewest rows of `C` per part for [`split_keeping_c_layout`] to cut a wide `C` by rows.
+const MIN_ROWS_PER_PART: usize = 64;
+
+/// Like [`split_among`], but `c` keeps its memory layout in every part: cut by rows (when it
+/// is taller than wide, or has at least [`MIN_ROWS_PER_PART`] rows a part), else by blocks of
+/// columns (no transposed `C`). Rows first: a block of columns of a row-major `C` is not
+/// dense, and oneDNN runs such a part on `gemm:jit` instead of its AMX brgemm kernel (the MLM
+/// decoder's `[masked, vocab]` logits cut by columns took 32-43 ms on 2 threads against 20-21
+/// on 1: BERT-tiny, AMX Xeon, 2026-12-05). oneDNN's fast bf16
 /// kernels take only a row-major `C`; handed the transposed one that [`split_among`] makes
 /// of a wide `C` (the MLM decoder's `[masked, vocab]`), oneDNN 2.6.3 falls back to its
 /// reference kernel, ~200x slower (measured: 0.9 GFLOP/s on the Zen 5 EPYC with 2 threads).
@@ -405,7 +439,7 @@ pub(crate) fn split_keeping_c_layout<T: Sync, C: Send>(
     let n = b.ncols();
     if parts <= 1 {
         kernel(a, b, c, 0..n);
-    } else if a.nrows() >= n {
+    } else if a.nrows() >= n || a.nrows() >= parts * MIN_ROWS_PER_PART {
         split_rows(a, b, c, parts, &|a, b, c| kernel(a, b, c, 0..n));
     } else {
         let mut blocks = Vec::with_capacity(parts);

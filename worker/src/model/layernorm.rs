@@ -6,6 +6,7 @@
 //! `y = xhat * gamma + beta`, `xhat = (x - mean) * rstd`, `rstd = 1 / sqrt(var + eps)` with the
 //! biased variance, as PyTorch.
 
+use super::pass_profile::{Pass, bytes, region};
 use keel_proto::params::ParamLayout;
 
 use super::Element;
@@ -50,6 +51,11 @@ impl LayerNorm {
         n: usize,
     ) {
         let c = self.c;
+        let _region = region(
+            Pass::LayerNormForward,
+            bytes::<A>(n * c * (1 + usize::from(residual.is_some())) + 2 * c),
+            bytes::<A>(2 * n * c + n),
+        );
         let gamma = &params[self.gamma..self.gamma + c];
         let beta = &params[self.beta..self.beta + c];
         let eps = A::of(self.eps);
@@ -86,36 +92,63 @@ impl LayerNorm {
         n: usize,
     ) {
         let c = self.c;
+        let _region = region(
+            Pass::LayerNormBackward,
+            bytes::<A>(2 * n * c + n + 3 * c),
+            bytes::<A>(n * c + 2 * c),
+        );
         let gamma = &params[self.gamma..self.gamma + c];
-        // dx: rows are independent, cut among the model's threads.
-        let ranges = split(n, available_threads().min(n / MIN_ROWS).max(1));
-        let mut dx_rest = &mut dx[..n * c];
+        // Blocks of rows cut among the model's threads: each block's `dx` rows, then, while
+        // they are still in cache, the block's sums for dgamma and dbeta. The block sums are
+        // added in block order afterwards, so the result does not depend on the thread count.
+        let blocks = n.div_ceil(GRADIENT_BLOCK_ROWS);
+        let mut sums = vec![A::zero(); blocks * 2 * c];
+        let ranges = split(blocks, available_threads().min(n / MIN_ROWS).max(1));
+        let (mut dx_rest, mut sums_rest) = (&mut dx[..n * c], &mut sums[..]);
         let mut work = Vec::with_capacity(ranges.len());
         for r in &ranges {
-            let (dx_r, tail) = dx_rest.split_at_mut(r.len() * c);
+            let rows = r.start * GRADIENT_BLOCK_ROWS..(r.end * GRADIENT_BLOCK_ROWS).min(n);
+            let (dx_r, tail) = dx_rest.split_at_mut(rows.len() * c);
             dx_rest = tail;
-            let rows = r.start * c..r.end * c;
-            work.push((dx_r, &dy[rows.clone()], &xhat[rows], &rstd[r.clone()]));
+            let (sums_r, tail) = sums_rest.split_at_mut(r.len() * 2 * c);
+            sums_rest = tail;
+            let elems = rows.start * c..rows.end * c;
+            work.push((dx_r, sums_r, &dy[elems.clone()], &xhat[elems], &rstd[rows]));
         }
-        run_parts(work, |(dx, dy, xhat, rstd)| {
-            dx_rows(dx, dy, xhat, rstd, gamma)
-        });
-        // dgamma and dbeta sum over all rows: one pass on this thread, in row order, so the
-        // sums do not depend on the thread count.
-        let dgamma = &mut grads[self.gamma..self.gamma + c];
-        for (dy_r, xh_r) in dy[..n * c].chunks_exact(c).zip(xhat.chunks_exact(c)) {
-            for ((dg, &d), &xh) in dgamma.iter_mut().zip(dy_r).zip(xh_r) {
-                *dg += d * xh;
+        run_parts(work, |(dx, sums, dy, xhat, rstd)| {
+            let block = GRADIENT_BLOCK_ROWS * c;
+            for ((((dx, sums), dy), xhat), rstd) in dx
+                .chunks_mut(block)
+                .zip(sums.chunks_exact_mut(2 * c))
+                .zip(dy.chunks(block))
+                .zip(xhat.chunks(block))
+                .zip(rstd.chunks(GRADIENT_BLOCK_ROWS))
+            {
+                dx_rows(dx, dy, xhat, rstd, gamma);
+                let (dgamma, dbeta) = sums.split_at_mut(c);
+                for (dy_r, xh_r) in dy.chunks_exact(c).zip(xhat.chunks_exact(c)) {
+                    for (((dg, db), &d), &xh) in dgamma.iter_mut().zip(dbeta.iter_mut()).zip(dy_r).zip(xh_r) {
+                        *dg += d * xh;
+                        *db += d;
+                    }
+                }
             }
-        }
-        let dbeta = &mut grads[self.beta..self.beta + c];
-        for dy_r in dy[..n * c].chunks_exact(c) {
-            for (db, &d) in dbeta.iter_mut().zip(dy_r) {
-                *db += d;
+        });
+        for block in sums.chunks_exact(2 * c) {
+            let (dg, db) = block.split_at(c);
+            for (g, &v) in grads[self.gamma..self.gamma + c].iter_mut().zip(dg) {
+                *g += v;
+            }
+            for (g, &v) in grads[self.beta..self.beta + c].iter_mut().zip(db) {
+                *g += v;
             }
         }
     }
 }
+
+/// Rows per block of the dgamma and dbeta sums: the result depends on this, never on the
+/// thread count.
+const GRADIENT_BLOCK_ROWS: usize = 256;
 
 /// Fewest rows worth a thread of their own.
 const MIN_ROWS: usize = 64;

@@ -3,6 +3,7 @@
 //!
 //! Shapes: `logits` `[r, k]` (k classes), `labels` `[r]`.
 
+use super::pass_profile::{Pass, bytes, region};
 use super::Element;
 use super::parallel;
 
@@ -26,6 +27,11 @@ pub(crate) fn cross_entropy<A: Element>(
     // Split the rows among the model's threads (at least ~64k logits each); the loss is
     // summed in row order within a part, then over parts.
     let rows = labels.len();
+    let _region = region(
+        Pass::Loss,
+        bytes::<A>(rows * k),
+        if grad_scale.is_some() { bytes::<A>(rows * k) } else { 0 },
+    );
     let parts = parallel::zip_units(logits, k, labels, 1, rows, (1 << 16) / k.max(1), |z, l| {
         cross_entropy_serial(z, l, k, grad_scale)
     });

@@ -52,6 +52,26 @@ pub(crate) struct MlmCache<A> {
     pub d2: Vec<A>,
 }
 
+impl<A> MlmCache<A> {
+    /// Bytes held (the backward scratch `d1`, `d2` included).
+    pub fn bytes(&self) -> usize {
+        [
+            &self.x,
+            &self.pre,
+            &self.act,
+            &self.xhat,
+            &self.rstd,
+            &self.z,
+            &self.logits,
+            &self.d1,
+            &self.d2,
+        ]
+        .into_iter()
+        .map(super::element::held)
+        .sum()
+    }
+}
+
 impl MlmHead {
     pub fn new(config: &BertConfig, layout: &ParamLayout) -> MlmHead {
         MlmHead {
@@ -115,12 +135,7 @@ impl MlmHead {
     ) {
         let (m, c, v) = (positions.len(), self.c, self.vocab);
         let dlogits = &cache.logits[..m * v];
-        let dbias = &mut grads[self.bias..self.bias + v];
-        for row in dlogits.chunks_exact(v) {
-            for (g, &d) in dbias.iter_mut().zip(row) {
-                *g += d;
-            }
-        }
+        super::linear::bias_gradient(&mut grads[self.bias..self.bias + v], dlogits, m);
         // `d logits` feeds both GEMMs: round it once.
         let _dlogits16 = super::bf16_shared::share(dlogits);
         let dlogits = mat(dlogits, m, v);

@@ -19,6 +19,7 @@
 //!   `activation` (GELU, tanh-GELU, ReLU), `dropout`, `attention`, `embeddings`,
 //!   `encoder_layer`, `mlm_head`, `nsp_head`, `loss` (cross-entropy). Attention's two routes
 //!   (`attention`, `attention_batched`) share `attention_dims` and `softmax`.
+//! - `pass_profile`: the step's time and bytes per pass, for the bench's roofline table.
 //! - `packing`: the rows a batch is computed on: only the real tokens', padding left out
 //!   (attention's operands scattered into the padded layout and back).
 //! - `bert`: the whole model ([`Bert`]) over one flat parameter buffer.
@@ -44,6 +45,7 @@ mod element;
 mod embeddings;
 mod encoder_layer;
 pub mod gemm;
+mod gemm_ksplit;
 #[cfg(test)]
 mod gradcheck;
 mod init;
@@ -55,7 +57,8 @@ mod mlm_head;
 mod nsp_head;
 mod onednn;
 mod packing;
-mod parallel;
+pub(crate) mod parallel;
+pub mod pass_profile;
 mod softmax;
 mod vmath;
 

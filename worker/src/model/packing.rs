@@ -22,6 +22,7 @@
 //! without padding, a mask that is not real tokens followed by padding, a sequence with no
 //! real token, or a masked position on padding. Those keep exactly the old layout.
 
+use super::pass_profile::{Pass, bytes, region};
 use std::ops::Range;
 
 use super::Element;
@@ -173,6 +174,7 @@ impl Packing {
     /// padding rows 0.
     pub fn scatter<A: Element>(&self, packed: &[A], padded: &mut [A], c: usize) {
         let tc = self.t * c;
+        let _region = region(Pass::Packing, bytes::<A>(self.rows() * c), bytes::<A>(self.b * tc));
         let padded = &mut padded[..self.b * tc];
         let mut rest = padded;
         let mut work = Vec::new();
@@ -194,6 +196,7 @@ impl Packing {
     /// `packed` `[rows, c]` from the real rows of `padded` `[b * t, c]`; the spare rows 0.
     pub fn gather<A: Element>(&self, padded: &[A], packed: &mut [A], c: usize) {
         let tc = self.t * c;
+        let _region = region(Pass::Packing, bytes::<A>(self.rows() * c), bytes::<A>(self.rows() * c));
         self.for_each_sequence(packed, c, |i, seq| {
             seq.copy_from_slice(&padded[i * tc..i * tc + seq.len()]);
         });

@@ -11,6 +11,7 @@
 //! section 5.1) is the same loop over its [`ShardPlan`]'s segments and needs no cross-rank
 //! sums. Shapes: params and grads `[P]`, moments `[L]` (`L = P` unsharded).
 
+use crate::model::pass_profile;
 use keel_proto::params::ParamLayout;
 
 use super::{OptimError, Optimizer, ShardPlan, restore_shard};
@@ -78,6 +79,13 @@ impl<A: Element> AdamW<A> {
 impl<A: Element> Optimizer<A> for AdamW<A> {
     /// Updates the plan's elements only; right for a sharded AdamW too.
     fn step(&mut self, params: &mut [A], grads: &[A], lr: A) {
+        // Reads parameters, gradients and both moments; writes parameters and moments.
+        let len = params.len();
+        let _region = pass_profile::region(
+            pass_profile::Pass::Optimizer,
+            pass_profile::bytes::<A>(4 * len),
+            pass_profile::bytes::<A>(3 * len),
+        );
         self.steps += 1;
         let cfg = self.config;
         let t = self.steps as i32;
@@ -117,22 +125,16 @@ impl<A: Element> Optimizer<A> for AdamW<A> {
                 update(p, g, m, v);
                 continue;
             }
+            // On the model's helper pool (a fresh thread per tensor cost its start-up on
+            // every step).
             let chunk = range.len().div_ceil(parts);
-            std::thread::scope(|scope| {
-                let mut pieces = p
-                    .chunks_mut(chunk)
-                    .zip(g.chunks(chunk))
-                    .zip(m.chunks_mut(chunk))
-                    .zip(v.chunks_mut(chunk));
-                let first = pieces.next();
-                for (((p, g), m), v) in pieces {
-                    let update = &update;
-                    scope.spawn(move || update(p, g, m, v));
-                }
-                if let Some((((p, g), m), v)) = first {
-                    update(p, g, m, v);
-                }
-            });
+            let pieces: Vec<_> = p
+                .chunks_mut(chunk)
+                .zip(g.chunks(chunk))
+                .zip(m.chunks_mut(chunk))
+                .zip(v.chunks_mut(chunk))
+                .collect();
+            crate::model::parallel::run_parts(pieces, |(((p, g), m), v)| update(p, g, m, v));
         }
     }
 

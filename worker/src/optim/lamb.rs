@@ -25,6 +25,7 @@
 //! Unsharded, [`Optimizer::step`] does the same per entry in one fused pass with a scratch
 //! of the largest entry's size, and never rounds a norm to f32.
 
+use crate::model::pass_profile;
 use keel_proto::params::ParamLayout;
 
 use super::{OptimError, Optimizer, ShardPlan, restore_shard};
@@ -293,6 +294,12 @@ impl<A: Element> Optimizer<A> for Lamb<A> {
     /// rank's elements alone, as if it were the only rank: calling this on one of several
     /// ranks is a caller's bug (the norms would be partial); use [`Optimizer::step_sharded`].
     fn step(&mut self, params: &mut [A], grads: &[A], lr: A) {
+        let len = params.len();
+        let _region = pass_profile::region(
+            pass_profile::Pass::Optimizer,
+            pass_profile::bytes::<A>(4 * len),
+            pass_profile::bytes::<A>(3 * len),
+        );
         self.steps += 1;
         if self.plan.is_full() {
             self.step_fused(params, grads, lr);

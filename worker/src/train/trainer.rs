@@ -327,6 +327,8 @@ impl<'a> Trainer<'a> {
         nsp: f32,
         mut lookup: Option<&mut LookupGrads<f32>>,
     ) -> Result<[f64; 4], TrainError> {
+        // The helpers stay hot for the forward and backward (`parallel::hot`).
+        let _hot = crate::model::parallel::hot();
         let synchronous = self.diloco.is_none();
         let opts_for = |last: bool| StepOptions {
             mlm_scale: if masked > 0.0 { 1.0 / masked } else { 0.0 },
@@ -337,7 +339,14 @@ impl<'a> Trainer<'a> {
             }),
             report_ready: last && synchronous,
         };
-        self.grads.fill(0.0);
+        {
+            let _zero = crate::model::pass_profile::region(
+                crate::model::pass_profile::Pass::ZeroGradients,
+                0,
+                std::mem::size_of_val(&self.grads[..]),
+            );
+            crate::model::parallel::fill(&mut self.grads, 0.0);
+        }
         self.buckets.begin();
         let mut sums = [0f64; 4];
         for (j, batch) in batches.iter().enumerate() {
@@ -420,6 +429,7 @@ impl<'a> Trainer<'a> {
         let mut gather = std::time::Duration::ZERO;
         if finite {
             let max_norm = t.max_grad_norm as f32;
+            let _hot = crate::model::parallel::hot();
             match &self.sharding {
                 None => {
                     if max_norm > 0.0 {
