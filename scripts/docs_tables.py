@@ -134,6 +134,56 @@ def step_speed(path, cpu, date, command):
     return out
 
 
+def step_memory(path, cpu, date, command):
+    """Peak RSS and the activations kept for the backward, per side (1 thread, medians)."""
+    rows = read_jsonl(path)
+
+    def med(side, config, precision, field):
+        return median([r[field] for r in rows if r["side"] == side and r["config"] == config
+                       and r["precision"] == precision and r["threads"] == 1 and r.get(field) is not None])
+
+    out = source_line(cpu, date, command, [path])
+    body = []
+    for config in ("tiny", "mini", "base"):
+        kf, kb = med("keel", config, "fp32", "peak_rss_mib"), med("keel", config, "bf16", "peak_rss_mib")
+        pb = med("pytorch", config, "bf16-autocast", "peak_rss_mib")
+        per = lambda side, prec: med(side, config, prec, "saved_activation_bytes_per_token")
+        body.append([config, fmt_int(kf), fmt_int(kb), "**%.2fx**" % (kb / kf), fmt_int(pb),
+                     fmt_int(per("keel", "fp32")), fmt_int(per("keel", "bf16")),
+                     fmt_int(per("pytorch", "bf16-autocast"))])
+    out += table(["model", "peak RSS, Keel fp32 (MiB)", "Keel bf16", "Keel bf16 / fp32", "PyTorch bf16",
+                  "kept for the backward, Keel fp32 (bytes a token)", "Keel bf16", "PyTorch bf16"], body)
+    out.append("")
+    out.append("Kept for the backward: Keel's activation buffers after a step (bf16 copies included; "
+               "`Bert::saved_activation_bytes`); PyTorch's, every storage autograd saved in one forward, "
+               "parameters left out (autocast's bf16 copies of the weights included).")
+    return out
+
+
+def before_after(path, cpu, date, command):
+    """tokens/s of the build before and after a change, alternated (medians)."""
+    rows = read_jsonl(path)
+    before, after = "keel-prof", "keel-final2"
+
+    def med(binary, config, threads):
+        return median([r["tokens_per_s"] for r in rows if r["binary"] == binary and r["config"] == config
+                       and r["threads"] == threads])
+
+    out = source_line(cpu, date, command, [path])
+    body = []
+    for config in ("tiny", "mini", "base"):
+        for threads in (1, 2):
+            b, a = med(before, config, threads), med(after, config, threads)
+            if b is None or a is None:
+                continue
+            b1, a1 = med(before, config, 1), med(after, config, 1)
+            body.append([config, str(threads), fmt_int(b), fmt_int(a), "**%.2fx**" % (a / b),
+                         "%.2fx / %.2fx" % (b / b1, a / a1) if threads > 1 else "-"])
+    out += table(["model", "threads", "before (tokens/s)", "after", "after / before",
+                  "2 threads / 1, before / after"], body)
+    return out
+
+
 # --- the step pass by pass --------------------------------------------------------------------
 
 def step_roofline(path, cpu, date, command, config):
@@ -277,7 +327,9 @@ def scale_model(pattern_files, cpu, date):
 
 # --- the README's headline table ------------------------------------------------------------
 
-AMX_STEP = os.path.join(MEASURED, "bf16-amx-2026-12-04", "bench-bf16-kept-fma.jsonl")
+AMX_STEP = os.path.join(MEASURED, "bf16-amx-2026-12-05", "bench-bf16.jsonl")
+AMX_PASSES = os.path.join(MEASURED, "bf16-amx-2026-12-05", "passes.jsonl")
+AMX_BEFORE_AFTER = os.path.join(MEASURED, "bf16-amx-2026-12-05", "before-after.jsonl")
 ZEN4_STEP = os.path.join(MEASURED, "bf16-zen4-2026-12-04", "bench-bf16.jsonl")
 RING_FILES = [os.path.join(MEASURED, "ring-2026-12-04", f)
               for f in ("bench-ring-gloo-2-3-4.jsonl", "bench-ring-gloo-256.jsonl", "bench-ring-gloo-8.jsonl")]
@@ -289,14 +341,14 @@ def headline():
         return "[%s](%s)" % (text or os.path.basename(path), rel(path))
 
     rows = []
-    for path, cpu, what in ((AMX_STEP, "Intel Xeon with AMX (family 6 model 167)", "training step of BERT-mini, bf16, 1 core"),
-                            (ZEN4_STEP, "AMD EPYC Zen 4 (family 25 model 17)", "the same on a Zen 4")):
+    for path, cpu, what, date in ((AMX_STEP, "Intel Xeon with AMX (family 6 model 167)", "training step of BERT-mini, bf16, 1 core", "2026-12-05"),
+                                  (ZEN4_STEP, "AMD EPYC Zen 4 (family 25 model 17)", "the same on a Zen 4", "2026-12-04")):
         m = step_medians(path)
         ratio = {c: m[(c, "keel", "bf16", 1)] / m[(c, "pytorch", "bf16-autocast", 1)] for c in ("tiny", "mini", "base")}
         rows.append([what, "%s tokens/s" % fmt_int(m[("mini", "keel", "bf16", 1)]),
                      "PyTorch bf16: %s (**%.2fx**); tiny %.2fx, base %.2fx" % (
                          fmt_int(m[("mini", "pytorch", "bf16-autocast", 1)]), ratio["mini"], ratio["tiny"], ratio["base"]),
-                     cpu, "2026-12-04", rlink(path)])
+                     cpu, date, rlink(path)])
     for name, cpu, what in (("ttq-mini-2026-12-04-unpad", "Intel Xeon with AMX",
                              "time to PyTorch DDP's final held-out loss, BERT-mini, 2 workers"),
                             ("ttq-mini-2026-12-04-zen4", "AMD EPYC Zen 4", "the same on a Zen 4")):
@@ -323,7 +375,17 @@ TABLES = {
     "headline": headline,
     "step-speed-amx": lambda: step_speed(
         AMX_STEP,
-        XEON_AMX, "2026-12-04", "ROUNDS=2 scripts/bench-bf16.sh"),
+        XEON_AMX, "2026-12-05", "ROUNDS=2 scripts/bench-bf16.sh"),
+    "step-memory-amx": lambda: step_memory(
+        AMX_STEP,
+        XEON_AMX, "2026-12-05", "ROUNDS=2 scripts/bench-bf16.sh"),
+    "step-roofline-tiny": lambda: step_roofline(
+        AMX_PASSES, XEON_AMX, "2026-12-05", "ROUNDS=2 scripts/bench-passes.sh", "tiny"),
+    "step-roofline-mini": lambda: step_roofline(
+        AMX_PASSES, XEON_AMX, "2026-12-05", "ROUNDS=2 scripts/bench-passes.sh", "mini"),
+    "threads-before-after": lambda: before_after(
+        AMX_BEFORE_AFTER, XEON_AMX, "2026-12-05",
+        "keel-worker bench --precision bf16, two builds alternated (notes.md)"),
     "step-speed-zen4": lambda: step_speed(
         ZEN4_STEP,
         ZEN4, "2026-12-04", "ROUNDS=2 scripts/bench-bf16.sh"),

@@ -43,6 +43,7 @@ const KNOWN_CYCLES: &[(&[&str], &str)] = &[
             "worker/src/model/bf16_shared.rs",
             "worker/src/model/element.rs",
             "worker/src/model/gemm.rs",
+            "worker/src/model/gemm_ksplit.rs",
             "worker/src/model/parallel.rs",
         ],
         "bf16 precision is per-thread state (thread-locals in bf16.rs) that gemm, parallel, \

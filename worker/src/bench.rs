@@ -32,8 +32,8 @@ use keel_proto::precision::{PrecisionSetting, WorkerBf16};
 
 use crate::batch::Batch;
 use crate::bench_roofline;
-use crate::model::pass_profile::{self, Pass};
 use crate::model::bf16;
+use crate::model::pass_profile::{self, Pass};
 use crate::model::{Bert, DropoutKey, StepOptions, gemm, init_params, set_blas_threads};
 use crate::optim::{AdamW, AdamWConfig, Optimizer, clip_grad_norm};
 

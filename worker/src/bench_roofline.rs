@@ -53,7 +53,11 @@ pub fn table(
         let seconds = t.seconds / steps_f;
         timed += seconds;
         let moved = (t.bytes_read + t.bytes_written) as f64 / steps_f;
-        let gb_s = if seconds > 0.0 { moved / seconds / 1e9 } else { 0.0 };
+        let gb_s = if seconds > 0.0 {
+            moved / seconds / 1e9
+        } else {
+            0.0
+        };
         let mut row = serde_json::json!({
             "pass": t.pass.name(),
             "calls_per_step": t.calls as f64 / steps_f,
@@ -125,7 +129,11 @@ mod tests {
         ];
         let rows = table(&totals, 2, 0.5, 10.0);
         let rows = rows.as_array().expect("an array");
-        assert_eq!(rows.len(), 3, "passes that never ran are left out: {rows:?}");
+        assert_eq!(
+            rows.len(),
+            3,
+            "passes that never ran are left out: {rows:?}"
+        );
         let ln = &rows[0];
         assert_eq!(ln["pass"], "layernorm_forward");
         assert!((ln["ms_per_step"].as_f64().unwrap() - 100.0).abs() < 1e-9);

@@ -194,7 +194,10 @@ fn clipping_is_identical_on_any_thread_count() {
     set_blas_threads(1);
     let exact: f64 = grads.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
     assert!((f64::from_bits(results[0].0) - exact).abs() < 1e-9 * exact);
-    assert!(f32::from_bits(results[0].1) > 1.0, "the norm is above 1: clipping happened");
+    assert!(
+        f32::from_bits(results[0].1) > 1.0,
+        "the norm is above 1: clipping happened"
+    );
     assert_ne!(results[0].2, grads, "clipped");
     for r in &results[1..] {
         assert_eq!(r, &results[0]);

@@ -12,12 +12,12 @@
 // The dimensions are attention's parameter (`attention::AttentionDims` to its callers).
 pub(crate) use super::attention_dims::AttentionDims;
 
-use super::pass_profile::{Pass, bytes, region};
 use super::Element;
 use super::attention_batched::{KeptOperands, KeptPart};
 use super::element::grow;
 use super::gemm::{gemm, mat_mut};
 use super::parallel;
+use super::pass_profile::{Pass, bytes, region};
 use super::softmax::{masked_softmax, softmax_backward, softmax_keys};
 use ndarray::{ArrayView2, ArrayViewMut2, s};
 

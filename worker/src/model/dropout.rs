@@ -9,9 +9,9 @@
 //! finaliser; each element's 32 random bits are two rounds of murmur3's `fmix32` over its
 //! index, which vectorises (AVX-512 or AVX2, picked at run time).
 
-use super::pass_profile::{Pass, bytes, region};
 use super::Element;
 use super::packing::Packing;
+use super::pass_profile::{Pass, bytes, region};
 
 /// Training-mode dropout key: the job's seed and the optimizer step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

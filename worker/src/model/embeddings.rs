@@ -147,7 +147,11 @@ impl Embeddings {
             grads,
             n,
         );
-        let _scatter = region(Pass::Embeddings, bytes::<A>(4 * n * c), bytes::<A>(3 * n * c));
+        let _scatter = region(
+            Pass::Embeddings,
+            bytes::<A>(4 * n * c),
+            bytes::<A>(3 * n * c),
+        );
         for (r, &at) in inputs.packing.padded_index().iter().enumerate() {
             let col = at % inputs.t;
             let d = &dsum[r * c..(r + 1) * c];

@@ -34,7 +34,11 @@ thread_local! {
 /// True when cutting the sum keeps every part's operands dense and cutting `C` would not: `a`
 /// `[m, k]` column-major (a transposed row-major matrix), `b` `[k, n]` row-major, and `k` long
 /// enough for `parts` parts.
-pub(crate) fn worth_cutting_k(a: &ArrayView2<'_, u16>, b: &ArrayView2<'_, u16>, parts: usize) -> bool {
+pub(crate) fn worth_cutting_k(
+    a: &ArrayView2<'_, u16>,
+    b: &ArrayView2<'_, u16>,
+    parts: usize,
+) -> bool {
     let (m, k) = a.dim();
     let a_column_major = m > 1 && a.strides()[0] == 1;
     let b_row_major = b.ncols() <= 1 || b.strides()[1] == 1;
@@ -78,7 +82,13 @@ pub(crate) fn gemm_cut_k(
             let a_block = a.slice(s![.., r.clone()]);
             let b_block = b.slice(s![r, ..]);
             let beta = if p == 0 { beta } else { 0.0 };
-            if let Err(e) = onednn::matmul(InputType::Bf16, (alpha, &a_block, &b_block), None, beta, &mut out) {
+            if let Err(e) = onednn::matmul(
+                InputType::Bf16,
+                (alpha, &a_block, &b_block),
+                None,
+                beta,
+                &mut out,
+            ) {
                 panic!("oneDNN bf16 matmul failed after the startup probe succeeded: {e}");
             }
         });
@@ -129,16 +139,29 @@ mod tests {
         let (m, k, n) = (48, 1000, 40);
         let bits = |x: f32| bf16::bf16_bits(x);
         // `a` as a transposed row-major [k, m] (dy), `b` row-major [k, n] (x).
-        let dy = Array2::from_shape_fn((k, m), |(i, j)| bits(((i * 7 + j * 3) % 23) as f32 / 11.0 - 1.0));
-        let x = Array2::from_shape_fn((k, n), |(i, j)| bits(((i * 5 + j * 13) % 19) as f32 / 9.0 - 1.0));
+        let dy = Array2::from_shape_fn((k, m), |(i, j)| {
+            bits(((i * 7 + j * 3) % 23) as f32 / 11.0 - 1.0)
+        });
+        let x = Array2::from_shape_fn((k, n), |(i, j)| {
+            bits(((i * 5 + j * 13) % 19) as f32 / 9.0 - 1.0)
+        });
         let a = dy.t();
         assert!(worth_cutting_k(&a, &x.view(), 2));
-        assert!(!worth_cutting_k(&x.t(), &dy.t().t(), 1), "one part: nothing to cut");
+        assert!(
+            !worth_cutting_k(&x.t(), &dy.t().t(), 1),
+            "one part: nothing to cut"
+        );
         for beta in [0.0f32, 1.0] {
             let c0 = Array2::from_shape_fn((m, n).f(), |(i, j)| (i as f32 - j as f32) / 7.0);
             let mut whole = Array2::from_shape_fn((m, n), |(i, j)| c0[[i, j]]);
-            onednn::matmul(InputType::Bf16, (0.5, &a, &x.view()), None, beta, &mut whole.view_mut())
-                .expect("oneDNN bf16 matmul");
+            onednn::matmul(
+                InputType::Bf16,
+                (0.5, &a, &x.view()),
+                None,
+                beta,
+                &mut whole.view_mut(),
+            )
+            .expect("oneDNN bf16 matmul");
             for parts in [2, 3] {
                 let mut cut = Array2::from_shape_fn((m, n), |(i, j)| c0[[i, j]]);
                 gemm_cut_k(0.5, &a, &x.view(), beta, &mut cut.view_mut(), parts);
@@ -148,7 +171,10 @@ mod tests {
                     .zip(whole.iter())
                     .map(|(p, q)| (p - q).abs())
                     .fold(0.0f32, f32::max);
-                assert!(d <= 1e-5 * scale.max(1.0), "parts {parts} beta {beta}: {d} (scale {scale})");
+                assert!(
+                    d <= 1e-5 * scale.max(1.0),
+                    "parts {parts} beta {beta}: {d} (scale {scale})"
+                );
                 assert!(scale > 1.0, "a non-trivial product");
             }
         }

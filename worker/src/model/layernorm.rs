@@ -127,7 +127,9 @@ impl LayerNorm {
                 dx_rows(dx, dy, xhat, rstd, gamma);
                 let (dgamma, dbeta) = sums.split_at_mut(c);
                 for (dy_r, xh_r) in dy.chunks_exact(c).zip(xhat.chunks_exact(c)) {
-                    for (((dg, db), &d), &xh) in dgamma.iter_mut().zip(dbeta.iter_mut()).zip(dy_r).zip(xh_r) {
+                    for (((dg, db), &d), &xh) in
+                        dgamma.iter_mut().zip(dbeta.iter_mut()).zip(dy_r).zip(xh_r)
+                    {
                         *dg += d * xh;
                         *db += d;
                     }

@@ -99,11 +99,19 @@ pub(crate) fn bias_gradient<A: Element>(db: &mut [A], dy: &[A], n: usize) {
     let mut sums = vec![A::zero(); (whole + 1) * o];
     let (full, tail) = sums.split_at_mut(whole * o);
     let block = BIAS_BLOCK_ROWS * o;
-    parallel::zip_units(full, o, &dy[..whole * block], block, whole, 1, |sums, dy| {
-        for (sum, rows) in sums.chunks_exact_mut(o).zip(dy.chunks_exact(block)) {
-            sum_rows(sum, rows);
-        }
-    });
+    parallel::zip_units(
+        full,
+        o,
+        &dy[..whole * block],
+        block,
+        whole,
+        1,
+        |sums, dy| {
+            for (sum, rows) in sums.chunks_exact_mut(o).zip(dy.chunks_exact(block)) {
+                sum_rows(sum, rows);
+            }
+        },
+    );
     sum_rows(tail, &dy[whole * block..n * o]);
     for sum in sums.chunks_exact(o) {
         for (g, &s) in db.iter_mut().zip(sum) {

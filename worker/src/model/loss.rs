@@ -3,9 +3,9 @@
 //!
 //! Shapes: `logits` `[r, k]` (k classes), `labels` `[r]`.
 
-use super::pass_profile::{Pass, bytes, region};
 use super::Element;
 use super::parallel;
+use super::pass_profile::{Pass, bytes, region};
 
 /// Loss summed over rows and the count of rows whose argmax equals the label.
 pub(crate) struct CrossEntropy<A> {
@@ -30,7 +30,11 @@ pub(crate) fn cross_entropy<A: Element>(
     let _region = region(
         Pass::Loss,
         bytes::<A>(rows * k),
-        if grad_scale.is_some() { bytes::<A>(rows * k) } else { 0 },
+        if grad_scale.is_some() {
+            bytes::<A>(rows * k)
+        } else {
+            0
+        },
     );
     let parts = parallel::zip_units(logits, k, labels, 1, rows, (1 << 16) / k.max(1), |z, l| {
         cross_entropy_serial(z, l, k, grad_scale)

@@ -174,7 +174,11 @@ impl Packing {
     /// padding rows 0.
     pub fn scatter<A: Element>(&self, packed: &[A], padded: &mut [A], c: usize) {
         let tc = self.t * c;
-        let _region = region(Pass::Packing, bytes::<A>(self.rows() * c), bytes::<A>(self.b * tc));
+        let _region = region(
+            Pass::Packing,
+            bytes::<A>(self.rows() * c),
+            bytes::<A>(self.b * tc),
+        );
         let padded = &mut padded[..self.b * tc];
         let mut rest = padded;
         let mut work = Vec::new();
@@ -196,7 +200,11 @@ impl Packing {
     /// `packed` `[rows, c]` from the real rows of `padded` `[b * t, c]`; the spare rows 0.
     pub fn gather<A: Element>(&self, padded: &[A], packed: &mut [A], c: usize) {
         let tc = self.t * c;
-        let _region = region(Pass::Packing, bytes::<A>(self.rows() * c), bytes::<A>(self.rows() * c));
+        let _region = region(
+            Pass::Packing,
+            bytes::<A>(self.rows() * c),
+            bytes::<A>(self.rows() * c),
+        );
         self.for_each_sequence(packed, c, |i, seq| {
             seq.copy_from_slice(&padded[i * tc..i * tc + seq.len()]);
         });

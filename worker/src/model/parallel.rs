@@ -128,7 +128,9 @@ impl Drop for Hot {
 /// not around waits for the network.
 pub(crate) fn hot() -> Hot {
     static START: Mutex<()> = Mutex::new(());
-    let _one_at_a_time = START.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _one_at_a_time = START
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     HOT.fetch_add(1, Ordering::AcqRel);
     let threads = threads();
     let wanted = threads.saturating_sub(1);
@@ -256,7 +258,9 @@ const MIN_PASS_ELEMENTS: usize = 1 << 16;
 /// millions of elements is a pass over memory one thread does not saturate).
 pub(crate) fn fill<A: Copy + Send + Sync>(x: &mut [A], value: A) {
     let none: &[A] = &[];
-    zip_units(x, 1, none, 0, x.len(), MIN_PASS_ELEMENTS, |part, _| part.fill(value));
+    zip_units(x, 1, none, 0, x.len(), MIN_PASS_ELEMENTS, |part, _| {
+        part.fill(value)
+    });
 }
 
 /// `f(part)` over `x` cut into contiguous parts among the model's threads, in place.

@@ -1,7 +1,7 @@
 //! Where a training step's time goes, pass by pass: the step's roofline.
 //!
 //! Every pass over memory (LayerNorm, the activation, dropout, the bf16 casts, the optimizer,
-//! ...) and every GEMM opens a [`Region`] with the bytes it reads and writes (and, for a GEMM,
+//! ...) and every GEMM opens a region with the bytes it reads and writes (and, for a GEMM,
 //! its flops). A region's time is *exclusive*: time spent in a region opened inside it (a cast
 //! inside a GEMM, a LayerNorm inside the embeddings) is counted for the inner one only, so the
 //! regions of a step add up to at most the step, and what is left is work no region names.
@@ -297,7 +297,10 @@ mod tests {
             (30_000_000..45_000_000).contains(&outer_ns),
             "outer {outer_ns}: exclusive of the inner 30 ms"
         );
-        assert!(outer_ns + inner_ns <= wall, "{outer_ns} + {inner_ns} > {wall}");
+        assert!(
+            outer_ns + inner_ns <= wall,
+            "{outer_ns} + {inner_ns} > {wall}"
+        );
         assert_eq!(outer.finish(), 0, "finished once");
         let mut next = region(Pass::ClipGradients, 0, 0);
         spin(5);
@@ -312,8 +315,14 @@ mod tests {
             mark_helper_thread();
             region(Pass::Join, 1, 1).start.is_some()
         });
-        assert!(!helper.join().expect("thread ran"), "a helper's region is not timed");
+        assert!(
+            !helper.join().expect("thread ran"),
+            "a helper's region is not timed"
+        );
         let plain = std::thread::spawn(|| region(Pass::Join, 1, 1).start.is_some());
-        assert!(plain.join().expect("thread ran"), "the step thread's region is timed");
+        assert!(
+            plain.join().expect("thread ran"),
+            "the step thread's region is timed"
+        );
     }
 }
