@@ -48,6 +48,8 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=lib/tiny-job.sh
+. "$REPO/scripts/lib/tiny-job.sh"
 cd "$REPO"
 case "${1:-}" in -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 BIN_DIR="${1:-${CARGO_TARGET_DIR:-$REPO/target}/release}"
@@ -241,34 +243,10 @@ log "every process of the 4 containers runs as uid 10001; /corpus is read-only (
 # ---------------------------------------------------------------------------------------------
 # 3. A job from the host.
 write_job() { # write_job FILE STEPS CHECKPOINT_EVERY EVAL_EVERY
-  cat >"$1" <<EOF
-# Written by scripts/container-test.sh: tiny BERT on the King James Bible, 3 workers.
-[data]
-corpus = ["/corpus/kjv.txt"]
-vocab_size = 2000
-lowercase = true
-objective = "mlm"
-max_seq_length = 64
-masked_lm_prob = 0.15
-max_predictions_per_seq = 10
-heldout_fraction = 0.01
-
-[model]
-preset = "tiny"
-
-[train]
-micro_batch_size = 8
-gradient_accumulation_steps = 1
-max_steps = $2
-optimizer = "adamw"
-learning_rate = 1e-3
-warmup_steps = 3
-schedule = "linear"
-weight_decay = 0.01
-max_grad_norm = 1.0
-seed = 42
-checkpoint_every = $3
-eval_every = $4
+  {
+    echo "# Written by scripts/container-test.sh: tiny BERT on the King James Bible, 3 workers."
+    tiny_job_sections /corpus/kjv.txt "$2" "$3" "$4"
+    cat <<EOF
 
 [cluster]
 min_workers = 3
@@ -276,6 +254,7 @@ max_workers = 3
 peer_timeout_seconds = 4
 replacement_timeout_seconds = 120
 EOF
+  } >"$1"
 }
 
 submit() { # submit FILE: prints the job id

@@ -52,6 +52,8 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=lib/tiny-job.sh
+. "$REPO/scripts/lib/tiny-job.sh"
 
 NETEM=0
 SLURM=0
@@ -378,43 +380,20 @@ link_tx_bytes() { # bytes the host NODE sent into the bridge
 }
 
 write_job() { # write_job FILE
-  cat >"$1" <<EOF
-# Written by scripts/multihost-test.sh: a short job across the worker hosts.
-[data]
-corpus = ["$CORPUS"]
-vocab_size = 2000
-lowercase = true
-objective = "mlm"
-max_seq_length = 64
-masked_lm_prob = 0.15
-max_predictions_per_seq = 10
-heldout_fraction = 0.01
-
-[model]
-preset = "tiny"
-
-[train]
-micro_batch_size = 8
-gradient_accumulation_steps = 1
-max_steps = $STEPS
-optimizer = "adamw"
-learning_rate = 1e-3
-warmup_steps = 3
-schedule = "linear"
-weight_decay = 0.01
-max_grad_norm = 1.0
-seed = 42
-checkpoint_every = $STEPS
-eval_every = $STEPS
+  {
+    echo "# Written by scripts/multihost-test.sh: a short job across the worker hosts."
+    tiny_job_sections "$CORPUS" "$STEPS" "$STEPS" "$STEPS"
+    cat <<EOF
 allreduce_dtype = "$ALLREDUCE_DTYPE"
 
 [cluster]
 min_workers = $N_WORKERS
 max_workers = $N_WORKERS
 EOF
-  if [ "$DILOCO" != 0 ]; then
-    printf '\n[diloco]\ninner_steps = %s\nouter_momentum = %s\n' "$DILOCO" "${KEEL_MH_DILOCO_MOMENTUM:-0.5}" >>"$1"
-  fi
+    if [ "$DILOCO" != 0 ]; then
+      printf '\n[diloco]\ninner_steps = %s\nouter_momentum = %s\n' "$DILOCO" "${KEEL_MH_DILOCO_MOMENTUM:-0.5}"
+    fi
+  } >"$1"
 }
 
 keel_user() { # keel CLI from the user's host, bounded

@@ -30,6 +30,8 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=lib/tiny-job.sh
+. "$REPO/scripts/lib/tiny-job.sh"
 cd "$REPO"
 case "${1:-}" in -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 BIN_DIR="${1:-${CARGO_TARGET_DIR:-$REPO/target}/release}"
@@ -162,40 +164,17 @@ log "Slurm $(on ctl sinfo --version | awk '{ print $2 }'): slurmctld on ctl, slu
 # The job, through sbatch.
 cp corpora/en-kjv/kjv.txt "$WORK/shared/submit/kjv.txt"
 write_job() { # write_job FILE STEPS CHECKPOINT_EVERY MIN_WORKERS
-  cat >"$1" <<EOF
-# Written by scripts/slurm-test.sh: tiny BERT on the King James Bible, one worker per node.
-[data]
-corpus = ["/shared/submit/kjv.txt"]
-vocab_size = 2000
-lowercase = true
-objective = "mlm"
-max_seq_length = 64
-masked_lm_prob = 0.15
-max_predictions_per_seq = 10
-heldout_fraction = 0.01
-
-[model]
-preset = "tiny"
-
-[train]
-micro_batch_size = 8
-gradient_accumulation_steps = 1
-max_steps = $2
-optimizer = "adamw"
-learning_rate = 1e-3
-warmup_steps = 3
-schedule = "linear"
-weight_decay = 0.01
-max_grad_norm = 1.0
-seed = 42
-checkpoint_every = $3
-eval_every = 0
+  {
+    echo "# Written by scripts/slurm-test.sh: tiny BERT on the King James Bible, one worker per node."
+    tiny_job_sections /shared/submit/kjv.txt "$2" "$3" 0
+    cat <<EOF
 
 [cluster]
 min_workers = $4
 max_workers = 3
 peer_timeout_seconds = 4
 EOF
+  } >"$1"
 }
 write_job "$WORK/shared/submit/job.toml" 60 20 3
 t0=$EPOCHREALTIME

@@ -57,6 +57,8 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=lib/tiny-job.sh
+. "$REPO/scripts/lib/tiny-job.sh"
 cd "$REPO"
 case "${1:-}" in -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 BIN_DIR="${1:-${CARGO_TARGET_DIR:-$REPO/target}/release}"
@@ -268,34 +270,10 @@ log "bf16 route under keel-worker.service's settings = outside them: \"$in_unit\
 # ---------------------------------------------------------------------------------------------
 # A job, from coord's shell.
 write_job() { # write_job FILE STEPS CHECKPOINT_EVERY
-  cat >"$1" <<EOF
-# Written by scripts/systemd-test.sh: tiny BERT on the King James Bible, the two workers.
-[data]
-corpus = ["/srv/keel/corpora/kjv.txt"]
-vocab_size = 2000
-lowercase = true
-objective = "mlm"
-max_seq_length = 64
-masked_lm_prob = 0.15
-max_predictions_per_seq = 10
-heldout_fraction = 0.01
-
-[model]
-preset = "tiny"
-
-[train]
-micro_batch_size = 8
-gradient_accumulation_steps = 1
-max_steps = $2
-optimizer = "adamw"
-learning_rate = 1e-3
-warmup_steps = 3
-schedule = "linear"
-weight_decay = 0.01
-max_grad_norm = 1.0
-seed = 42
-checkpoint_every = $3
-eval_every = 0
+  {
+    echo "# Written by scripts/systemd-test.sh: tiny BERT on the King James Bible, the two workers."
+    tiny_job_sections /srv/keel/corpora/kjv.txt "$2" "$3" 0
+    cat <<EOF
 
 [cluster]
 min_workers = 2
@@ -303,6 +281,7 @@ max_workers = 2
 peer_timeout_seconds = 4
 replacement_timeout_seconds = 120
 EOF
+  } >"$1"
 }
 write_job "$WORK/in/job.toml" 60 20
 write_job "$WORK/in/long.toml" 200 50
