@@ -52,7 +52,7 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# shellcheck source=lib/tiny-job.sh
+# shellcheck source=scripts/lib/tiny-job.sh disable=SC1091 # checked on its own by validate-deploy.sh
 . "$REPO/scripts/lib/tiny-job.sh"
 
 NETEM=0

@@ -57,7 +57,7 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# shellcheck source=lib/tiny-job.sh
+# shellcheck source=scripts/lib/tiny-job.sh disable=SC1091 # checked on its own by validate-deploy.sh
 . "$REPO/scripts/lib/tiny-job.sh"
 cd "$REPO"
 case "${1:-}" in -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac

@@ -128,7 +128,7 @@ fi
 
 # ---------------------------------------------------------------------------------------------
 # Shell scripts.
-SHELL_FILES=(deploy/slurm/keel.sbatch scripts/multihost-test.sh scripts/validate-deploy.sh)
+SHELL_FILES=(deploy/slurm/keel.sbatch scripts/multihost-test.sh scripts/lib/tiny-job.sh scripts/validate-deploy.sh)
 # shellcheck disable=SC2016 # the inner script's own variables
 run "bash -n (syntax) on ${SHELL_FILES[*]}" bash -c 'for f; do bash -n "$f" || exit 1; done' _ "${SHELL_FILES[@]}"
 if have shellcheck; then
