@@ -104,38 +104,16 @@ impl<A: Element> Bert<A> {
     pub fn new(config: &BertConfig, heads: Heads) -> Result<Bert<A>, ModelError> {
         config.validate()?;
         let layout = ParamLayout::bert(config, heads);
-        let layers: Vec<EncoderLayer> = (0..config.num_hidden_layers)
-            .map(|l| EncoderLayer::new(config, &layout, l))
+        let modules = layout.modules();
+        let layers: Vec<EncoderLayer> = (modules.layers.iter().enumerate())
+            .map(|(l, params)| EncoderLayer::new(config, params, l))
             .collect();
-        let range_of = |first: &str, last: &str| -> Range<usize> {
-            let (a, b) = (
-                super::linear::find(&layout, first),
-                super::linear::find(&layout, last),
-            );
-            a.offset..b.offset + b.len
-        };
-        let heads_first = match heads {
-            Heads::MaskedLm => "cls.predictions.bias",
-            Heads::PreTraining => "bert.pooler.dense.weight",
-        };
+        let word = &modules.embeddings.word;
         let ready = ReadyRanges {
-            heads: super::linear::find(&layout, heads_first).offset..layout.total_len(),
-            layers: (0..config.num_hidden_layers)
-                .map(|l| {
-                    range_of(
-                        &format!("bert.encoder.layer.{l}.attention.self.query.weight"),
-                        &format!("bert.encoder.layer.{l}.output.LayerNorm.bias"),
-                    )
-                })
-                .collect(),
-            embeddings: range_of(
-                "bert.embeddings.word_embeddings.weight",
-                "bert.embeddings.LayerNorm.bias",
-            ),
-            word: range_of(
-                "bert.embeddings.word_embeddings.weight",
-                "bert.embeddings.word_embeddings.weight",
-            ),
+            heads: modules.heads_span.clone(),
+            layers: modules.layers.iter().map(|l| l.span.clone()).collect(),
+            embeddings: modules.embeddings.span.clone(),
+            word: word.range(),
         };
         let state = State {
             hidden: (0..=config.num_hidden_layers).map(|_| Vec::new()).collect(),
@@ -145,9 +123,9 @@ impl<A: Element> Bert<A> {
             ..State::default()
         };
         Ok(Bert {
-            embeddings: Embeddings::new(config, &layout),
-            mlm: MlmHead::new(config, &layout),
-            nsp: (heads == Heads::PreTraining).then(|| NspHead::new(&layout)),
+            embeddings: Embeddings::new(config, &modules.embeddings),
+            mlm: MlmHead::new(config, &modules.mlm, word),
+            nsp: modules.nsp.as_ref().map(NspHead::new),
             config: config.clone(),
             heads,
             layout,

@@ -7,12 +7,11 @@
 
 use super::pass_profile::{Pass, bytes, region};
 use keel_proto::config::BertConfig;
-use keel_proto::params::ParamLayout;
+use keel_proto::params::EmbeddingParams;
 
 use super::Element;
 use super::dropout::{self, DropoutKey, Site};
 use super::layernorm::LayerNorm;
-use super::linear::find;
 use super::lookup_grads::LookupGrads;
 use super::packing::Packing;
 
@@ -57,12 +56,13 @@ pub(crate) struct TokenInputs<'a> {
 }
 
 impl Embeddings {
-    pub fn new(config: &BertConfig, layout: &ParamLayout) -> Embeddings {
+    /// The embeddings of a model for `config`, over their tensors `params`.
+    pub fn new(config: &BertConfig, params: &EmbeddingParams) -> Embeddings {
         Embeddings {
-            word: find(layout, "bert.embeddings.word_embeddings.weight").offset,
-            position: find(layout, "bert.embeddings.position_embeddings.weight").offset,
-            token_type: find(layout, "bert.embeddings.token_type_embeddings.weight").offset,
-            ln: LayerNorm::new(layout, "bert.embeddings.LayerNorm", config.layer_norm_eps),
+            word: params.word.offset,
+            position: params.position.offset,
+            token_type: params.token_type.offset,
+            ln: LayerNorm::new(&params.layer_norm, config.layer_norm_eps),
             c: config.hidden_size,
             p: config.hidden_dropout_prob,
         }

@@ -15,7 +15,7 @@
 //! scattered into the padded `[b * t, c]` layout attention works in, and its output gathered.
 
 use keel_proto::config::{BertConfig, HiddenAct};
-use keel_proto::params::ParamLayout;
+use keel_proto::params::EncoderLayerParams;
 
 use super::Element;
 use super::activation;
@@ -141,19 +141,19 @@ pub(crate) struct LayerInputs<'a> {
 }
 
 impl EncoderLayer {
-    pub fn new(config: &BertConfig, layout: &ParamLayout, index: usize) -> EncoderLayer {
-        let p = format!("bert.encoder.layer.{index}");
+    /// Layer `index` of a model for `config`, over its tensors `params`.
+    pub fn new(config: &BertConfig, params: &EncoderLayerParams, index: usize) -> EncoderLayer {
         let eps = config.layer_norm_eps;
         EncoderLayer {
             index,
-            query: Linear::new(layout, &format!("{p}.attention.self.query")),
-            key: Linear::new(layout, &format!("{p}.attention.self.key")),
-            value: Linear::new(layout, &format!("{p}.attention.self.value")),
-            attn_out: Linear::new(layout, &format!("{p}.attention.output.dense")),
-            ln1: LayerNorm::new(layout, &format!("{p}.attention.output.LayerNorm"), eps),
-            intermediate: Linear::new(layout, &format!("{p}.intermediate.dense")),
-            output: Linear::new(layout, &format!("{p}.output.dense")),
-            ln2: LayerNorm::new(layout, &format!("{p}.output.LayerNorm"), eps),
+            query: Linear::new(&params.query),
+            key: Linear::new(&params.key),
+            value: Linear::new(&params.value),
+            attn_out: Linear::new(&params.attention_output),
+            ln1: LayerNorm::new(&params.attention_layer_norm, eps),
+            intermediate: Linear::new(&params.intermediate),
+            output: Linear::new(&params.output),
+            ln2: LayerNorm::new(&params.output_layer_norm, eps),
             heads: config.num_attention_heads,
             act: config.hidden_act,
             p_hidden: config.hidden_dropout_prob,

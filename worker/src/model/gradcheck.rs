@@ -113,7 +113,7 @@ fn packing(pack: bool) -> Packing {
 #[test]
 fn linear() {
     let (_, layout, params) = setup(HiddenAct::Gelu, Heads::MaskedLm);
-    let lin = Linear::new(&layout, "bert.encoder.layer.0.intermediate.dense");
+    let lin = Linear::new(&layout.modules().layers[0].intermediate);
     let (n, i, o) = (B * T, lin.inp, lin.out);
     let x = values(2, n * i, 1.0);
     let w = values(3, n * o, 1.0);
@@ -144,8 +144,8 @@ fn linear() {
 #[test]
 fn layernorm_with_residual() {
     let (config, layout, params) = setup(HiddenAct::Gelu, Heads::MaskedLm);
-    let prefix = "bert.encoder.layer.0.attention.output.LayerNorm";
-    let ln = LayerNorm::new(&layout, prefix, config.layer_norm_eps);
+    let params_ln = &layout.modules().layers[0].attention_layer_norm;
+    let ln = LayerNorm::new(params_ln, config.layer_norm_eps);
     let (n, c) = (B * T, config.hidden_size);
     let x = values(4, n * c, 2.0);
     let res = values(5, n * c, 1.0);
@@ -165,6 +165,7 @@ fn layernorm_with_residual() {
     check("layernorm dresidual", &res, &dx, 0..n * c, |r| {
         forward(&params, &x, r).0
     });
+    let prefix = "bert.encoder.layer.0.attention.output.LayerNorm";
     let idx = range_of(&layout, &format!("{prefix}.weight"))
         .chain(range_of(&layout, &format!("{prefix}.bias")));
     check("layernorm params", &params, &grads, idx, |p| {
@@ -277,7 +278,7 @@ fn embeddings_with_dropout() {
 
 fn embeddings_with_dropout_on(packing: &Packing) {
     let (config, layout, params) = setup(HiddenAct::Gelu, Heads::MaskedLm);
-    let emb = Embeddings::new(&config, &layout);
+    let emb = Embeddings::new(&config, &layout.modules().embeddings);
     let (n, c) = (packing.rows(), config.hidden_size);
     let ids: Vec<u32> = (0..(B * T) as u32).map(|i| (i * 7) % 19).collect();
     let types: Vec<u32> = (0..(B * T) as u32).map(|i| u32::from(i % 5 >= 3)).collect();
@@ -330,7 +331,7 @@ fn encoder_layer_with_dropout() {
 fn encoder_layer_with_dropout_on(act: HiddenAct, packing: &Packing) {
     {
         let (config, layout, params) = setup(act, Heads::MaskedLm);
-        let layer = EncoderLayer::new(&config, &layout, 0);
+        let layer = EncoderLayer::new(&config, &layout.modules().layers[0], 0);
         let (n, c) = (packing.rows(), config.hidden_size);
         let inputs = LayerInputs {
             b: B,
@@ -379,7 +380,11 @@ fn encoder_layer_with_dropout_on(act: HiddenAct, packing: &Packing) {
 #[test]
 fn mlm_head() {
     let (config, layout, params) = setup(HiddenAct::Gelu, Heads::MaskedLm);
-    let head = MlmHead::new(&config, &layout);
+    let head = MlmHead::new(
+        &config,
+        &layout.modules().mlm,
+        &layout.modules().embeddings.word,
+    );
     let (n, c, v) = (B * T, config.hidden_size, config.vocab_size);
     let positions = [1usize, 4, 6, 7];
     let hidden = values(17, n * c, 1.0);
@@ -410,7 +415,13 @@ const CLS: [usize; B] = [0, T];
 #[test]
 fn nsp_head() {
     let (config, layout, params) = setup(HiddenAct::Gelu, Heads::PreTraining);
-    let head = NspHead::new(&layout);
+    let head = NspHead::new(
+        layout
+            .modules()
+            .nsp
+            .as_ref()
+            .expect("a PreTraining layout has the NSP head"),
+    );
     let (n, c) = (B * T, config.hidden_size);
     let hidden = values(19, n * c, 1.0);
     let w = values(20, B * 2, 1.0);

@@ -28,7 +28,7 @@ pub fn init_params(config: &BertConfig, layout: &ParamLayout, seed: u64) -> Vec<
             for v in values.iter_mut() {
                 *v = (std * standard_normal(&mut rng)) as f32;
             }
-            if entry.name == "bert.embeddings.word_embeddings.weight" {
+            if entry.offset == layout.modules().embeddings.word.offset {
                 let c = entry.shape[1];
                 let pad = config.pad_token_id as usize;
                 values[pad * c..(pad + 1) * c].fill(0.0);

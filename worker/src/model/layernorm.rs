@@ -7,10 +7,9 @@
 //! biased variance, as PyTorch.
 
 use super::pass_profile::{Pass, bytes, region};
-use keel_proto::params::ParamLayout;
+use keel_proto::params::LayerNormParams;
 
 use super::Element;
-use super::linear::find;
 use super::parallel::{available_threads, run_parts, split};
 
 /// Where a LayerNorm's `gamma` (weight) and `beta` (bias) live in the flat buffer.
@@ -25,14 +24,12 @@ pub(crate) struct LayerNorm {
 }
 
 impl LayerNorm {
-    /// The LayerNorm named `{prefix}.weight` / `{prefix}.bias` in the layout.
-    pub fn new(layout: &ParamLayout, prefix: &str, eps: f64) -> LayerNorm {
-        let g = find(layout, &format!("{prefix}.weight"));
-        let b = find(layout, &format!("{prefix}.bias"));
+    /// The LayerNorm over these tensors of the layout, with `eps` added to the variance.
+    pub fn new(params: &LayerNormParams, eps: f64) -> LayerNorm {
         LayerNorm {
-            gamma: g.offset,
-            beta: b.offset,
-            c: g.shape[0],
+            gamma: params.weight.offset,
+            beta: params.bias.offset,
+            c: params.weight.shape[0],
             eps,
         }
     }

@@ -3,7 +3,7 @@
 //! Shapes: `x` `[n, i]`, `W` `[o, i]` (PyTorch's layout), `b` `[o]`, `y` `[n, o]`.
 
 use super::pass_profile::{Pass, bytes, region};
-use keel_proto::params::ParamLayout;
+use keel_proto::params::LinearParams;
 
 use super::Element;
 use super::gemm::{gemm, gemm_bias, mat, mat_mut};
@@ -23,15 +23,13 @@ pub(crate) struct Linear {
 }
 
 impl Linear {
-    /// The Linear named `{prefix}.weight` / `{prefix}.bias` in the layout.
-    pub fn new(layout: &ParamLayout, prefix: &str) -> Linear {
-        let w = find(layout, &format!("{prefix}.weight"));
-        let b = find(layout, &format!("{prefix}.bias"));
+    /// The Linear over these tensors of the layout.
+    pub fn new(params: &LinearParams) -> Linear {
         Linear {
-            w: w.offset,
-            b: b.offset,
-            out: w.shape[0],
-            inp: w.shape[1],
+            w: params.weight.offset,
+            b: params.bias.offset,
+            out: params.out_features(),
+            inp: params.in_features(),
         }
     }
 
@@ -127,12 +125,4 @@ fn sum_rows<A: Element>(sum: &mut [A], rows: &[A]) {
             *s += d;
         }
     }
-}
-
-/// The layout entry with this name; the layout is built from the same config, so a miss is
-/// a bug in `ParamLayout::bert`, not bad input.
-pub(crate) fn find<'a>(layout: &'a ParamLayout, name: &str) -> &'a keel_proto::params::ParamView {
-    layout
-        .find(name)
-        .unwrap_or_else(|| panic!("ParamLayout::bert has no tensor `{name}`"))
 }

@@ -8,14 +8,14 @@
 //! ```
 
 use keel_proto::config::{BertConfig, HiddenAct};
-use keel_proto::params::ParamLayout;
+use keel_proto::params::{MlmHeadParams, ParamView};
 
 use super::Element;
 use super::activation;
 use super::element::grow;
 use super::gemm::{gemm, gemm_bias, mat, mat_mut};
 use super::layernorm::LayerNorm;
-use super::linear::{Linear, find};
+use super::linear::Linear;
 
 /// Offsets of the head's parameters.
 #[derive(Debug, Clone)]
@@ -73,17 +73,15 @@ impl<A> MlmCache<A> {
 }
 
 impl MlmHead {
-    pub fn new(config: &BertConfig, layout: &ParamLayout) -> MlmHead {
+    /// The MLM head of a model for `config`, over its tensors `params`; its decoder reads the
+    /// word embeddings `word` (tied).
+    pub fn new(config: &BertConfig, params: &MlmHeadParams, word: &ParamView) -> MlmHead {
         MlmHead {
-            dense: Linear::new(layout, "cls.predictions.transform.dense"),
-            ln: LayerNorm::new(
-                layout,
-                "cls.predictions.transform.LayerNorm",
-                config.layer_norm_eps,
-            ),
+            dense: Linear::new(&params.transform),
+            ln: LayerNorm::new(&params.layer_norm, config.layer_norm_eps),
             act: config.hidden_act,
-            word: find(layout, "bert.embeddings.word_embeddings.weight").offset,
-            bias: find(layout, "cls.predictions.bias").offset,
+            word: word.offset,
+            bias: params.bias.offset,
             vocab: config.vocab_size,
             c: config.hidden_size,
         }

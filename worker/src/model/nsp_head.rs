@@ -7,7 +7,7 @@
 //! logits = pooled Ws^T + bs              [b, 2]
 //! ```
 
-use keel_proto::params::ParamLayout;
+use keel_proto::params::NspHeadParams;
 
 use super::Element;
 use super::activation::{tanh_backward, tanh_forward};
@@ -37,10 +37,11 @@ pub(crate) struct NspCache<A> {
 }
 
 impl NspHead {
-    pub fn new(layout: &ParamLayout) -> NspHead {
+    /// The pooler and classifier over their tensors `params`.
+    pub fn new(params: &NspHeadParams) -> NspHead {
         NspHead {
-            pooler: Linear::new(layout, "bert.pooler.dense"),
-            classifier: Linear::new(layout, "cls.seq_relationship"),
+            pooler: Linear::new(&params.pooler),
+            classifier: Linear::new(&params.classifier),
         }
     }
 
