@@ -65,7 +65,7 @@ pub fn outer_step(
     dtype: WireDtype,
     replica: &mut Replica,
 ) -> Result<(), RingLinkError> {
-    let Some(diloco) = replica.optimizer.diloco() else {
+    let Some(diloco) = replica.optimizer.outer() else {
         return Ok(());
     };
     let delta = diloco.outer_gradient(&replica.params);
