@@ -371,10 +371,7 @@ impl<'a> Trainer<'a> {
             sums[2] += f64::from(s.nsp_loss_sum);
             sums[3] += s.nsp_correct as f64;
         }
-        if self.setup.fault_nan_at_step == Some(step) {
-            tracing::warn!(step, "fault injection: this rank's loss is NaN");
-            sums[0] = f64::NAN;
-        }
+        self.setup.faults.poison_loss(step, &mut sums[0]);
         Ok(sums)
     }
 
