@@ -20,8 +20,8 @@
 
 use super::checkpoint::stage_checkpoint;
 use super::collectives::{
-    LossSums, StepCounts, all_reduce_counts, all_reduce_loss, local_counts, lookup_rows,
-    split_pays, submit_lookup_rows,
+    LossCounts, LossSums, StepCounts, all_reduce_counts, lookup_rows, split_pays,
+    submit_lookup_rows,
 };
 use super::error::{TrainError, model_err, ring_err};
 use super::outer::{Snapshot, outer_step};
@@ -209,19 +209,16 @@ impl<'a> Trainer<'a> {
         let mut lookup = self.lookup_rows(step, &counts);
         let compute_started = Instant::now();
         // The loss is averaged over the global batch, or over this rank's with DiLoCo.
-        let (masked, nsp) = match self.diloco {
-            None => (counts.masked(), counts.nsp()),
-            Some(_) => {
-                let local = local_counts(&batches, self.nsp, None);
-                (local[0], local[1])
-            }
+        let LossCounts { masked, nsp } = match self.diloco {
+            None => LossCounts::global(&counts),
+            Some(_) => LossCounts::local(&batches, self.nsp),
         };
         let sums = self.forward_backward(replica, step, &batches, masked, nsp, lookup.as_mut())?;
         let compute_done = Instant::now();
         if self.diloco.is_none() {
             self.reduce_gradients(step, lookup.as_mut())?;
         }
-        let loss = all_reduce_loss(&self.links.ring, step, sums).map_err(ring_err(step))?;
+        let loss = sums.all_reduce(&self.links.ring, step).map_err(ring_err(step))?;
         let allreduce_wait = compute_done.elapsed();
         let update_started = Instant::now();
         let ends_round = self.diloco.as_ref().is_some_and(|d| d.ends_round(step + 1));
@@ -317,7 +314,7 @@ impl<'a> Trainer<'a> {
     /// Zeroes the gradient and runs forward/backward over `batches`, the losses scaled by
     /// `1 / masked` and `1 / nsp` (the masked tokens and NSP labels they are averaged over),
     /// each finished gradient range going to its bucket (none with DiLoCo); returns this
-    /// rank's `[mlm loss sum, mlm correct, nsp loss sum, nsp correct]`.
+    /// rank's loss sums.
     fn forward_backward(
         &mut self,
         replica: &Replica,
@@ -326,7 +323,7 @@ impl<'a> Trainer<'a> {
         masked: f32,
         nsp: f32,
         mut lookup: Option<&mut LookupGrads<f32>>,
-    ) -> Result<[f64; 4], TrainError> {
+    ) -> Result<LossSums, TrainError> {
         // The helpers stay hot for the forward and backward (`parallel::hot`).
         let _hot = crate::model::parallel::hot();
         let synchronous = self.diloco.is_none();
@@ -348,7 +345,7 @@ impl<'a> Trainer<'a> {
             crate::model::parallel::fill(&mut self.grads, 0.0);
         }
         self.buckets.begin();
-        let mut sums = [0f64; 4];
+        let mut sums = LossSums::default();
         for (j, batch) in batches.iter().enumerate() {
             let opts = opts_for(j + 1 == batches.len());
             let (buckets, ring) = (&mut self.buckets, &self.links.ring);
@@ -366,12 +363,9 @@ impl<'a> Trainer<'a> {
                 None => model.forward_backward(&replica.params, grads, batch, &opts, &mut on_ready),
             }
             .map_err(model_err(step))?;
-            sums[0] += f64::from(s.mlm_loss_sum);
-            sums[1] += s.mlm_correct as f64;
-            sums[2] += f64::from(s.nsp_loss_sum);
-            sums[3] += s.nsp_correct as f64;
+            sums.add(&s);
         }
-        self.setup.faults.poison_loss(step, &mut sums[0]);
+        self.setup.faults.poison_loss(step, &mut sums.mlm_loss);
         Ok(sums)
     }
 
@@ -482,9 +476,9 @@ impl<'a> Trainer<'a> {
     ) -> f64 {
         let step_seconds = clock.started.elapsed().as_secs_f64();
         let masked = f64::from(counts.masked().max(1.0));
-        let mlm_loss = f64::from(loss.mlm_loss) / masked;
+        let mlm_loss = loss.mlm_loss / masked;
         let nsp_loss = if self.nsp {
-            f64::from(loss.nsp_loss) / f64::from(counts.nsp().max(1.0))
+            loss.nsp_loss / f64::from(counts.nsp().max(1.0))
         } else {
             0.0
         };
@@ -498,7 +492,7 @@ impl<'a> Trainer<'a> {
             loss: mlm_loss + nsp_loss,
             mlm_loss,
             nsp_loss,
-            mlm_accuracy: f64::from(loss.mlm_correct) / masked,
+            mlm_accuracy: loss.mlm_correct / masked,
             learning_rate: f64::from(update.lr),
             grad_norm: f64::from(update.grad_norm),
             tokens_per_second: f64::from(counts.tokens()) / step_seconds.max(1e-9),
