@@ -76,11 +76,6 @@ const KNOWN_CYCLES: &[(&[&str], &str)] = &[
         "bert_inputs.rs is bert's child (#[path]) naming Bert; found by this test beyond the \
          review's list, not yet broken",
     ),
-    (
-        &["worker/src/optim/diloco.rs", "worker/src/optim/mod.rs"],
-        "optim/mod.rs defines Optimizer, OptimError and restore that diloco.rs uses, and uses \
-         Diloco itself; found by this test beyond the review's list, not yet broken",
-    ),
 ];
 
 // ---------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ use crate::client::{
     TransferError, UPLOAD_FIRST_PAUSE, fetch_cached, upload_dir_retrying, upload_final,
 };
 use crate::control::JobControl;
+use crate::faults::Faults;
 use crate::replica::Replica;
 use crate::ringlink::RingLink;
 use crate::train::{Event, InitialState, PhaseInputs, TrainError, TrainSetup};
@@ -36,11 +37,9 @@ pub struct JobContext {
     pub control: Arc<JobControl>,
     /// Steps completed (read by heartbeats).
     pub progress: Arc<AtomicU64>,
-    /// Fault injection for tests: NaN loss on this rank at this 0-based step.
-    pub fault_nan_at_step: Option<u64>,
-    /// Fault injection for tests: a ring failure (as on a malformed frame) at this 0-based
-    /// step, once per process (see [`crate::ringlink::RingLink::spawn`]).
-    pub fault_bad_frame_at_step: Option<u64>,
+    /// Fault injection for tests ([`Faults::none`] otherwise): for the training step and the
+    /// ring task of the job.
+    pub faults: Faults,
     /// Bytes of memory a job may use on this worker; an assignment estimated to need more is
     /// refused before anything is allocated. `None`: not checked.
     pub memory_limit: Option<u64>,
@@ -317,7 +316,7 @@ async fn prepare_and_train(
         global_batch_size: start.global_batch_size,
         precision,
         checkpoint_first: start.checkpoint_first,
-        fault_nan_at_step: ctx.fault_nan_at_step,
+        faults: ctx.faults.clone(),
         work_dir,
     };
     // From here on the held replica lives in `setup.initial` and comes back from the
@@ -357,7 +356,7 @@ async fn prepare_and_train(
         Arc::new(ring),
         busy.clone(),
         ctx.control.clone(),
-        ctx.fault_bad_frame_at_step,
+        ctx.faults.clone(),
     );
 
     let (events_tx, events_rx) = tokio::sync::mpsc::unbounded_channel();

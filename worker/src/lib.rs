@@ -18,6 +18,7 @@
 //!   all-reduce (`SpecialBucket`); `ringlink`: the bridge from the math thread to the async ring.
 //! - `bench`: `keel-worker bench`, the training-step benchmark.
 //! - `control`: stopping a job from outside (cancel, suspend, shutdown).
+//! - `faults`: the test-only fault injection of a worker process, one value made at start-up.
 //! - `allocator`: glibc settings that keep the ring's freed frame buffers for reuse.
 //! - `startup`: settings read only at start-up (OpenBLAS kernels, huge pages), applied by
 //!   executing the worker again.
@@ -39,6 +40,7 @@ pub mod buckets;
 pub mod client;
 pub mod control;
 pub mod data;
+pub mod faults;
 pub mod io_runtime;
 pub mod job;
 pub mod model;

@@ -4,6 +4,7 @@
 
 use crate::allreduce::{AllReduceError, Collective, Ring, WireDtype};
 use crate::control::JobControl;
+use crate::faults::Faults;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
@@ -22,11 +23,6 @@ pub enum RingLinkError {
     #[error("the all-reduce was abandoned: the job was stopped")]
     Aborted,
 }
-
-/// Whether the fault injection of [`RingLink::spawn`] has fired in this process (it fires once,
-/// so the recovered generation runs the same step cleanly).
-static BAD_FRAME_INJECTED: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
 
 /// One buffer to sum across ranks.
 struct Request {
@@ -85,22 +81,22 @@ impl RingLink {
     /// Once `control` is stopped, the pending all-reduce and every later one fail at once with
     /// [`RingLinkError::Aborted`].
     ///
-    /// `fault_bad_frame_at_step` (tests only): the first all-reduce of that step, once per
-    /// process, fails as if the left neighbour had sent a malformed frame
-    /// ([`Ring::injected_bad_frame`]); the other ranks are left waiting for this one, as then.
+    /// `faults` (tests only; [`Faults::none`] otherwise): at its ring fault's step the first
+    /// all-reduce, once per process ([`Faults::bad_frame_now`]), fails as if the left
+    /// neighbour had sent a malformed frame ([`Ring::injected_bad_frame`]); the other ranks
+    /// are left waiting for this one, as then. Once is what lets the recovered generation run
+    /// the same step cleanly.
     pub fn spawn(
         ring: Arc<Ring>,
         busy: Arc<std::sync::atomic::AtomicU64>,
         control: Arc<JobControl>,
-        fault_bad_frame_at_step: Option<u64>,
+        faults: Faults,
     ) -> RingLink {
         let (tx, mut rx) = mpsc::unbounded_channel::<Request>();
         tokio::spawn(async move {
             while let Some(req) = rx.recv().await {
                 let t0 = Instant::now();
-                let inject = fault_bad_frame_at_step == Some(req.step)
-                    && !BAD_FRAME_INJECTED.swap(true, std::sync::atomic::Ordering::SeqCst);
-                let result = if inject {
+                let result = if faults.bad_frame_now(req.step) {
                     tracing::warn!(
                         step = req.step,
                         bucket = req.bucket,

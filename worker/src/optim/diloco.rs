@@ -22,7 +22,7 @@
 //! DiLoCo is never sharded (a job with both `[diloco]` and `shard_optimizer` is refused before
 //! it gets here): its plan is the inner optimizer's, the full one.
 
-use super::{OptimError, Optimizer, ShardPlan, restore};
+use super::{OptimError, Optimizer, OuterOptimizer, ShardPlan, restore};
 
 /// The outer step's settings (the job's `[diloco]`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -60,15 +60,17 @@ impl Diloco {
     pub fn begin_round(&mut self, params: &[f32]) {
         self.anchor.copy_from_slice(params);
     }
+}
 
+impl OuterOptimizer for Diloco {
     /// This worker's outer gradient `anchor - params` `[P]`.
-    pub fn outer_gradient(&self, params: &[f32]) -> Vec<f32> {
+    fn outer_gradient(&self, params: &[f32]) -> Vec<f32> {
         self.anchor.iter().zip(params).map(|(a, p)| a - p).collect()
     }
 
     /// The outer step from the averaged outer gradient `delta` `[P]`: writes the round's
     /// result into `params` and makes it the next round's anchor.
-    pub fn outer_step(&mut self, params: &mut [f32], delta: &[f32]) {
+    fn outer_step(&mut self, params: &mut [f32], delta: &[f32]) {
         let DilocoConfig {
             outer_lr: lr,
             outer_momentum: mu,
@@ -132,7 +134,7 @@ impl Optimizer for Diloco {
         Ok(())
     }
 
-    fn diloco(&mut self) -> Option<&mut Diloco> {
+    fn outer(&mut self) -> Option<&mut dyn OuterOptimizer> {
         Some(self)
     }
 }

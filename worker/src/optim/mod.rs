@@ -10,6 +10,7 @@
 //!
 //! # Layout
 //! - [`Optimizer`]: the trait the trainer drives (step, state for checkpoints).
+//! - [`OuterOptimizer`]: the outer step at the end of a round of local steps (DiLoCo).
 //! - `adamw`: AdamW (Loshchilov & Hutter 2019), as `torch.optim.AdamW`.
 //! - `lamb`: LAMB (You et al. 2019, Algorithm 2).
 //! - `schedule`: warmup then linear / polynomial / constant learning rate.
@@ -101,10 +102,22 @@ pub trait Optimizer<A = f32>: Send {
     ///
     /// Errors: [`OptimError::MissingState`], [`OptimError::LengthMismatch`].
     fn load_state(&mut self, steps_taken: u64, state: &[(&str, &[A])]) -> Result<(), OptimError>;
-    /// The DiLoCo outer optimizer when this is one (the trainer drives its outer steps).
-    fn diloco(&mut self) -> Option<&mut Diloco> {
+    /// The outer optimizer when this is one (DiLoCo's, `diloco::Diloco`; the trainer drives
+    /// its outer steps at the end of every round).
+    fn outer(&mut self) -> Option<&mut dyn OuterOptimizer> {
         None
     }
+}
+
+/// An optimizer of rounds of local steps (DiLoCo's outer step): what the trainer needs at the
+/// end of a round. A trait of its own, so that [`Optimizer`] names no implementation of it
+/// (`diloco.rs` builds on this file; this file does not build on `diloco.rs`).
+pub trait OuterOptimizer {
+    /// This worker's outer gradient `anchor - params`, `[P]` like `params`.
+    fn outer_gradient(&self, params: &[f32]) -> Vec<f32>;
+    /// The outer step from the outer gradient averaged over workers, `delta` `[P]`: writes
+    /// the round's result into `params` `[P]` and makes it the next round's anchor.
+    fn outer_step(&mut self, params: &mut [f32], delta: &[f32]);
 }
 
 /// The buffer named `name` in `state`.

@@ -1,5 +1,6 @@
 //! What a worker process runs with ([`Config`]), made from its flags (`super::Args`).
 
+use crate::faults::Faults;
 use keel_net::security::{ClientSecurity, ServerSecurity};
 use std::path::PathBuf;
 
@@ -18,10 +19,9 @@ pub struct Config {
     pub server_security: ServerSecurity,
     /// How this worker calls the coordinator and its ring peers (token, TLS).
     pub client_security: ClientSecurity,
-    /// Fault injection for tests (see [`super::Args::fault_nan_at_step`]).
-    pub fault_nan_at_step: Option<u64>,
-    /// Fault injection for tests (see [`super::Args::fault_bad_frame_at_step`]).
-    pub fault_bad_frame_at_step: Option<u64>,
+    /// Fault injection for tests (from [`super::Args::fault_nan_at_step`] and
+    /// [`super::Args::fault_bad_frame_at_step`]); [`Faults::none`] otherwise.
+    pub faults: Faults,
     /// Bytes of memory a job may use here (see [`super::Args::memory_limit`]); `None`: unknown, not
     /// checked.
     pub memory_limit: Option<u64>,

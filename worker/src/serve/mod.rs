@@ -18,6 +18,7 @@ pub use config::Config;
 
 use crate::allreduce::{Mailbox, RingDataPlane, ring_service, tune_server};
 use crate::client::coordinator_client;
+use crate::faults::Faults;
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -165,8 +166,8 @@ pub fn main(args: Args) -> anyhow::Result<()> {
             cache_dir: args.cache_dir.clone(),
             server_security,
             client_security,
-            fault_nan_at_step: args.fault_nan_at_step,
-            fault_bad_frame_at_step: args.fault_bad_frame_at_step,
+            // Made once here; every job of this process shares it (the ring fault fires once).
+            faults: Faults::new(args.fault_nan_at_step, args.fault_bad_frame_at_step),
             memory_limit: args
                 .memory_limit
                 .or_else(keel_proto::memory::machine_memory_limit),

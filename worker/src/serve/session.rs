@@ -248,8 +248,7 @@ fn start_job(
         mailbox: mailbox.clone(),
         control,
         progress,
-        fault_nan_at_step: config.fault_nan_at_step,
-        fault_bad_frame_at_step: config.fault_bad_frame_at_step,
+        faults: config.faults.clone(),
         memory_limit: config.memory_limit,
     };
     tokio::spawn(run_and_report(ctx, start, held, state.clone()));

@@ -68,20 +68,61 @@ pub fn all_reduce_counts(
         .map(StepCounts)
 }
 
-/// The step's loss sums over all micro-batches of all ranks.
-#[derive(Debug, Clone, PartialEq)]
+/// The counts a step's losses are averaged over: each loss's gradient is taken with the
+/// factor `1 / count` (`StepOptions::mlm_scale`, `nsp_scale`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossCounts {
+    /// Masked tokens (MLM predictions).
+    pub masked: f32,
+    /// NSP labels (0 for the `mlm` objective).
+    pub nsp: f32,
+}
+
+impl LossCounts {
+    /// The global batch's, from the all-reduced `counts`.
+    pub fn global(counts: &StepCounts) -> LossCounts {
+        LossCounts {
+            masked: counts.masked(),
+            nsp: counts.nsp(),
+        }
+    }
+
+    /// This rank's own, of its micro-batches `batches` (NSP labels counted when `nsp`).
+    pub fn local(batches: &[Batch], nsp: bool) -> LossCounts {
+        let local = local_counts(batches, nsp, None);
+        LossCounts {
+            masked: local[0],
+            nsp: local[1],
+        }
+    }
+}
+
+/// A step's loss sums: this rank's, accumulated over its micro-batches in f64 ([`add`]), or
+/// all ranks' ([`LossSums::all_reduce`]: each sum travels as f32, so a summed value is an f32
+/// held in an f64).
+///
+/// [`add`]: LossSums::add
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct LossSums {
     /// Sum of the MLM loss over masked tokens (nats).
-    pub mlm_loss: f32,
+    pub mlm_loss: f64,
     /// Masked tokens predicted right.
-    pub mlm_correct: f32,
+    pub mlm_correct: f64,
     /// Sum of the NSP loss over sequences (nats).
-    pub nsp_loss: f32,
+    pub nsp_loss: f64,
     /// NSP labels predicted right.
-    pub nsp_correct: f32,
+    pub nsp_correct: f64,
 }
 
 impl LossSums {
+    /// Adds one micro-batch's sums (the model's, f32 losses and counts).
+    pub fn add(&mut self, batch: &crate::model::LossSums<f32>) {
+        self.mlm_loss += f64::from(batch.mlm_loss_sum);
+        self.mlm_correct += batch.mlm_correct as f64;
+        self.nsp_loss += f64::from(batch.nsp_loss_sum);
+        self.nsp_correct += batch.nsp_correct as f64;
+    }
+
     /// Whether every sum is finite.
     pub fn is_finite(&self) -> bool {
         [
@@ -93,24 +134,41 @@ impl LossSums {
         .iter()
         .all(|x| x.is_finite())
     }
-}
 
-/// Sums this rank's `[mlm loss sum, mlm correct, nsp loss sum, nsp correct]` (accumulated in
-/// f64, sent as f32) over ranks ([`SpecialBucket::Loss`]).
-///
-/// Errors: the ring's [`RingLinkError`].
-pub fn all_reduce_loss(
-    ring: &RingLink,
-    step: u64,
-    sums: [f64; 4],
-) -> Result<LossSums, RingLinkError> {
-    let s = all_reduce_sums(ring, step, SpecialBucket::Loss, &sums)?;
-    Ok(LossSums {
-        mlm_loss: s[0],
-        mlm_correct: s[1],
-        nsp_loss: s[2],
-        nsp_correct: s[3],
-    })
+    /// Sums these sums over ranks ([`SpecialBucket::Loss`]).
+    ///
+    /// Errors: the ring's [`RingLinkError`].
+    pub fn all_reduce(&self, ring: &RingLink, step: u64) -> Result<LossSums, RingLinkError> {
+        let summed = ring.all_reduce(step, SpecialBucket::Loss.id(), self.to_wire().to_vec())?;
+        Ok(LossSums::from_wire(&summed))
+    }
+
+    /// The four sums as they travel: `[mlm loss, mlm correct, nsp loss, nsp correct]`, each
+    /// rounded to f32.
+    fn to_wire(self) -> [f32; 4] {
+        [
+            self.mlm_loss as f32,
+            self.mlm_correct as f32,
+            self.nsp_loss as f32,
+            self.nsp_correct as f32,
+        ]
+    }
+
+    /// The sums of what [`LossSums::to_wire`] sent. The ring gives back as many elements as
+    /// it was given; anything else reads as NaN sums, which skip the step's update rather
+    /// than take one from wrong numbers.
+    fn from_wire(wire: &[f32]) -> LossSums {
+        let [mlm_loss, mlm_correct, nsp_loss, nsp_correct] = match wire {
+            [a, b, c, d] => [*a, *b, *c, *d].map(f64::from),
+            _ => [f64::NAN; 4],
+        };
+        LossSums {
+            mlm_loss,
+            mlm_correct,
+            nsp_loss,
+            nsp_correct,
+        }
+    }
 }
 
 /// Sums `sums` (f64, sent as f32) over ranks under `bucket`; the result has `sums.len()`
@@ -219,5 +277,26 @@ mod tests {
         let rows = lookup_rows(&counts(&[2.0, 1.0, 1.0, 0.0]), 8).unwrap();
         assert_eq!(rows.ids().len(), 3);
         assert!(!split_pays(&rows, 4));
+    }
+
+    #[test]
+    fn loss_sums_travel_in_their_order_as_f32() {
+        let mut local = LossSums::default();
+        for (loss, correct) in [(1.25f32, 3usize), (0.5, 1)] {
+            local.add(&crate::model::LossSums {
+                mlm_loss_sum: loss,
+                mlm_correct: correct,
+                nsp_loss_sum: 2.0 * loss,
+                nsp_correct: 1,
+                ..Default::default()
+            });
+        }
+        assert_eq!(local.to_wire(), [1.75, 4.0, 3.5, 2.0]);
+        assert_eq!(LossSums::from_wire(&local.to_wire()), local);
+        assert!(local.is_finite());
+        // A reply of another length is no step's sums: NaN, so the update is skipped.
+        assert!(!LossSums::from_wire(&[1.0, 2.0]).is_finite());
+        let counts = LossCounts::local(&[batch(&[2, 7, 7, 0], &[1, 1, 1, 0], 2)], true);
+        assert_eq!((counts.masked, counts.nsp), (2.0, 1.0));
     }
 }

@@ -10,9 +10,11 @@
 //! - `checkpoint`: staging a checkpoint folder for upload.
 //! - `eval`: the held-out evaluation.
 //! - `optimizer`: the optimizer and learning-rate schedule from the spec.
-//! - `outer`: DiLoCo's outer step at the end of each round (jobs with `[diloco]`).
 //! - `sharding`: ZeRO stage 1 (`train.shard_optimizer`): reduce-scatter, update of this
 //!   rank's chunks, all-gather of the weights, moments gathered for checkpoints.
+//! - `sync`: the training modes, each a `GradientSync` (plain data parallelism, ZeRO stage 1,
+//!   DiLoCo with its outer step at the end of each round): what the loss is averaged over, how
+//!   the gradient is synchronised after backward, and how the update is applied.
 //! - `summary`: a rank's mean step and optimizer times and peak memory, logged at the end.
 //! - `trainer`: [`Trainer`], whose `step()` is the step, a few calls long.
 //! - `setup`, `error`: what the loop is given ([`TrainSetup`]), tells ([`Event`]) and fails
@@ -28,7 +30,7 @@ pub mod collectives;
 pub mod error;
 pub mod eval;
 pub mod optimizer;
-pub mod outer;
+
 pub mod phase;
 pub mod pipeline;
 pub mod regather;
@@ -36,6 +38,7 @@ pub mod setup;
 pub mod sharding;
 pub mod start;
 pub mod summary;
+pub mod sync;
 pub mod trainer;
 
 pub use error::TrainError;

@@ -134,7 +134,7 @@ mod tests {
             assert_eq!(t.optimizer, kind);
             assert_eq!(optimizer_name(&t.optimizer), name);
             let mut opt = optimizer_for(&job, &layout);
-            assert!(opt.diloco().is_none());
+            assert!(opt.outer().is_none());
             assert_eq!(opt.steps_taken(), 0);
             for (_, state) in opt.state() {
                 assert_eq!(state.len(), layout.total_len());
@@ -147,7 +147,7 @@ mod tests {
         );
         let job = JobSpec::from_toml_str(&text, "job.toml").unwrap();
         let mut opt = optimizer_for(&job, &layout);
-        assert!(opt.diloco().is_some());
+        assert!(opt.outer().is_some());
         let names: Vec<&str> = opt.state().iter().map(|(n, _)| *n).collect();
         assert_eq!(names.last(), Some(&"diloco_velocity"));
     }

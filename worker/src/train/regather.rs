@@ -200,7 +200,7 @@ mod tests {
             global_batch_size: 2,
             precision: keel_proto::precision::Precision::Fp32,
             checkpoint_first: false,
-            fault_nan_at_step: None,
+            faults: crate::faults::Faults::none(),
             work_dir: "/nonexistent".into(),
         };
         let cfg = RingConfig {
@@ -219,7 +219,7 @@ mod tests {
             Arc::new(ring),
             Arc::new(std::sync::atomic::AtomicU64::new(0)),
             Arc::new(JobControl::new()),
-            None,
+            crate::faults::Faults::none(),
         );
         (setup, link)
     }

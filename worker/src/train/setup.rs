@@ -1,6 +1,7 @@
 //! What the training loop of one rank is given ([`TrainSetup`], prepared by `job`) and what it
 //! tells the reporter ([`Event`]).
 
+use crate::faults::Faults;
 use crate::replica::Replica;
 use keel_proto::config::BertConfig;
 use keel_proto::jobspec::JobSpec;
@@ -43,8 +44,8 @@ pub struct TrainSetup {
     pub precision: Precision,
     /// Stage a checkpoint of `start_step` before the first step (rank 0).
     pub checkpoint_first: bool,
-    /// Fault injection for tests: make this rank's loss at this 0-based step NaN.
-    pub fault_nan_at_step: Option<u64>,
+    /// Fault injection for tests ([`Faults::none`] otherwise); the trainer keeps it.
+    pub faults: Faults,
     /// Scratch folder for staging checkpoints.
     pub work_dir: PathBuf,
 }

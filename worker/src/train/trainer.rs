@@ -1,46 +1,36 @@
 //! [`Trainer`]: one rank's training loop, a step at a time (protocol step 8).
 //!
 //! A step: this rank's micro-batches; all-reduce the counts; forward/backward every
-//! micro-batch with `mlm_scale = 1 / global masked count`, gradient buckets going to the ring
-//! as backward finishes them; wait for the summed gradient; all-reduce the loss sums; clip and
-//! update (every rank holds the same sums, so every rank applies the same update); report;
-//! evaluate and stage a checkpoint when due.
+//! micro-batch, the losses averaged over the counts the training mode says, gradient buckets
+//! going to the ring as backward finishes them (when the mode sends any); the mode's sync of
+//! the gradient; all-reduce the loss sums; the mode's update (every rank holds the same sums,
+//! so every rank takes the same decision); report; evaluate and stage a checkpoint when due.
 //!
-//! With `train.shard_optimizer` (ZeRO stage 1, `super::sharding`) the buckets go as
-//! reduce-scatters, the clipping norm and LAMB's norms are summed across ranks, each rank
-//! updates its own chunks, and the weights are all-gathered; checkpoints gather the moments.
-//!
-//! With `[diloco]` a step is local: the loss is this rank's mean, no gradient is all-reduced,
-//! the update uses this rank's gradient, and every `inner_steps` steps the round ends with
-//! DiLoCo's outer step (`super::outer`). Only the counts and loss sums (a few floats, for the
-//! report) cross the ring on the other steps.
+//! The mode (plain data parallelism, ZeRO stage 1 with `train.shard_optimizer`, DiLoCo with
+//! `[diloco]`) is a [`GradientSync`] (`super::sync`), chosen once in [`Trainer::new`]; the
+//! step names none of them.
 //!
 //! Shape legend: `b` micro-batch size (sequences), `k` gradient accumulation steps, `W` world
 //! size, `P` parameters (flat buffer length), `v` vocabulary, `c` hidden size.
 
 use super::checkpoint::stage_checkpoint;
 use super::collectives::{
-    LossSums, StepCounts, all_reduce_counts, all_reduce_loss, local_counts, lookup_rows,
-    split_pays, submit_lookup_rows,
+    LossCounts, LossSums, StepCounts, all_reduce_counts, lookup_rows, split_pays,
 };
 use super::error::{TrainError, model_err, ring_err};
-use super::outer::{Snapshot, outer_step};
 use super::phase::PhaseState;
 use super::setup::{Event, TrainSetup};
-use super::sharding::Sharding;
 use super::summary::RankTotals;
+use super::sync::{GradientSync, Update, UpdateRule};
 use crate::batch::Batch;
-use crate::buckets::Buckets;
 use crate::control::JobControl;
+use crate::faults::Faults;
 use crate::model::{Bert, DropoutKey, LookupGrads, StepOptions};
-use crate::optim::{clip_grad_norm, global_norm};
 use crate::replica::Replica;
 use crate::ringlink::RingLink;
-use keel_proto::diloco::DilocoSpec;
 use keel_proto::jobspec::Objective;
 use keel_proto::params::ParamLayout;
 use keel_proto::rpc::{EvalReport, StepReport, TrainingKey};
-use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
@@ -68,41 +58,47 @@ pub struct Trainer<'a> {
     grads: Vec<f32>,
     /// The training phase the loop is in: its data, held-out set, schedule, global batch.
     phase: PhaseState,
-    buckets: Buckets,
-    /// The word embeddings' range `[v * c]` of the flat buffers.
-    word_range: Range<usize>,
+    /// The training mode: how the gradient is synchronised and the update applied.
+    sync: Box<dyn GradientSync>,
+    /// Test-only fault injection ([`Faults::none`] otherwise).
+    faults: Faults,
     /// The objective has NSP.
     nsp: bool,
     /// Several ranks: the word embeddings' gradient may travel in two parts.
     split_lookup: bool,
     /// Whether the last step sent the word embeddings' gradient in two parts (logged on change).
     last_split: Option<bool>,
-    /// DiLoCo's settings: local steps, an outer step every `inner_steps` (`None`: synchronous).
-    diloco: Option<DilocoSpec>,
-    /// ZeRO stage 1 (`train.shard_optimizer`): the chunks this rank updates.
-    sharding: Option<Sharding>,
     /// Step and optimizer times of this generation, logged when its steps end.
     totals: RankTotals,
-    /// A sharded update failed half-way: the replica holds no whole step.
-    torn: bool,
     links: Links<'a>,
 }
 
-/// What the optimizer did in a step.
-struct Update {
-    lr: f32,
-    grad_norm: f32,
-    finite: bool,
-    /// Time the weights' all-gather took (`train.shard_optimizer`; zero without).
-    gather: std::time::Duration,
-}
-
-/// When a step's phases began, for its report.
+/// When a step's parts began and ended, for its report.
 struct Clock {
     started: Instant,
+    /// The ring's busy time (µs) when the step began.
     busy_before: u64,
     compute_started: Instant,
     compute_done: Instant,
+    /// The gradient and the loss sums synchronised.
+    synced: Instant,
+    /// The update applied.
+    updated: Instant,
+}
+
+impl Clock {
+    /// A step beginning now, the ring busy `busy_before` µs so far.
+    fn start(busy_before: u64) -> Clock {
+        let now = Instant::now();
+        Clock {
+            started: now,
+            busy_before,
+            compute_started: now,
+            compute_done: now,
+            synced: now,
+            updated: now,
+        }
+    }
 }
 
 impl<'a> Trainer<'a> {
@@ -129,39 +125,24 @@ impl<'a> Trainer<'a> {
             setup.precision
         );
         let phase = PhaseState::open(&setup, step)?;
-        let diloco = setup.spec.diloco.clone();
         let split_lookup = setup.splits_lookup();
-        let wire = setup.spec.train.allreduce_dtype.wire();
-        let buckets = Buckets::new(
+        let sync = super::sync::for_job(
+            &setup,
             &model.ready_ranges(split_lookup),
-            setup.bucket_elems(),
-            wire,
+            model.word_embeddings_range(),
         );
-        // ZeRO stage 1: the buckets go as reduce-scatters, each rank keeping its chunks.
-        let (buckets, sharding) = if setup.spec.train.shard_optimizer {
-            let (world, rank) = (setup.world_size as usize, setup.rank as usize);
-            let buckets = buckets.reduce_scatter(world, rank);
-            let sharding = Sharding::new(buckets.ranges().to_vec(), world, rank);
-            (buckets, Some(sharding))
-        } else {
-            (buckets, None)
-        };
-        let word_range = model.word_embeddings_range();
         Ok(Self {
             grads: vec![0f32; layout.total_len()],
             phase,
+            sync,
+            faults: setup.faults.clone(),
             nsp: setup.spec.data.objective == Objective::MlmNsp,
             setup,
             layout,
             model,
-            buckets,
-            word_range,
             split_lookup,
             last_split: None,
-            diloco,
-            sharding,
             totals: RankTotals::default(),
-            torn: false,
             links,
         })
     }
@@ -188,7 +169,7 @@ impl<'a> Trainer<'a> {
             .iter()
             .map(|(_, s)| std::mem::size_of_val(*s))
             .sum();
-        let sharded = self.sharding.is_some();
+        let sharded = self.sync.shards_optimizer();
         let (job, rank) = (&self.setup.job_id, self.setup.rank);
         self.totals.log(job, rank, sharded, state_bytes);
         Ok(())
@@ -201,62 +182,18 @@ impl<'a> Trainer<'a> {
     pub fn step(&mut self, replica: &mut Replica) -> Result<(), TrainError> {
         let step = replica.step;
         self.enter_phase(step)?;
-        let (started, busy_before) = (Instant::now(), self.ring_busy());
+        let mut clock = Clock::start(self.ring_busy());
         let batches = self.phase.pipeline.micro_batches(step)?;
-        let presence = self.split_lookup.then_some(self.setup.config.vocab_size);
-        let counts = all_reduce_counts(&self.links.ring, step, &batches, self.nsp, presence)
-            .map_err(ring_err(step))?;
-        let mut lookup = self.lookup_rows(step, &counts);
-        let compute_started = Instant::now();
-        // The loss is averaged over the global batch, or over this rank's with DiLoCo.
-        let (masked, nsp) = match self.diloco {
-            None => (counts.masked(), counts.nsp()),
-            Some(_) => {
-                let local = local_counts(&batches, self.nsp, None);
-                (local[0], local[1])
-            }
-        };
-        let sums = self.forward_backward(replica, step, &batches, masked, nsp, lookup.as_mut())?;
-        let compute_done = Instant::now();
-        if self.diloco.is_none() {
-            self.reduce_gradients(step, lookup.as_mut())?;
-        }
-        let loss = all_reduce_loss(&self.links.ring, step, sums).map_err(ring_err(step))?;
-        let allreduce_wait = compute_done.elapsed();
-        let update_started = Instant::now();
-        let ends_round = self.diloco.as_ref().is_some_and(|d| d.ends_round(step + 1));
-        let before = ends_round.then(|| Snapshot::of(replica));
+        let (counts, mut lookup) = self.count(step, &batches)?;
+        clock.compute_started = Instant::now();
+        let local = self.forward_backward(replica, step, &batches, &counts, lookup.as_mut())?;
+        clock.compute_done = Instant::now();
+        let loss = self.synchronise(step, &local, lookup.as_mut())?;
+        clock.synced = Instant::now();
         let update = self.update(replica, step, &loss)?;
-        if let Some(before) = before {
-            let dtype = self.buckets.dtype();
-            let world = self.setup.world_size;
-            if let Err(e) = outer_step(&self.links.ring, step, world, dtype, replica) {
-                before.restore(replica);
-                return Err(ring_err(step)(e));
-            }
-        }
-        let optimizer = update_started.elapsed();
-        self.totals.add(started.elapsed(), optimizer, update.gather);
-        replica.step = step + 1;
-        self.links.progress.store(replica.step, Ordering::SeqCst);
-        let clock = Clock {
-            started,
-            busy_before,
-            compute_started,
-            compute_done,
-        };
-        crate::telemetry::record_step(
-            &self.setup.job_id,
-            self.setup.rank,
-            replica.step,
-            crate::telemetry::StepTimes {
-                total: started.elapsed().as_secs_f64(),
-                compute: (compute_done - compute_started).as_secs_f64(),
-                ring_wait: allreduce_wait.as_secs_f64(),
-                optimizer: optimizer.as_secs_f64(),
-            },
-        );
-        let mean_loss = self.report(replica, &counts, &loss, &update, &clock, allreduce_wait);
+        clock.updated = Instant::now();
+        self.count_step(replica, &clock, &update);
+        let mean_loss = self.report(replica, &counts, &loss, &update, &clock);
         self.evaluate_and_checkpoint(replica, mean_loss)
     }
 
@@ -291,11 +228,23 @@ impl<'a> Trainer<'a> {
         self.links.ring_busy_us.load(Ordering::Relaxed)
     }
 
-    /// The step's lookup-gradient rows when the word embeddings' gradient travels in two
-    /// parts (see [`lookup_rows`]); logs when that decision changes.
-    fn lookup_rows(&mut self, step: u64, counts: &StepCounts) -> Option<LookupGrads<f32>> {
+    /// The step's counts summed over ranks, and its lookup-gradient rows when the word
+    /// embeddings' gradient travels in two parts (see [`lookup_rows`]; that decision is
+    /// logged when it changes).
+    ///
+    /// Errors: [`TrainError::AllReduce`].
+    fn count(
+        &mut self,
+        step: u64,
+        batches: &[Batch],
+    ) -> Result<(StepCounts, Option<LookupGrads<f32>>), TrainError> {
+        let presence = self.split_lookup.then_some(self.setup.config.vocab_size);
+        let counts = all_reduce_counts(&self.links.ring, step, batches, self.nsp, presence)
+            .map_err(ring_err(step))?;
         let vocab = self.setup.config.vocab_size;
-        let rows = lookup_rows(counts, self.setup.config.hidden_size)?;
+        let Some(rows) = lookup_rows(&counts, self.setup.config.hidden_size) else {
+            return Ok((counts, None));
+        };
         let split = split_pays(&rows, vocab);
         if self.last_split != Some(split) {
             tracing::info!(
@@ -311,34 +260,26 @@ impl<'a> Trainer<'a> {
             );
             self.last_split = Some(split);
         }
-        split.then_some(rows)
+        Ok((counts, split.then_some(rows)))
     }
 
-    /// Zeroes the gradient and runs forward/backward over `batches`, the losses scaled by
-    /// `1 / masked` and `1 / nsp` (the masked tokens and NSP labels they are averaged over),
-    /// each finished gradient range going to its bucket (none with DiLoCo); returns this
-    /// rank's `[mlm loss sum, mlm correct, nsp loss sum, nsp correct]`.
+    /// Zeroes the gradient and runs forward/backward over `batches`, the losses averaged over
+    /// the counts the mode says (of the global batch, `counts`, or this rank's), each finished
+    /// gradient range going to the mode's buckets (if it has any); returns this rank's loss
+    /// sums (NaN when the fault injection says so).
+    ///
+    /// Errors: [`TrainError::Model`] for a batch the model refuses.
     fn forward_backward(
         &mut self,
         replica: &Replica,
         step: u64,
         batches: &[Batch],
-        masked: f32,
-        nsp: f32,
+        counts: &StepCounts,
         mut lookup: Option<&mut LookupGrads<f32>>,
-    ) -> Result<[f64; 4], TrainError> {
+    ) -> Result<LossSums, TrainError> {
         // The helpers stay hot for the forward and backward (`parallel::hot`).
         let _hot = crate::model::parallel::hot();
-        let synchronous = self.diloco.is_none();
-        let opts_for = |last: bool| StepOptions {
-            mlm_scale: if masked > 0.0 { 1.0 / masked } else { 0.0 },
-            nsp_scale: if nsp > 0.0 { 1.0 / nsp } else { 0.0 },
-            dropout: Some(DropoutKey {
-                seed: self.setup.spec.train.seed,
-                step,
-            }),
-            report_ready: last && synchronous,
-        };
+        let LossCounts { masked, nsp } = self.sync.loss_counts(counts, batches, self.nsp);
         {
             let _zero = crate::model::pass_profile::region(
                 crate::model::pass_profile::Pass::ZeroGradients,
@@ -347,12 +288,31 @@ impl<'a> Trainer<'a> {
             );
             crate::model::parallel::fill(&mut self.grads, 0.0);
         }
-        self.buckets.begin();
-        let mut sums = [0f64; 4];
+        let mut buckets = self.sync.buckets();
+        if let Some(b) = buckets.as_deref_mut() {
+            b.begin();
+        }
+        // Only the last micro-batch finishes gradient ranges, and only a mode that sends them
+        // wants to hear of it.
+        let sends = buckets.is_some();
+        let opts_for = |last: bool| StepOptions {
+            mlm_scale: if masked > 0.0 { 1.0 / masked } else { 0.0 },
+            nsp_scale: if nsp > 0.0 { 1.0 / nsp } else { 0.0 },
+            dropout: Some(DropoutKey {
+                seed: self.setup.spec.train.seed,
+                step,
+            }),
+            report_ready: last && sends,
+        };
+        let mut sums = LossSums::default();
         for (j, batch) in batches.iter().enumerate() {
             let opts = opts_for(j + 1 == batches.len());
-            let (buckets, ring) = (&mut self.buckets, &self.links.ring);
-            let mut on_ready = |range, data: &[f32]| buckets.ready(range, data, ring, step);
+            let ring = &self.links.ring;
+            let mut on_ready = |range, data: &[f32]| {
+                if let Some(b) = buckets.as_deref_mut() {
+                    b.ready(range, data, ring, step);
+                }
+            };
             let (model, grads) = (&mut self.model, &mut self.grads);
             let s = match lookup.as_deref_mut() {
                 Some(lookup) => model.forward_backward_split_lookup(
@@ -366,50 +326,32 @@ impl<'a> Trainer<'a> {
                 None => model.forward_backward(&replica.params, grads, batch, &opts, &mut on_ready),
             }
             .map_err(model_err(step))?;
-            sums[0] += f64::from(s.mlm_loss_sum);
-            sums[1] += s.mlm_correct as f64;
-            sums[2] += f64::from(s.nsp_loss_sum);
-            sums[3] += s.nsp_correct as f64;
+            sums.add(&s);
         }
-        if self.setup.fault_nan_at_step == Some(step) {
-            tracing::warn!(step, "fault injection: this rank's loss is NaN");
-            sums[0] = f64::NAN;
-        }
+        self.faults.poison_loss(step, &mut sums.mlm_loss);
         Ok(sums)
     }
 
-    /// Waits for the summed gradient `[P]`: sends the lookup rows, then what backward did not
-    /// report (nothing, normally), in the same order on every rank, and adds the summed rows
-    /// into the word embeddings' gradient.
-    fn reduce_gradients(
+    /// The mode's sync of the gradient (see [`GradientSync::reduce`]), then this rank's loss
+    /// sums `local` summed over ranks (every mode: the report and the skip decision use them).
+    ///
+    /// Errors: [`TrainError::AllReduce`]; [`TrainError::Model`] for lookup rows of another
+    /// shape.
+    fn synchronise(
         &mut self,
         step: u64,
-        mut lookup: Option<&mut LookupGrads<f32>>,
-    ) -> Result<(), TrainError> {
+        local: &LossSums,
+        lookup: Option<&mut LookupGrads<f32>>,
+    ) -> Result<LossSums, TrainError> {
         let ring = &self.links.ring;
-        let lookup_sum = lookup
-            .as_deref_mut()
-            .map(|l| submit_lookup_rows(ring, step, l, self.buckets.dtype()));
-        self.buckets.flush(&self.grads, ring, step);
-        self.buckets
-            .finish(&mut self.grads)
-            .map_err(ring_err(step))?;
-        if let (Some(lookup), Some(sum)) = (lookup, lookup_sum) {
-            lookup
-                .set_grads(sum.wait().map_err(ring_err(step))?)
-                .map_err(model_err(step))?;
-            lookup
-                .add_into(&mut self.grads[self.word_range.clone()])
-                .map_err(model_err(step))?;
-        }
-        Ok(())
+        self.sync.reduce(&mut self.grads, lookup, ring, step)?;
+        local.all_reduce(ring, step).map_err(ring_err(step))
     }
 
-    /// Clips the summed gradient and applies the optimizer, or skips the update when the
-    /// loss or gradient is not finite (every rank holds the same sums, so every rank takes
-    /// the same decision).
+    /// The mode's update of `replica` from the synchronised gradient, at the phase's learning
+    /// rate (see [`GradientSync::update`]).
     ///
-    /// Errors: [`TrainError::NonFinite`] past `[train] max_skipped_steps`.
+    /// Errors: [`TrainError::NonFinite`] past `[train] max_skipped_steps`; a ring error.
     fn update(
         &mut self,
         replica: &mut Replica,
@@ -417,59 +359,34 @@ impl<'a> Trainer<'a> {
         loss: &LossSums,
     ) -> Result<Update, TrainError> {
         let t = &self.setup.spec.train;
-        let ring = &self.links.ring;
-        let grad_norm = match &self.sharding {
-            None => global_norm(&self.grads),
-            Some(s) => s
-                .grad_norm(&self.grads, ring, step)
-                .map_err(ring_err(step))?,
+        let rule = UpdateRule {
+            lr: self.phase.lr(step),
+            max_grad_norm: t.max_grad_norm as f32,
+            max_skipped_steps: t.max_skipped_steps,
         };
-        let finite = grad_norm.is_finite() && loss.is_finite();
-        let lr = self.phase.lr(step);
-        let mut gather = std::time::Duration::ZERO;
-        if finite {
-            let max_norm = t.max_grad_norm as f32;
-            let _hot = crate::model::parallel::hot();
-            match &self.sharding {
-                None => {
-                    if max_norm > 0.0 {
-                        clip_grad_norm(&mut self.grads, max_norm);
-                    }
-                    replica.optimizer.step(&mut replica.params, &self.grads, lr);
-                }
-                Some(s) => {
-                    if max_norm > 0.0 {
-                        s.clip(&mut self.grads, grad_norm, max_norm);
-                    }
-                    gather = s
-                        .update(replica, &self.grads, lr, ring, step)
-                        .map_err(|e| {
-                            self.torn = true;
-                            ring_err(step)(e)
-                        })?;
-                }
-            }
-        } else {
-            replica.skipped_steps += 1;
-            tracing::warn!(
-                step,
-                skipped = replica.skipped_steps,
-                "non-finite loss or gradient: update skipped"
-            );
-            if replica.skipped_steps > t.max_skipped_steps {
-                return Err(TrainError::NonFinite {
-                    step,
-                    skipped: replica.skipped_steps,
-                    max: t.max_skipped_steps,
-                });
-            }
-        }
-        Ok(Update {
-            lr,
-            grad_norm,
-            finite,
-            gather,
-        })
+        let ring = &self.links.ring;
+        self.sync
+            .update(replica, &mut self.grads, loss, &rule, ring, step)
+    }
+
+    /// Counts the step done on `replica` (for heartbeats too) and records its times.
+    fn count_step(&mut self, replica: &mut Replica, clock: &Clock, update: &Update) {
+        let optimizer = clock.updated - clock.synced;
+        self.totals
+            .add(clock.started.elapsed(), optimizer, update.gather);
+        replica.step += 1;
+        self.links.progress.store(replica.step, Ordering::SeqCst);
+        crate::telemetry::record_step(
+            &self.setup.job_id,
+            self.setup.rank,
+            replica.step,
+            crate::telemetry::StepTimes {
+                total: clock.started.elapsed().as_secs_f64(),
+                compute: (clock.compute_done - clock.compute_started).as_secs_f64(),
+                ring_wait: (clock.synced - clock.compute_done).as_secs_f64(),
+                optimizer: optimizer.as_secs_f64(),
+            },
+        );
     }
 
     /// Logs and (rank 0) reports the finished step `replica.step`; returns its mean loss
@@ -481,13 +398,13 @@ impl<'a> Trainer<'a> {
         loss: &LossSums,
         update: &Update,
         clock: &Clock,
-        allreduce_wait: std::time::Duration,
     ) -> f64 {
+        let allreduce_wait = clock.synced - clock.compute_done;
         let step_seconds = clock.started.elapsed().as_secs_f64();
         let masked = f64::from(counts.masked().max(1.0));
-        let mlm_loss = f64::from(loss.mlm_loss) / masked;
+        let mlm_loss = loss.mlm_loss / masked;
         let nsp_loss = if self.nsp {
-            f64::from(loss.nsp_loss) / f64::from(counts.nsp().max(1.0))
+            loss.nsp_loss / f64::from(counts.nsp().max(1.0))
         } else {
             0.0
         };
@@ -501,7 +418,7 @@ impl<'a> Trainer<'a> {
             loss: mlm_loss + nsp_loss,
             mlm_loss,
             nsp_loss,
-            mlm_accuracy: f64::from(loss.mlm_correct) / masked,
+            mlm_accuracy: loss.mlm_correct / masked,
             learning_rate: f64::from(update.lr),
             grad_norm: f64::from(update.grad_norm),
             tokens_per_second: f64::from(counts.tokens()) / step_seconds.max(1e-9),
@@ -575,12 +492,9 @@ impl<'a> Trainer<'a> {
     fn checkpoint(&mut self, replica: &Replica, loss: f64) -> Result<(), TrainError> {
         let step = replica.step;
         let is_root = self.setup.rank == 0;
-        let gathered = match &self.sharding {
-            Some(s) if !replica.optimizer.plan().is_full() => s
-                .gather_optimizer_state(replica, is_root, &self.links.ring, step)
-                .map_err(ring_err(step))?,
-            _ => None,
-        };
+        let gathered =
+            self.sync
+                .gather_optimizer_state(replica, is_root, &self.links.ring, step)?;
         if self.setup.rank != 0 {
             return Ok(());
         }
@@ -599,7 +513,7 @@ impl<'a> Trainer<'a> {
     /// Whether a sharded update failed half-way, leaving the replica no whole step (it must
     /// not be kept).
     pub fn is_torn(&self) -> bool {
-        self.torn
+        self.sync.is_torn()
     }
 
     /// The training key of this generation after `step` steps.
