@@ -98,6 +98,51 @@ fn one_worker_with_plain_averaging_matches_synchronous_training() {
     assert!(!optimizer_tensors(&sync).contains(&"diloco_velocity".to_string()));
 }
 
+/// Mean of every LayerNorm weight (gamma) of a checkpoint: 1 at initialisation, and after
+/// 40 steps of this job within a few percent of 1.
+fn mean_layer_norm_weight(out: &Path) -> f64 {
+    let tensors = keel_proto::weights::load_tensors_f64(out.join("model.safetensors")).unwrap();
+    let gammas: Vec<f64> = tensors
+        .iter()
+        .filter(|(name, _)| name.ends_with("LayerNorm.weight"))
+        .flat_map(|(_, (_, values))| values.iter().copied())
+        .collect();
+    assert!(!gammas.is_empty());
+    gammas.iter().sum::<f64>() / gammas.len() as f64
+}
+
+/// A round starts from the weights the job holds, also the first round of a fresh job. With
+/// one worker, an outer learning rate of 0.5 and no momentum, each outer step lands half-way
+/// between the round's start and the local weights, so the LayerNorm weights stay near their
+/// initial 1 as in synchronous training. With the anchor left at zero for the first round
+/// (the old code) the first outer step halved every weight: LayerNorm weights near 0.5.
+#[test]
+fn the_first_round_starts_from_the_initial_weights_not_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = kjv_lines(dir.path(), 3000);
+    let sync = run(dir.path(), &corpus, 1, "", "sync");
+    let rounds = run(
+        dir.path(),
+        &corpus,
+        1,
+        "inner_steps = 20\nouter_learning_rate = 0.5\nouter_momentum = 0.0",
+        "diloco-half",
+    );
+    let (g_sync, g_rounds) = (
+        mean_layer_norm_weight(&sync),
+        mean_layer_norm_weight(&rounds),
+    );
+    println!("mean LayerNorm weight: synchronous {g_sync:.4}, DiLoCo outer lr 0.5 {g_rounds:.4}");
+    assert!(
+        (g_sync - 1.0).abs() < 0.1,
+        "synchronous moved gamma to {g_sync}"
+    );
+    assert!(
+        (g_rounds - g_sync).abs() < 0.1,
+        "DiLoCo's mean LayerNorm weight {g_rounds} is far from synchronous training's {g_sync}"
+    );
+}
+
 #[test]
 fn two_workers_learn_with_outer_steps_and_talk_less() {
     let dir = tempfile::tempdir().unwrap();

@@ -53,16 +53,17 @@ impl Diloco {
             velocity: vec![0.0; len],
         }
     }
-
-    /// Starts a round from `params` `[P]` (the weights all workers hold after an outer step).
-    ///
-    /// Panics if `params` is not `[P]` (a caller's bug: the layout is fixed per job).
-    pub fn begin_round(&mut self, params: &[f32]) {
-        self.anchor.copy_from_slice(params);
-    }
 }
 
 impl OuterOptimizer for Diloco {
+    /// Starts a round from `params` `[P]` (the weights all workers hold after an outer step,
+    /// or at the job's start).
+    ///
+    /// Panics if `params` is not `[P]` (a caller's bug: the layout is fixed per job).
+    fn begin_round(&mut self, params: &[f32]) {
+        self.anchor.copy_from_slice(params);
+    }
+
     /// This worker's outer gradient `anchor - params` `[P]`.
     fn outer_gradient(&self, params: &[f32]) -> Vec<f32> {
         self.anchor.iter().zip(params).map(|(a, p)| a - p).collect()
@@ -121,7 +122,7 @@ impl Optimizer for Diloco {
 
     /// The inner optimizer's buffers, then the outer ones; a state without the outer ones (a
     /// checkpoint of synchronous training) starts DiLoCo with zero momentum (the anchor is
-    /// set at the start of every round).
+    /// set at the start of every round: `crate::train::sync::diloco`).
     fn load_state(&mut self, steps_taken: u64, state: &[(&str, &[f32])]) -> Result<(), OptimError> {
         self.inner.load_state(steps_taken, state)?;
         let has = |name: &str| state.iter().any(|(n, _)| *n == name);

@@ -113,6 +113,9 @@ pub trait Optimizer<A = f32>: Send {
 /// end of a round. A trait of its own, so that [`Optimizer`] names no implementation of it
 /// (`diloco.rs` builds on this file; this file does not build on `diloco.rs`).
 pub trait OuterOptimizer {
+    /// Starts a round from `params` `[P]`, the weights every worker holds at the round's
+    /// start: they become the anchor the round's outer gradient is measured from.
+    fn begin_round(&mut self, params: &[f32]);
     /// This worker's outer gradient `anchor - params`, `[P]` like `params`.
     fn outer_gradient(&self, params: &[f32]) -> Vec<f32>;
     /// The outer step from the outer gradient averaged over workers, `delta` `[P]`: writes

@@ -82,6 +82,15 @@ impl GradientSync for DilocoSync {
             .spec
             .ends_round(step + 1)
             .then(|| Snapshot::of(replica));
+        // A round starts from the weights every worker holds now. Set at every round's start,
+        // not only after an outer step: a fresh job, or one resumed from a synchronous
+        // checkpoint, has no anchor yet (a zero anchor made the first outer step scale the
+        // weights by `outer_learning_rate * (1 + outer_momentum)`).
+        if self.spec.ends_round(step)
+            && let Some(outer) = replica.optimizer.outer()
+        {
+            outer.begin_round(&replica.params);
+        }
         let update = local_update(replica, grads, loss, rule, step)?;
         if let Some(before) = before
             && let Err(e) = outer_step(ring, step, self.world_size, self.dtype, replica)
