@@ -147,9 +147,8 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
         }
     });
     match coordinator {
-        Some(addr) => result.map_err(|e| {
-            crate::errors::explain(e, &keel_worker::client::coordinator_address(&addr))
-        }),
+        Some(addr) => result
+            .map_err(|e| crate::errors::explain(e, &keel_net::client::coordinator_address(&addr))),
         None => result,
     }
 }

@@ -37,7 +37,7 @@ pub fn connect_with(
     addr: &str,
     security: &ClientSecurity,
 ) -> anyhow::Result<CoordinatorClient<AuthChannel>> {
-    Ok(keel_worker::client::coordinator_client(addr, security)?)
+    Ok(keel_net::client::coordinator_client(addr, security)?)
 }
 
 /// Reads and validates a job file, makes its paths absolute against the current directory,

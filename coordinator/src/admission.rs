@@ -14,8 +14,8 @@
 
 use crate::CoordinatorError;
 use keel_proto::config::BertConfig;
-use keel_proto::jobspec::JobSpec;
-use keel_proto::memory::{MemoryEstimate, estimate, format_bytes};
+use keel_proto::jobspec::{JobSpec, ModelSource, Vocabulary};
+use keel_proto::memory::{MemoryEstimate, estimate_job, format_bytes};
 
 /// The estimate for `config` with the spec's micro-batch at its `max_seq_length`: the largest
 /// over the job's phases; with `train.shard_optimizer`, for a rank of `cluster.min_workers`
@@ -31,30 +31,7 @@ pub fn estimate_for(
     let bad =
         |e: keel_proto::config::ConfigError| CoordinatorError::BadRequest(format!("{origin}: {e}"));
     config.validate().map_err(bad)?;
-    // The largest over the phases (`[[phase]]`): a later phase may have longer sequences.
-    let mut largest: Option<MemoryEstimate> = None;
-    for view in spec.phase_views() {
-        let e = estimate(
-            config,
-            view.train.micro_batch_size,
-            view.data.max_seq_length,
-        )
-        .map_err(bad)?;
-        // With `train.shard_optimizer` each rank keeps 1/W of the moments; the job may run
-        // on as few as `min_workers`.
-        let e = if spec.train.shard_optimizer {
-            e.with_moments_over(spec.cluster.min_workers as u64)
-        } else {
-            e
-        };
-        if largest
-            .as_ref()
-            .is_none_or(|l| e.total_bytes > l.total_bytes)
-        {
-            largest = Some(e);
-        }
-    }
-    largest.ok_or_else(|| CoordinatorError::BadRequest(format!("{origin}: no phase")))
+    estimate_job(config, spec).map_err(bad)
 }
 
 /// Submit-time check: when the spec's model config is known before preparation (a
@@ -68,25 +45,25 @@ pub fn check_submission(
     spec: &JobSpec,
     limits: impl Iterator<Item = Option<u64>> + Clone,
 ) -> Result<(), CoordinatorError> {
-    let (config, origin) = if let Some(preset) = &spec.model.preset {
-        let Some(vocab_size) = spec.data.vocab_size else {
-            // The vocabulary comes from a file: its size is known after preparation.
-            return Ok(());
-        };
-        let config = BertConfig::preset(preset, vocab_size)
-            .map_err(|e| CoordinatorError::BadRequest(format!("model.preset: {e}")))?;
-        (config, "model.preset".to_string())
-    } else if let Some(path) = &spec.model.config {
-        let config = BertConfig::from_json_file(path)
-            .map_err(|e| CoordinatorError::BadRequest(format!("model.config: {e}")))?;
-        (config, format!("model.config {}", path.display()))
-    } else if let Some(dir) = &spec.model.init_checkpoint {
-        let path = dir.join("config.json");
-        let config = BertConfig::from_json_file(&path)
-            .map_err(|e| CoordinatorError::BadRequest(format!("model.init_checkpoint: {e}")))?;
-        (config, format!("model.init_checkpoint {}", path.display()))
-    } else {
-        return Ok(());
+    let (config, origin) = match (&spec.model.source, &spec.data.vocabulary) {
+        (ModelSource::Preset(preset), Vocabulary::Train { vocab_size }) => {
+            let config = BertConfig::preset(preset, *vocab_size)
+                .map_err(|e| CoordinatorError::BadRequest(format!("model.preset: {e}")))?;
+            (config, "model.preset".to_string())
+        }
+        // The vocabulary comes from a file: its size is known after preparation.
+        (ModelSource::Preset(_), Vocabulary::File(_)) => return Ok(()),
+        (ModelSource::Config(path), _) => {
+            let config = BertConfig::from_json_file(path)
+                .map_err(|e| CoordinatorError::BadRequest(format!("model.config: {e}")))?;
+            (config, format!("model.config {}", path.display()))
+        }
+        (ModelSource::InitCheckpoint(dir), _) => {
+            let path = dir.join("config.json");
+            let config = BertConfig::from_json_file(&path)
+                .map_err(|e| CoordinatorError::BadRequest(format!("model.init_checkpoint: {e}")))?;
+            (config, format!("model.init_checkpoint {}", path.display()))
+        }
     };
     let estimate = estimate_for(&config, spec, &origin)?;
     if let Some(message) = no_worker_can_hold(limits, estimate.total_bytes) {

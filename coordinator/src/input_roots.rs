@@ -12,7 +12,7 @@
 //! restart: a symlink placed or changed after the submit is caught there.
 
 use crate::data::corpus::{CorpusError, resolve_inputs};
-use keel_proto::jobspec::{JobSpec, JobSpecError};
+use keel_proto::jobspec::{JobSpec, JobSpecError, ModelSource};
 use std::path::{Component, Path, PathBuf};
 
 /// A `--input-root` that cannot be used.
@@ -95,37 +95,18 @@ impl InputRoots {
             value: format!("{:?}", path.display().to_string()),
             expected: what,
         };
+        spec.check_paths_absolute().map_err(|e| e.at(origin))?;
         let mut named: Vec<(&'static str, PathBuf)> = spec
             .data
             .corpus
             .iter()
             .map(|entry| ("data.corpus", PathBuf::from(entry)))
             .collect();
-        named.extend(spec.data.vocab.iter().map(|p| ("data.vocab", p.clone())));
         named.extend(
-            spec.model
-                .config
-                .iter()
-                .map(|p| ("model.config", p.clone())),
+            spec.named_paths()
+                .into_iter()
+                .map(|(key, p)| (key, p.to_path_buf())),
         );
-        named.extend(
-            spec.model
-                .init_checkpoint
-                .iter()
-                .map(|p| ("model.init_checkpoint", p.clone())),
-        );
-        for (key, path) in &named {
-            if !path.is_absolute() {
-                return Err(bad(
-                    key,
-                    path,
-                    "a relative path: job paths must be absolute (`keel submit` makes them so \
-                     against its own folder; the coordinator does not resolve them against \
-                     its working directory)"
-                        .to_string(),
-                ));
-            }
-        }
         if self.is_empty() {
             return Ok(());
         }
@@ -150,7 +131,7 @@ impl InputRoots {
                 })?;
             }
         }
-        if let Some(dir) = &spec.model.init_checkpoint {
+        if let ModelSource::InitCheckpoint(dir) = &spec.model.source {
             for name in ["config.json", keel_proto::checkpoint::MODEL_FILE] {
                 let file = dir.join(name);
                 self.check_one(&file).map_err(|resolved| {

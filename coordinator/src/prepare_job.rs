@@ -9,7 +9,7 @@ use crate::data::{PrepareOptions, VocabSource};
 use crate::input_roots::InputRoots;
 use keel_proto::checkpoint::{sha256_file, write_file_atomic};
 use keel_proto::config::BertConfig;
-use keel_proto::jobspec::{JobSpec, Objective};
+use keel_proto::jobspec::{JobSpec, ModelSource, Objective, Vocabulary};
 use keel_proto::params::Heads;
 use keel_proto::rpc::JobFile;
 use keel_proto::split::WorkerPlan;
@@ -155,16 +155,15 @@ pub fn prepare(
     };
     let data_dir = job_dir.join("data");
     let lowercase = spec.data.lowercase;
-    let vocab = match (&spec.data.vocab, spec.data.vocab_size) {
-        (Some(path), _) => VocabSource::File {
+    let vocab = match &spec.data.vocabulary {
+        Vocabulary::File(path) => VocabSource::File {
             path: path.clone(),
             lowercase,
         },
-        (None, Some(vocab_size)) => VocabSource::Train {
-            vocab_size,
+        Vocabulary::Train { vocab_size } => VocabSource::Train {
+            vocab_size: *vocab_size,
             lowercase,
         },
-        (None, None) => return Err(fail("data: give vocab_size or vocab".into())),
     };
     let objective = match spec.data.objective {
         Objective::Mlm => crate::data::Objective::Mlm,
@@ -316,23 +315,24 @@ fn finish(
             shared_files.push((role, phase.data_dir.join("heldout.keel")));
         }
     }
-    let mut config = if let Some(preset) = &spec.model.preset {
-        BertConfig::preset(preset, vocab_size).map_err(|e| fail(format!("model.preset: {e}")))?
-    } else if let Some(path) = &spec.model.config {
-        BertConfig::from_json_file(path).map_err(|e| fail(format!("{}: {e}", path.display())))?
-    } else if let Some(dir) = &spec.model.init_checkpoint {
-        let path = dir.join("config.json");
-        let weights = dir.join("model.safetensors");
-        if !weights.is_file() {
-            return Err(fail(format!("{}: no such file", weights.display())));
+    let mut config = match &spec.model.source {
+        ModelSource::Preset(preset) => BertConfig::preset(preset, vocab_size)
+            .map_err(|e| fail(format!("model.preset: {e}")))?,
+        ModelSource::Config(path) => BertConfig::from_json_file(path)
+            .map_err(|e| fail(format!("{}: {e}", path.display())))?,
+        ModelSource::InitCheckpoint(dir) => {
+            let path = dir.join("config.json");
+            let weights = dir.join("model.safetensors");
+            if !weights.is_file() {
+                return Err(fail(format!("{}: no such file", weights.display())));
+            }
+            shared_files.push(("init_weights".to_string(), weights));
+            BertConfig::from_json_file(&path)
+                .map_err(|e| fail(format!("{}: {e}", path.display())))?
         }
-        shared_files.push(("init_weights".to_string(), weights));
-        BertConfig::from_json_file(&path).map_err(|e| fail(format!("{}: {e}", path.display())))?
-    } else {
-        return Err(fail("model: give preset, config or init_checkpoint".into()));
     };
     if config.vocab_size != vocab_size {
-        if spec.model.preset.is_some() {
+        if spec.model.preset().is_some() {
             config.vocab_size = vocab_size;
         } else {
             return Err(fail(format!(
@@ -361,7 +361,7 @@ fn finish(
     config
         .validate()
         .map_err(|e| fail(format!("model config: {e}")))?;
-    if let Some(dir) = &spec.model.init_checkpoint {
+    if let ModelSource::InitCheckpoint(dir) = &spec.model.source {
         check_init_checkpoint(dir, &config, heads).map_err(fail)?;
     }
     let memory_bytes = crate::admission::estimate_for(&config, spec, "model config")

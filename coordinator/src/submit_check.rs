@@ -9,7 +9,7 @@
 
 use crate::data::corpus::resolve_inputs;
 use crate::input_roots::InputRoots;
-use keel_proto::jobspec::{JobSpec, JobSpecError};
+use keel_proto::jobspec::{JobSpec, JobSpecError, ModelSource};
 use std::path::{Path, PathBuf};
 
 /// Every submit-time check of `spec`'s paths, in order: absolute and inside the input roots
@@ -57,15 +57,15 @@ pub fn check_paths(spec: &JobSpec, origin: &str) -> Result<(), JobSpecError> {
             })?;
         }
     }
-    if let Some(vocab) = &spec.data.vocab {
+    if let Some(vocab) = spec.data.vocab_file() {
         readable_file(vocab)
             .map_err(|what| bad("data.vocab", &vocab.display().to_string(), what))?;
     }
-    if let Some(config) = &spec.model.config {
+    if let ModelSource::Config(config) = &spec.model.source {
         readable_file(config)
             .map_err(|what| bad("model.config", &config.display().to_string(), what))?;
     }
-    if let Some(dir) = &spec.model.init_checkpoint {
+    if let ModelSource::InitCheckpoint(dir) = &spec.model.source {
         let shown = dir.display().to_string();
         if !dir.is_dir() {
             return Err(bad(

@@ -11,11 +11,14 @@
 //! - `ratelimit`: at most one log line per interval for events strangers can cause.
 //! - `admin`: the gRPC health and reflection services every server adds.
 //! - `http_port`: the HTTP port (`--metrics-listen`): open metrics, token-guarded API.
+//! - `client`: calling the coordinator (its address, a client with Keel's limits), for the
+//!   workers and `keel`.
 
 #![warn(missing_docs)]
 
 pub mod admin;
 pub mod auth;
+pub mod client;
 pub mod connection;
 pub mod http_port;
 pub mod incoming;

@@ -10,6 +10,7 @@
 //!
 //! Without the section a job trains synchronously (every step all-reduces the gradient).
 
+use crate::jobspec::SpecError;
 use serde::{Deserialize, Serialize};
 
 /// DiLoCo's settings.
@@ -36,51 +37,29 @@ fn default_outer_momentum() -> f64 {
     0.9
 }
 
-/// A setting of `[diloco]` that does not fit: `(dotted key, value given, what is allowed)`.
-pub type DilocoProblem = (&'static str, String, String);
-
 impl DilocoSpec {
-    /// Checks the settings, and that the job's step counts fall on outer steps: only there
-    /// do all workers hold the same weights, so `train.max_steps`, `train.eval_every` and
-    /// `train.checkpoint_every` must be multiples of `inner_steps`.
+    /// Checks the section's own settings. That the job's step counts fall on outer steps is
+    /// a rule across sections (`JobSpec::check_across_sections`).
     ///
-    /// Errors: the first [`DilocoProblem`].
-    pub fn check(
-        &self,
-        max_steps: u64,
-        eval_every: u64,
-        checkpoint_every: u64,
-    ) -> Result<(), DilocoProblem> {
-        let h = self.inner_steps;
-        if h == 0 {
-            return Err(("diloco.inner_steps", "0".into(), "at least 1".into()));
+    /// # Errors
+    /// The first [`SpecError`], naming the key.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        if self.inner_steps == 0 {
+            return Err(SpecError::new("diloco.inner_steps", "0", "at least 1"));
         }
         if !(self.outer_learning_rate.is_finite() && self.outer_learning_rate > 0.0) {
-            return Err((
+            return Err(SpecError::new(
                 "diloco.outer_learning_rate",
                 self.outer_learning_rate.to_string(),
-                "a positive number".into(),
+                "a positive number",
             ));
         }
         if !(0.0..1.0).contains(&self.outer_momentum) {
-            return Err((
+            return Err(SpecError::new(
                 "diloco.outer_momentum",
                 self.outer_momentum.to_string(),
-                "a number in [0, 1)".into(),
+                "a number in [0, 1)",
             ));
-        }
-        for (key, value) in [
-            ("train.max_steps", max_steps),
-            ("train.eval_every", eval_every),
-            ("train.checkpoint_every", checkpoint_every),
-        ] {
-            if !value.is_multiple_of(h) {
-                return Err((
-                    key,
-                    value.to_string(),
-                    format!("a multiple of diloco.inner_steps = {h} (weights agree only there)"),
-                ));
-            }
         }
         Ok(())
     }
@@ -105,33 +84,15 @@ mod tests {
     }
 
     #[test]
-    fn step_counts_must_fall_on_outer_steps() {
-        assert!(spec(10).check(100, 50, 0).is_ok());
-        let (key, value, expected) = spec(10).check(100, 55, 0).unwrap_err();
-        assert_eq!((key, value.as_str()), ("train.eval_every", "55"));
-        assert!(expected.contains("inner_steps = 10"), "{expected}");
-        assert_eq!(spec(10).check(105, 0, 0).unwrap_err().0, "train.max_steps");
-        assert_eq!(
-            spec(10).check(100, 0, 15).unwrap_err().0,
-            "train.checkpoint_every"
-        );
-        assert_eq!(
-            spec(0).check(100, 0, 0).unwrap_err().0,
-            "diloco.inner_steps"
-        );
-    }
-
-    #[test]
     fn outer_settings_are_checked() {
+        assert!(spec(10).validate().is_ok());
+        assert_eq!(spec(0).validate().unwrap_err().key, "diloco.inner_steps");
         let mut s = spec(5);
         s.outer_momentum = 1.0;
-        assert_eq!(s.check(10, 0, 0).unwrap_err().0, "diloco.outer_momentum");
+        assert_eq!(s.validate().unwrap_err().key, "diloco.outer_momentum");
         s.outer_momentum = 0.0;
         s.outer_learning_rate = 0.0;
-        assert_eq!(
-            s.check(10, 0, 0).unwrap_err().0,
-            "diloco.outer_learning_rate"
-        );
+        assert_eq!(s.validate().unwrap_err().key, "diloco.outer_learning_rate");
     }
 
     #[test]

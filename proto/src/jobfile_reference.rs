@@ -16,7 +16,7 @@
 //! - [`reference_markdown`]: the tables.
 
 use crate::diloco::DilocoSpec;
-use crate::jobspec::{ClusterSpec, DataSpec, JobSpec, ModelSpec, TrainSpec};
+use crate::jobspec::{ClusterSpec, DataTable, JobFile, ModelTable, TrainSpec};
 use crate::phases::PhaseSpec;
 use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
@@ -538,8 +538,8 @@ pub fn section_keys(section: &str) -> Vec<String> {
             .collect()
     }
     match section {
-        "data" => fields::<DataSpec>(),
-        "model" => fields::<ModelSpec>(),
+        "data" => fields::<DataTable>(),
+        "model" => fields::<ModelTable>(),
         "train" => fields::<TrainSpec>(),
         "cluster" => fields::<ClusterSpec>(),
         "phase" => fields::<PhaseSpec>(),
@@ -563,7 +563,9 @@ inner_steps = 1
 /// Every key's default as the code computes it, keyed `section.key`, written as TOML would
 /// write the value; keys whose default is "absent" are left out.
 pub fn defaults() -> BTreeMap<String, String> {
-    let spec: JobSpec = toml::from_str(MINIMAL_JOB).expect("the minimal job parses");
+    // As written, before validation: a job naming only what has no default has no
+    // vocabulary and no model source, which a `JobSpec` must have.
+    let spec: JobFile = toml::from_str(MINIMAL_JOB).expect("the minimal job parses");
     let value = serde_json::to_value(&spec).expect("a spec serializes");
     let mut out = BTreeMap::new();
     for (section, _) in SECTIONS {

@@ -2,11 +2,13 @@
 //! however hostile, can wrap a product into a small number; and what a machine can give.
 //!
 //! # Layout
-//! - [`MemoryEstimate`], [`estimate`]: parameters and bytes to train one rank.
+//! - [`MemoryEstimate`], [`estimate`]: parameters and bytes to train one rank;
+//!   [`estimate_job`]: the same for a job's largest phase.
 //! - [`machine_memory_limit`]: `/proc/meminfo` MemTotal, lowered by a cgroup limit.
 //! - [`format_bytes`]: bytes as GiB/MiB for messages.
 
 use crate::config::{BertConfig, ConfigError};
+use crate::jobspec::JobSpec;
 
 /// Bytes per stored value: weights, gradients, moments and activations are f32.
 const F32: u64 = 4;
@@ -196,6 +198,38 @@ pub fn estimate(
         activation_bytes,
         total_bytes,
     })
+}
+
+/// The estimate for training `config` as `spec` says: its micro-batch at its
+/// `max_seq_length`, the largest over the job's phases (a later `[[phase]]` may have longer
+/// sequences); with `train.shard_optimizer`, for a rank of `cluster.min_workers` sharing the
+/// moments (the job may run on as few).
+///
+/// # Errors
+/// As [`estimate`]: [`ConfigError::InvalidField`] naming the field whose product overflows.
+pub fn estimate_job(config: &BertConfig, spec: &JobSpec) -> Result<MemoryEstimate, ConfigError> {
+    let per_rank = |p: usize| -> Result<MemoryEstimate, ConfigError> {
+        let view = spec.phase_view(p);
+        let e = estimate(
+            config,
+            view.train.micro_batch_size,
+            view.data.max_seq_length,
+        )?;
+        Ok(if spec.train.shard_optimizer {
+            e.with_moments_over(spec.cluster.min_workers as u64)
+        } else {
+            e
+        })
+    };
+    // Phase 0 is the job itself; the first of equal estimates is kept.
+    let mut largest = per_rank(0)?;
+    for p in 1..spec.phase_count() {
+        let e = per_rank(p)?;
+        if e.total_bytes > largest.total_bytes {
+            largest = e;
+        }
+    }
+    Ok(largest)
 }
 
 /// The memory this machine can give a worker (bytes): `MemTotal` of `/proc/meminfo`, or the

@@ -36,7 +36,7 @@
 // (`keel_proto::phases::PhaseSpec`) with the rest of the phases.
 pub use crate::jobspec::PhaseSpec;
 
-use crate::jobspec::JobSpec;
+use crate::jobspec::{JobSpec, SpecError};
 use std::ops::Range;
 
 /// Role of a later phase's shard among a rank's files, followed by the phase's 1-based
@@ -47,9 +47,6 @@ pub const SHARD_PHASE_ROLE: &str = "shard_phase";
 /// `max_seq_length`), followed by its number: `heldout_phase2`. Without it the phase
 /// evaluates on the previous phase's held-out set.
 pub const HELDOUT_PHASE_ROLE: &str = "heldout_phase";
-
-/// A setting of `[[phase]]` that does not fit: `(dotted key, value given, what is allowed)`.
-pub type PhaseProblem = (&'static str, String, String);
 
 impl JobSpec {
     /// Phases in the job: 1 plus the `[[phase]]` sections.
@@ -146,14 +143,15 @@ impl JobSpec {
     /// `1..train.max_steps`, each setting in the range its `[data]` or `[train]` key allows,
     /// warmups within their phase, and with `[diloco]` every start on an outer step.
     ///
-    /// Errors: the first [`PhaseProblem`]; its value names the phase (`phase 2: ...`).
-    pub fn check_phases(&self) -> Result<(), PhaseProblem> {
+    /// # Errors
+    /// The first [`SpecError`]; its value names the phase (`phase 2: ...`).
+    pub fn check_phases(&self) -> Result<(), SpecError> {
         let mut previous = 0u64;
         for (i, ph) in self.phases.iter().enumerate() {
             let n = i + 2;
             let at = |v: String| format!("phase {n}: {v}");
             if ph.start_step <= previous || ph.start_step >= self.train.max_steps {
-                return Err((
+                return Err(SpecError::new(
                     "phase.start_step",
                     at(ph.start_step.to_string()),
                     format!(
@@ -167,7 +165,7 @@ impl JobSpec {
             if let Some(d) = &self.diloco
                 && !ph.start_step.is_multiple_of(d.inner_steps.max(1))
             {
-                return Err((
+                return Err(SpecError::new(
                     "phase.start_step",
                     at(ph.start_step.to_string()),
                     format!(
@@ -185,13 +183,13 @@ impl JobSpec {
                 by if by == p + 1 => format!("phase {}: {v}", p + 1),
                 by => format!("phase {}: {v} (inherited from phase {by})", p + 1),
             };
-            let max_len = if self.model.preset.is_some() {
+            let max_len = if self.model.preset().is_some() {
                 512
             } else {
                 8192
             };
             if !(8..=max_len).contains(&d.max_seq_length) {
-                return Err((
+                return Err(SpecError::new(
                     "phase.max_seq_length",
                     at(d.max_seq_length.to_string(), |ph| {
                         ph.max_seq_length.is_some()
@@ -200,37 +198,37 @@ impl JobSpec {
                 ));
             }
             if d.max_predictions_per_seq == 0 || d.max_predictions_per_seq > d.max_seq_length {
-                return Err((
+                return Err(SpecError::new(
                     "phase.max_predictions_per_seq",
                     at(d.max_predictions_per_seq.to_string(), |ph| {
                         ph.max_predictions_per_seq.is_some()
                     }),
-                    "between 1 and the phase's max_seq_length".into(),
+                    "between 1 and the phase's max_seq_length",
                 ));
             }
             if !(1..=65_536).contains(&t.micro_batch_size) {
-                return Err((
+                return Err(SpecError::new(
                     "phase.micro_batch_size",
                     at(t.micro_batch_size.to_string(), |ph| {
                         ph.micro_batch_size.is_some()
                     }),
-                    "between 1 and 65536 sequences".into(),
+                    "between 1 and 65536 sequences",
                 ));
             }
             if !(1..=65_536).contains(&t.gradient_accumulation_steps) {
-                return Err((
+                return Err(SpecError::new(
                     "phase.gradient_accumulation_steps",
                     at(t.gradient_accumulation_steps.to_string(), |ph| {
                         ph.gradient_accumulation_steps.is_some()
                     }),
-                    "between 1 and 65536".into(),
+                    "between 1 and 65536",
                 ));
             }
             if !(t.learning_rate.is_finite() && t.learning_rate > 0.0 && t.learning_rate < 10.0) {
-                return Err((
+                return Err(SpecError::new(
                     "phase.learning_rate",
                     at(t.learning_rate.to_string(), |ph| ph.learning_rate.is_some()),
-                    "a positive number below 10".into(),
+                    "a positive number below 10",
                 ));
             }
             if t.warmup_steps > t.max_steps {
@@ -239,7 +237,7 @@ impl JobSpec {
                 } else {
                     "phase.warmup_steps"
                 };
-                return Err((
+                return Err(SpecError::new(
                     key,
                     at(t.warmup_steps.to_string(), |ph| ph.warmup_steps.is_some()),
                     format!("at most the phase's {} steps", t.max_steps),

@@ -266,7 +266,7 @@ fn collate_pads_and_flattens_positions() {
 #[test]
 fn masking_config_follows_the_job_file() {
     let spec: keel_proto::jobspec::DataSpec = serde_json::from_value(serde_json::json!({
-        "corpus": ["c.txt"], "dupe_factor": 3, "whole_word_masking": true,
+        "corpus": ["c.txt"], "vocab_size": 1000, "dupe_factor": 3, "whole_word_masking": true,
         "masked_lm_prob": 0.2, "max_predictions_per_seq": 30
     }))
     .unwrap();
@@ -276,7 +276,8 @@ fn masking_config_follows_the_job_file() {
     assert_eq!((c.masked_lm_prob, c.max_predictions_per_seq), (0.2, 30));
     c.validate().unwrap();
     let dynamic: keel_proto::jobspec::DataSpec =
-        serde_json::from_value(serde_json::json!({ "corpus": ["c.txt"] })).unwrap();
+        serde_json::from_value(serde_json::json!({ "corpus": ["c.txt"], "vocab_size": 1000 }))
+            .unwrap();
     let d = MaskingConfig::from_spec(&dynamic);
     assert_eq!(d.mode, MaskingMode::Dynamic);
     assert!(!d.whole_word);

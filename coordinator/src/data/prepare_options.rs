@@ -1,6 +1,7 @@
 //! The settings of the prepare pipeline (`super::prepare`): [`PrepareOptions`], and where the
 //! vocabulary comes from ([`VocabSource`]).
 
+use keel_proto::jobspec::Vocabulary;
 use std::path::PathBuf;
 
 use super::manifest::Objective;
@@ -96,13 +97,13 @@ impl PrepareOptions {
         seed: u64,
         threads: usize,
     ) -> Self {
-        let vocab = match (&spec.vocab, spec.vocab_size) {
-            (Some(path), _) => VocabSource::File {
+        let vocab = match &spec.vocabulary {
+            Vocabulary::File(path) => VocabSource::File {
                 path: path.clone(),
                 lowercase: spec.lowercase,
             },
-            (None, size) => VocabSource::Train {
-                vocab_size: size.unwrap_or(30_522),
+            Vocabulary::Train { vocab_size } => VocabSource::Train {
+                vocab_size: *vocab_size,
                 lowercase: spec.lowercase,
             },
         };

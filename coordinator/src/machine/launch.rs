@@ -5,49 +5,18 @@
 //! [`Input::FilesBuilt`]: super::Input::FilesBuilt
 
 use super::phase::{LaunchInfo, Outcome, Phase, Progress, Running};
-use super::{Effect, Machine, RankFiles};
+use super::{Effect, Launch, Machine, RankFiles};
 use crate::prepare_job::PreparedJob;
 use keel_proto::metrics::{EventLine, MetricsLine, ResumeEvent};
 use keel_proto::precision::WorkerBf16;
 use keel_proto::protocol::FILE_CHUNK_BYTES;
 use keel_proto::rpc::{StartJob, StateSource, TrainingKey, worker_command};
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 /// Ring connections per link that workers open (several streams beat one on loopback).
 const STREAMS_PER_LINK: u32 = 2;
-
-/// One generation of a job to start: who, from which state, with which data split.
-#[derive(Debug, Clone)]
-pub struct Launch {
-    /// The job.
-    pub job_id: String,
-    /// The job's spec.
-    pub spec: keel_proto::jobspec::JobSpec,
-    /// The job's folder.
-    pub dir: PathBuf,
-    /// The generation being started.
-    pub generation: u64,
-    /// The job's prepared data.
-    pub prepared: Arc<PreparedJob>,
-    /// Worker ids in rank order.
-    pub workers: Vec<String>,
-    /// Steps already completed.
-    pub start_step: u64,
-    /// Where the ranks take the state from.
-    pub source: StateSource,
-    /// With `Memory`: the rank that broadcasts it.
-    pub root_rank: u32,
-    /// Sequences per step (the job's fixed `B`).
-    pub global_batch: u64,
-    /// Rank 0 uploads a checkpoint of `start_step` first.
-    pub checkpoint_first: bool,
-    /// `(role, path)` of state files (with `Checkpoint`), replacing a prepared file of the
-    /// same role.
-    pub state_files: Vec<(String, PathBuf)>,
-}
 
 impl Machine {
     /// Starts preparing every queued job.

@@ -12,6 +12,8 @@
 //! a unit test with injected time (`machine/tests.rs`).
 //!
 //! # Layout
+//! - `messages`: [`Input`], [`Reply`], [`Effect`] and what they carry ([`Launch`], ...).
+//! - `worker_entry`: [`WorkerEntry`], one registered worker.
 //! - [`phase`]: [`Phase`], the job's phase with the data of each.
 //! - [`job`]: [`Job`], one job's record (private fields; accessors).
 //! - `workers`: membership: registration, attach, heartbeats, dead workers.
@@ -24,6 +26,7 @@
 
 pub mod job;
 mod launch;
+mod messages;
 pub mod phase;
 mod recovery;
 mod reports;
@@ -32,241 +35,21 @@ mod storage;
 #[cfg(test)]
 mod tests;
 pub mod watchdog;
+mod worker_entry;
 mod workers;
 
 pub use job::Job;
-pub use launch::Launch;
+pub use messages::{Effect, Input, Launch, RankFiles, Registration, Reply, UploadFailure};
 pub use phase::{Outcome, Phase};
-pub use storage::UploadFailure;
-pub use workers::{StepTimes, WorkerEntry};
+pub use worker_entry::{StepTimes, WorkerEntry};
 
 use crate::CoordinatorError;
-use crate::persist::JobRecord;
-use crate::prepare_job::PreparedJob;
 use keel_proto::jobspec::JobSpec;
 use keel_proto::metrics::MetricsLine;
-use keel_proto::rpc::{
-    DoneReport, EvalReport, FailureReport, HeldReport, JobFile, JobStatus, StepReport, TrainingKey,
-    worker_command,
-};
+use keel_proto::rpc::{TrainingKey, worker_command};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Instant, SystemTime};
-
-/// What a worker said about itself at registration.
-#[derive(Debug, Clone, Default)]
-pub struct Registration {
-    /// host:port its ring peers reach it at (not empty).
-    pub advertise_addr: String,
-    /// Compute threads it runs.
-    pub threads: u32,
-    /// Whether it has native bf16 GEMMs that pay.
-    pub bf16_native: bool,
-    /// Its reason for `bf16_native`.
-    pub bf16_detail: String,
-    /// Its host name, for people.
-    pub hostname: String,
-    /// What it holds in memory: `(job, generation, step)`.
-    pub holds: Option<TrainingKey>,
-    /// Bytes of memory it can use (`None` from workers older than the field).
-    pub memory_limit: Option<u64>,
-}
-
-/// Each rank's files of a generation, as `(name, path, JobFile)`.
-pub type RankFiles = Vec<Vec<(String, PathBuf, JobFile)>>;
-
-/// Something that happened, with everything the machine needs to know about it.
-#[derive(Debug)]
-pub enum Input {
-    /// Time passed (the driver's timer, ~4 per second, and after every wake-up).
-    Tick,
-    /// A submission: reserve a job number for `spec` (its folder is then made by the caller).
-    /// Replies [`Reply::Reserved`]. Refused when no registered worker could hold the model.
-    Reserve {
-        /// The validated spec.
-        spec: JobSpec,
-    },
-    /// The reserved job's folder is ready: queue it.
-    Submitted {
-        /// `job-N`, from [`Reply::Reserved`].
-        id: String,
-        /// The validated spec.
-        spec: JobSpec,
-        /// Its folder (exists, holds `job.toml`).
-        dir: PathBuf,
-        /// Submission time, wall clock (saved).
-        wall: SystemTime,
-    },
-    /// The user cancels a job. Replies [`Reply::Status`].
-    Cancel {
-        /// `job-N`.
-        job_id: String,
-    },
-    /// A worker registers. Replies [`Reply::Registered`].
-    Register(Registration),
-    /// A worker's `Attach` stream opened (numbered `attach` by the driver).
-    Attached {
-        /// `w-N`.
-        worker_id: String,
-        /// The stream's number.
-        attach: u64,
-    },
-    /// A worker's `Attach` stream numbered `attach` closed.
-    Detached {
-        /// `w-N`.
-        worker_id: String,
-        /// The stream's number.
-        attach: u64,
-    },
-    /// A command could not be put on a worker's stream (full or closed).
-    Unreachable {
-        /// `w-N`.
-        worker_id: String,
-    },
-    /// A heartbeat. Replies [`Reply::Known`].
-    Heartbeat {
-        /// `w-N`.
-        worker_id: String,
-        /// The job, generation and step it is at, if any.
-        key: Option<TrainingKey>,
-        /// Its last step's times, once it has trained.
-        times: Option<StepTimes>,
-    },
-    /// A preparation the machine asked for ended.
-    Prepared {
-        /// `job-N`.
-        job_id: String,
-        /// The prepared job, or why it failed.
-        result: Result<Arc<PreparedJob>, String>,
-    },
-    /// The files of a generation the machine launched are built.
-    FilesBuilt {
-        /// `job-N`.
-        job_id: String,
-        /// The generation.
-        generation: u64,
-        /// Each rank's files, or why they could not be built.
-        result: Result<RankFiles, String>,
-    },
-    /// The newest intact stored checkpoint among those the machine asked about.
-    CheckpointsVerified {
-        /// `job-N`.
-        job_id: String,
-        /// The generation being formed.
-        generation: u64,
-        /// Its step, `None` when none is intact.
-        newest: Option<u64>,
-    },
-    /// Rank `rank` completed a step.
-    Step(StepReport),
-    /// An evaluation ended.
-    Eval(EvalReport),
-    /// A rank finished every step.
-    Done(DoneReport),
-    /// A rank's step failed.
-    Failure(FailureReport),
-    /// A worker answers `Suspend` with what it holds.
-    Held(HeldReport),
-    /// A checkpoint upload starts. Replies [`Reply::JobDir`].
-    UploadBegins(TrainingKey),
-    /// A chunk of a checkpoint upload arrived (progress).
-    UploadProgress(TrainingKey),
-    /// A checkpoint was stored in the job's folder.
-    CheckpointStored(TrainingKey),
-    /// A checkpoint upload failed after its key was accepted (no room, a broken stream).
-    UploadFailed(UploadFailure),
-    /// The driver could not write a job's record: it is due again.
-    SaveFailed {
-        /// `job-N`.
-        job_id: String,
-    },
-}
-
-/// The machine's answer to an input, for the caller (an RPC handler).
-#[derive(Debug, Clone, PartialEq)]
-pub enum Reply {
-    /// Nothing to say.
-    None,
-    /// A job number and folder reserved for a submission.
-    Reserved {
-        /// `job-N`.
-        id: String,
-        /// `DATA_DIR/jobs/job-N`.
-        dir: PathBuf,
-    },
-    /// The job's status now.
-    Status(Box<JobStatus>),
-    /// The id and timing of a registered worker.
-    Registered {
-        /// `w-N`.
-        worker_id: String,
-    },
-    /// Whether the worker is known (false: it must register again).
-    Known(bool),
-    /// The job's folder (an upload may proceed).
-    JobDir(PathBuf),
-}
-
-/// What the outside world must do, in this order.
-#[derive(Debug, Clone)]
-pub enum Effect {
-    /// Put a command on a worker's `Attach` stream (in memory; a failure comes back as
-    /// [`Input::Unreachable`]).
-    Send {
-        /// `w-N`.
-        worker_id: String,
-        /// The command.
-        command: worker_command::Command,
-    },
-    /// Show a job's new status to its watchers (in memory).
-    Publish(Box<JobStatus>),
-    /// Write a job's record (`JOB_DIR/job-state.json`, atomically); a failure comes back as
-    /// [`Input::SaveFailed`].
-    Save {
-        /// `job-N`.
-        job_id: String,
-        /// Its folder.
-        dir: PathBuf,
-        /// The record.
-        record: Box<JobRecord>,
-    },
-    /// Append one line to `JOB_DIR/metrics.jsonl`.
-    AppendMetrics {
-        /// The job's folder.
-        dir: PathBuf,
-        /// The line.
-        line: Box<MetricsLine>,
-    },
-    /// Prepare a job's data (blocking work); the result comes back as [`Input::Prepared`].
-    Prepare {
-        /// `job-N`.
-        job_id: String,
-        /// Its spec.
-        spec: Box<JobSpec>,
-        /// Its folder.
-        dir: PathBuf,
-    },
-    /// Build every rank's files of a generation; they come back as [`Input::FilesBuilt`].
-    BuildFiles(Box<Launch>),
-    /// Verify the stored checkpoints `steps` (newest last) and say which is the newest intact
-    /// one ([`Input::CheckpointsVerified`]).
-    VerifyCheckpoints {
-        /// `job-N`.
-        job_id: String,
-        /// The generation being formed.
-        generation: u64,
-        /// The job's folder.
-        dir: PathBuf,
-        /// Steps to check, increasing.
-        steps: Vec<u64>,
-    },
-    /// Remove old checkpoint folders (pruned by `train.keep_checkpoints`).
-    RemoveCheckpoints {
-        /// The folders.
-        dirs: Vec<PathBuf>,
-    },
-}
 
 /// Workers and jobs, and the effects not yet taken.
 #[derive(Debug, Default)]

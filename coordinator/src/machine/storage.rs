@@ -6,27 +6,10 @@
 //! counts as progress for the watchdog.
 
 use super::phase::Phase;
-use super::{Machine, Reply};
+use super::{Machine, Reply, UploadFailure};
 use keel_proto::memory::format_bytes;
 use keel_proto::metrics::{CheckpointFailedEvent, EventLine, MetricsLine};
-use keel_proto::rpc::TrainingKey;
-use std::path::PathBuf;
 use std::time::Instant;
-
-/// A checkpoint upload that failed after the coordinator accepted its key.
-#[derive(Debug, Clone, PartialEq)]
-pub struct UploadFailure {
-    /// The upload's key (job, generation, the checkpoint's step).
-    pub key: TrainingKey,
-    /// The folder it was to be stored in (`JOB_DIR/checkpoints`).
-    pub path: PathBuf,
-    /// Bytes it needs, when the folder had no room for it.
-    pub needed_bytes: Option<u64>,
-    /// Bytes that were free there, when the folder had no room for it.
-    pub free_bytes: Option<u64>,
-    /// Why, as the worker was told.
-    pub error: String,
-}
 
 /// What the job's status says about a failed upload: the folder and the space, and for the
 /// final checkpoint that the job waits.

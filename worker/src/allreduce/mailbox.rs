@@ -33,6 +33,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 use super::bf16_wire::element_bytes;
 use super::error::{AllReduceError, FrameRejected};
 use super::expect::{FrameSchedule, RingShape};
+use admit::{AdmissionState, AheadKey, EARLY_STEPS, LATE_STEPS, MembershipView, SlotKey, SlotView};
 
 /// Largest accepted frame payload, bytes (tonic's default message limit is 4 MiB in total).
 pub const MAX_FRAME_BYTES: usize = 4 << 20;
@@ -44,17 +45,6 @@ pub const DEFAULT_CAPACITY_BYTES: usize = 256 << 20;
 
 /// How many finished (generation, step, bucket) keys are remembered, to refuse late frames.
 const FINISHED_MEMORY: usize = 4096;
-
-/// Steps behind the newest local all-reduce for which a frame may still start a slot (and a
-/// slot held ahead is kept). Every all-reduce of step `s` ends before any of step `s + 1`
-/// starts, so a frame for a step further behind with no running all-reduce names a bucket that
-/// does not exist (or came very late): refused, and what is held for it dropped.
-const LATE_STEPS: u64 = 1;
-
-/// Steps ahead of the newest local all-reduce for which a frame may be held: the left neighbour
-/// cannot finish an all-reduce without this worker's share, so while this worker is at step `s`
-/// the left one can have finished step `s` at most and be running step `s + 1`.
-const EARLY_STEPS: u64 = 1;
 
 /// Receives frames from the left neighbour and routes them to waiting all-reduces.
 ///
@@ -107,31 +97,6 @@ struct Membership {
     shape: RingShape,
 }
 
-/// Identifies one all-reduce within the current job.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct SlotKey {
-    /// Membership generation.
-    generation: u64,
-    /// Training step.
-    step: u64,
-    /// Gradient bucket.
-    bucket: u32,
-}
-
-/// One all-reduce not started here, and the shape its frames were sent for: the buffer
-/// length (elements), the wire dtype and the collective.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct AheadKey {
-    /// The all-reduce.
-    key: SlotKey,
-    /// Sender's buffer length, elements.
-    total_len: u64,
-    /// How the elements travel.
-    dtype: WireDtype,
-    /// The collective the sender runs.
-    collective: Collective,
-}
-
 /// The frames of one all-reduce.
 struct Slot {
     /// Where `deliver` puts frames (unbounded: the plan and the byte budgets bound it).
@@ -155,6 +120,40 @@ impl Slot {
             schedule,
             seen: HashSet::new(),
         }
+    }
+
+    /// What the admission rules read of it.
+    fn view(&self) -> SlotView<'_> {
+        SlotView {
+            schedule: &self.schedule,
+            seen: &self.seen,
+        }
+    }
+}
+
+impl AdmissionState for State {
+    fn membership(&self) -> Option<MembershipView<'_>> {
+        self.membership.as_ref().map(|m| MembershipView {
+            job_id: &m.job_id,
+            generation: m.generation,
+            shape: m.shape,
+        })
+    }
+
+    fn is_finished(&self, key: &SlotKey) -> bool {
+        self.finished.contains(key)
+    }
+
+    fn running(&self, key: &SlotKey) -> Option<SlotView<'_>> {
+        self.slots.get(key).map(Slot::view)
+    }
+
+    fn held_ahead(&self, key: &AheadKey) -> Option<SlotView<'_>> {
+        self.ahead.get(key).map(Slot::view)
+    }
+
+    fn newest_step(&self) -> Option<u64> {
+        self.newest_step
     }
 }
 
@@ -337,7 +336,7 @@ impl Mailbox {
             // Registered before looking, so a start between the look and the wait is not missed.
             let mut changed = pin!(self.changed.notified());
             changed.as_mut().enable();
-            let ahead = admit::admit(&self.lock(), &frame, elems, dtype, collective)?.ahead;
+            let ahead = admit::admit(&*self.lock(), &frame, elems, dtype, collective)?.ahead;
             // Wait for room without holding the lock; a sender that gives up drops this future.
             let budget = if ahead { &self.ahead } else { &self.budget };
             tokio::select! {
@@ -350,7 +349,7 @@ impl Mailbox {
         };
         let mut st = self.lock();
         // Membership, the all-reduce or its frames may have moved on while we waited.
-        let admission = admit::admit(&st, &frame, elems, dtype, collective)?;
+        let admission = admit::admit(&*st, &frame, elems, dtype, collective)?;
         let slot = if admission.ahead {
             let held = AheadKey {
                 key: admission.key,
@@ -527,6 +526,7 @@ impl Drop for Inbox {
     }
 }
 
+// The admission rules, a pure function of what `State` shows them (`admit::AdmissionState`).
 #[path = "mailbox_admit.rs"]
 mod admit;
 

@@ -1,12 +1,84 @@
 //! The mailbox's admission check: whether a frame from the left neighbour may be taken, and
-//! where it goes. A pure function of the mailbox's state under its lock (`super::Mailbox::deliver`
-//! calls it before waiting for room and again after).
+//! where it goes. A pure function of what the mailbox's state shows it under its lock
+//! ([`AdmissionState`]; `super::Mailbox::deliver` calls it before waiting for room and again
+//! after), with the keys and step window it decides by. It names nothing of the mailbox: the
+//! mailbox implements [`AdmissionState`] for its state.
+
+use std::collections::HashSet;
 
 use keel_proto::ring_rpc::{Collective, RingFrame, WireDtype};
 
-use super::{AheadKey, EARLY_STEPS, LATE_STEPS, SlotKey, State};
 use crate::allreduce::error::FrameRejected;
-use crate::allreduce::expect::{FrameSchedule, PlannedFrame};
+use crate::allreduce::expect::{FrameSchedule, PlannedFrame, RingShape};
+
+/// Steps behind the newest local all-reduce for which a frame may still start a slot (and a
+/// slot held ahead is kept). Every all-reduce of step `s` ends before any of step `s + 1`
+/// starts, so a frame for a step further behind with no running all-reduce names a bucket that
+/// does not exist (or came very late): refused, and what is held for it dropped.
+pub(super) const LATE_STEPS: u64 = 1;
+
+/// Steps ahead of the newest local all-reduce for which a frame may be held: the left neighbour
+/// cannot finish an all-reduce without this worker's share, so while this worker is at step `s`
+/// the left one can have finished step `s` at most and be running step `s + 1`.
+pub(super) const EARLY_STEPS: u64 = 1;
+
+/// Identifies one all-reduce within the current job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct SlotKey {
+    /// Membership generation.
+    pub(super) generation: u64,
+    /// Training step.
+    pub(super) step: u64,
+    /// Gradient bucket.
+    pub(super) bucket: u32,
+}
+
+/// One all-reduce not started here, and the shape its frames were sent for: the buffer
+/// length (elements), the wire dtype and the collective.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct AheadKey {
+    /// The all-reduce.
+    pub(super) key: SlotKey,
+    /// Sender's buffer length, elements.
+    pub(super) total_len: u64,
+    /// How the elements travel.
+    pub(super) dtype: WireDtype,
+    /// The collective the sender runs.
+    pub(super) collective: Collective,
+}
+
+/// The ring the mailbox serves, as the admission sees it.
+pub(super) struct MembershipView<'a> {
+    /// Job id from the coordinator.
+    pub(super) job_id: &'a str,
+    /// Membership generation.
+    pub(super) generation: u64,
+    /// This worker's place in the ring, for the receive plans.
+    pub(super) shape: RingShape,
+}
+
+/// One all-reduce's frames, as the admission sees them.
+#[derive(Clone, Copy)]
+pub(super) struct SlotView<'a> {
+    /// The frames expected.
+    pub(super) schedule: &'a FrameSchedule,
+    /// Planned frames accepted so far (their [`PlannedFrame::index`]).
+    pub(super) seen: &'a HashSet<usize>,
+}
+
+/// What the admission reads of the mailbox's state.
+pub(super) trait AdmissionState {
+    /// The ring served now; `None` before the first.
+    fn membership(&self) -> Option<MembershipView<'_>>;
+    /// Whether the all-reduce finished (or failed) here.
+    fn is_finished(&self, key: &SlotKey) -> bool;
+    /// The all-reduce's frames, when it runs here.
+    fn running(&self, key: &SlotKey) -> Option<SlotView<'_>>;
+    /// Frames held ahead for an all-reduce not started here, of that shape.
+    fn held_ahead(&self, key: &AheadKey) -> Option<SlotView<'_>>;
+    /// The newest step of an all-reduce started here in the current membership.
+    fn newest_step(&self) -> Option<u64>;
+}
 
 /// Where an admitted frame goes.
 pub(super) struct Admission {
@@ -25,28 +97,25 @@ pub(super) struct Admission {
 /// generation), its all-reduce's state, and that it is a planned frame not accepted before.
 /// Changes nothing.
 pub(super) fn admit(
-    st: &State,
+    st: &impl AdmissionState,
     frame: &RingFrame,
     elems: usize,
     dtype: WireDtype,
     collective: Collective,
 ) -> Result<Admission, FrameRejected> {
-    let m = st
-        .membership
-        .as_ref()
-        .ok_or_else(|| FrameRejected::NotJoined {
-            job_id: frame.job_id.clone(),
-            generation: frame.generation,
-        })?;
+    let m = st.membership().ok_or_else(|| FrameRejected::NotJoined {
+        job_id: frame.job_id.clone(),
+        generation: frame.generation,
+    })?;
     if m.job_id != frame.job_id {
         return Err(FrameRejected::WrongJob {
-            ours: m.job_id.clone(),
+            ours: m.job_id.to_string(),
             got: frame.job_id.clone(),
         });
     }
     if frame.generation < m.generation {
         return Err(FrameRejected::StaleGeneration {
-            job_id: m.job_id.clone(),
+            job_id: m.job_id.to_string(),
             got: frame.generation,
             current: m.generation,
         });
@@ -63,7 +132,7 @@ pub(super) fn admit(
         step,
         bucket,
     };
-    if st.finished.contains(&key) {
+    if st.is_finished(&key) {
         return Err(FrameRejected::Finished { step, bucket });
     }
     let unplanned = |reason: String| FrameRejected::Unplanned {
@@ -72,18 +141,18 @@ pub(super) fn admit(
         reason,
     };
     // A running all-reduce checks the frame against its own shape; before it starts, frames
-    // are held by the shape they were sent for (`super::AheadKey`), so none is refused here
+    // are held by the shape they were sent for ([`AheadKey`]), so none is refused here
     // for disagreeing with another frame.
-    let running = st.slots.get(&key);
+    let running = st.running(&key);
     let existing = running.or_else(|| {
-        st.ahead.get(&AheadKey {
+        st.held_ahead(&AheadKey {
             key,
             total_len: frame.total_len,
             dtype,
             collective,
         })
     });
-    let new_slot = match running {
+    let new_slot = match &running {
         Some(slot) => {
             if slot.schedule.len() as u64 != frame.total_len {
                 return Err(FrameRejected::LengthMismatch {
@@ -113,7 +182,7 @@ pub(super) fn admit(
         }
         None if existing.is_some() => None,
         None => {
-            if let Some(newest) = st.newest_step
+            if let Some(newest) = st.newest_step()
                 && (step.saturating_add(LATE_STEPS) < newest
                     || step > newest.saturating_add(EARLY_STEPS))
             {
@@ -130,7 +199,7 @@ pub(super) fn admit(
         }
     };
     let (schedule, ahead) = match (existing, &new_slot) {
-        (Some(slot), _) => (&slot.schedule, running.is_none()),
+        (Some(slot), _) => (slot.schedule, running.is_none()),
         (None, Some(schedule)) => (schedule, true),
         (None, None) => return Err(FrameRejected::Malformed("no plan".to_string())),
     };
@@ -145,7 +214,10 @@ pub(super) fn admit(
             schedule.early_steps_end()
         )));
     }
-    if existing.is_some_and(|s| s.seen.contains(&planned.index)) {
+    if existing
+        .as_ref()
+        .is_some_and(|s| s.seen.contains(&planned.index))
+    {
         return Err(FrameRejected::Duplicate {
             step,
             bucket,

@@ -17,8 +17,8 @@ mod state;
 pub use config::Config;
 
 use crate::allreduce::{Mailbox, RingDataPlane, ring_service, tune_server};
-use crate::client::coordinator_client;
 use crate::faults::Faults;
+use keel_net::client::coordinator_client;
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -212,7 +212,9 @@ pub async fn run(
             let _ = server_stop.wait_for(|s| *s).await;
         });
     let server = tokio::spawn(server);
-    let client = coordinator_client(&config.coordinator, &config.client_security)?;
+    // A malformed address is the same `TransferError::Connect` it always was.
+    let client = coordinator_client(&config.coordinator, &config.client_security)
+        .map_err(crate::client::TransferError::from)?;
     let sessions = tokio::spawn(session::sessions(config, client, mailbox, stop_rx.clone()));
     shutdown.await;
     keel_net::admin::mark_not_serving(&health_reporter).await;

@@ -12,7 +12,11 @@ use crate::machine::phase::{Outcome, Phase, Stage};
 use crate::machine::*;
 use crate::persist::Restored;
 use crate::persist::{FORMAT_VERSION, LastMetrics};
-use keel_proto::rpc::{JobState, StartJob, StateSource};
+use crate::prepare_job::PreparedJob;
+use keel_proto::rpc::{
+    DoneReport, FailureReport, HeldReport, JobState, StartJob, StateSource, StepReport,
+};
+use std::sync::Arc;
 use std::time::Duration;
 /// The spec of a test job, with `[cluster]` lines `cluster` (`max_workers` 8 unless given).
 pub(super) fn spec(cluster: &str) -> JobSpec {
