@@ -42,6 +42,7 @@ pub mod data;
 pub mod io_runtime;
 pub mod job;
 pub mod model;
+mod model_thread;
 pub mod optim;
 pub mod optim_state;
 pub mod replica;

@@ -14,10 +14,13 @@ use ndarray::Array2;
 use keel_proto::config::BertConfig;
 use keel_proto::params::{Heads, ParamLayout};
 
+use super::attention::AttentionScratch;
+use super::bf16_shared::{Flat, round_once};
 use super::dropout::DropoutKey;
 use super::element::grow;
 use super::embeddings::{Embeddings, EmbeddingsCache, TokenInputs};
 use super::encoder_layer::{EncoderLayer, LayerCache, LayerInputs, LayerScratch};
+use super::gemms::Gemms;
 use super::lookup_grads::LookupGrads;
 use super::loss::cross_entropy;
 use super::mlm_head::{MlmCache, MlmHead};
@@ -46,8 +49,13 @@ pub struct Bert<A: Element> {
     /// Gradient ranges in the order backward finishes them (see `forward_backward`).
     ready: ReadyRanges,
     state: State<A>,
-    /// Precision of every GEMM of forward and backward (fp32 unless set).
-    precision: Precision,
+    /// How every GEMM of forward and backward runs: made from the precision (fp32 unless set)
+    /// here, once, and passed to each layer call (no state of the thread decides it).
+    gemms: Gemms,
+    /// The parameters' bf16 copy `[total_len]`, rounded once per training step on the native
+    /// bf16 route for every GEMM that reads a weight (forward and backward); empty elsewhere.
+    /// Reused from step to step.
+    params16: Vec<u16>,
     /// Training and evaluation leave padding rows out, the rest rounded up to a multiple of
     /// this many rows (`super::packing`); `None`: every padded row.
     unpad: Option<usize>,
@@ -76,8 +84,8 @@ struct State<A> {
     scratch: LayerScratch<A>,
     /// `[n, c]` scratch.
     tmp: Vec<A>,
-    /// `t * t` scratch.
-    attn: Vec<A>,
+    /// Attention's forward scratch (`t * t` a thread, more on the batched route).
+    attn: AttentionScratch<A>,
     /// Gradient w.r.t. the hidden states, `[n, c]` x 2 (ping-pong through the layers).
     dhidden: [Vec<A>; 2],
     mlm: MlmCache<A>,
@@ -154,7 +162,8 @@ impl<A: Element> Bert<A> {
             layers,
             ready,
             state,
-            precision: Precision::Fp32,
+            gemms: Gemms::FP32,
+            params16: Vec::new(),
             unpad: Some(super::packing::DEFAULT_ROW_MULTIPLE),
         })
     }
@@ -162,12 +171,19 @@ impl<A: Element> Bert<A> {
     /// Sets the precision of every GEMM of forward and backward (`super::bf16`): fp32, or bf16
     /// inputs with fp32 accumulation. Everything else stays fp32 (or f64) either way.
     pub fn set_precision(&mut self, precision: Precision) {
-        self.precision = precision;
+        self.gemms = Gemms::new::<A>(precision);
+    }
+
+    /// Keeps no bf16 copy between GEMMs (each rounds its operands itself): the reference the
+    /// kept copies are checked against. Undone by [`Bert::set_precision`].
+    #[cfg(test)]
+    pub(crate) fn keep_no_bf16_copies(&mut self) {
+        self.gemms = self.gemms.keeping_nothing();
     }
 
     /// The precision set by [`Bert::set_precision`] (fp32 by default).
     pub fn precision(&self) -> Precision {
-        self.precision
+        self.gemms.precision()
     }
 
     /// Whether [`Bert::forward_backward`] and [`Bert::forward_loss`] compute only the real
@@ -220,7 +236,7 @@ impl<A: Element> Bert<A> {
     /// `state.hidden[0..=L]`, `[n, c]` each.
     fn encode(
         &mut self,
-        params: &[A],
+        params: Flat<'_, A>,
         tok: &Tokens<'_>,
         dropout: Option<(DropoutKey, &[u64])>,
         masked: &[usize],
@@ -240,13 +256,14 @@ impl<A: Element> Bert<A> {
         let sum = grow(&mut st.tmp, n * c);
         let h0 = grow(&mut st.hidden[0], n * c);
         self.embeddings
-            .forward(h0, &mut st.emb, sum, &inputs, params);
+            .forward(h0, &mut st.emb, sum, &inputs, params.f32);
         let layer_inputs = LayerInputs {
             b: tok.b,
             t: tok.t,
             mask: tok.mask,
             dropout,
             packing: &st.packing,
+            gemms: self.gemms,
         };
         for (l, layer) in self.layers.iter().enumerate() {
             let (before, after) = st.hidden.split_at_mut(l + 1);
@@ -338,23 +355,42 @@ impl<A: Element> Bert<A> {
         &mut self,
         params: &[A],
         grads: &mut [A],
-        mut lookup: Option<&mut LookupGrads<A>>,
+        lookup: Option<&mut LookupGrads<A>>,
         batch: &Batch,
         opts: &StepOptions<A>,
         on_grad_ready: &mut dyn FnMut(Range<usize>, &[A]),
     ) -> Result<LossSums<A>, ModelError> {
-        let _precision = super::bf16::enter(self.precision);
         self.check_buffer("params", params.len())?;
         self.check_buffer("grads", grads.len())?;
-        // Every weight feeds a GEMM in forward and another in backward: round them once.
-        let _params16 = super::bf16_shared::share(params);
         self.check_batch(batch, opts.dropout.is_some())?;
         let tok = self.tokens(batch)?;
         if let Some(lookup) = lookup.as_deref() {
             lookup.check(tok.ids, self.config.hidden_size)?;
         }
+        // Every weight feeds a GEMM in forward and another in backward: round them once (the
+        // buffer is taken out of `self` for the step, so the layers can borrow both).
+        let mut params16 = std::mem::take(&mut self.params16);
+        let params_both = round_once(self.gemms, params, &mut params16);
+        let sums = self.step_checked(params_both, grads, lookup, batch, opts, &tok, on_grad_ready);
+        self.params16 = params16;
+        Ok(sums)
+    }
+
+    /// [`Bert::step`] after its checks: `params` with its bf16 copy on the native route.
+    #[allow(clippy::too_many_arguments)]
+    fn step_checked(
+        &mut self,
+        params: Flat<'_, A>,
+        grads: &mut [A],
+        mut lookup: Option<&mut LookupGrads<A>>,
+        batch: &Batch,
+        opts: &StepOptions<A>,
+        tok: &Tokens<'_>,
+        on_grad_ready: &mut dyn FnMut(Range<usize>, &[A]),
+    ) -> LossSums<A> {
         let dropout = opts.dropout.map(|key| (key, batch.sample_ids.as_slice()));
-        self.encode(params, &tok, dropout, &batch.masked_positions, self.unpad);
+        self.encode(params, tok, dropout, &batch.masked_positions, self.unpad);
+        let g = self.gemms;
 
         let (b, t) = (tok.b, tok.t);
         let (n, c, v) = (
@@ -378,7 +414,7 @@ impl<A: Element> Bert<A> {
         let m = positions.len();
         if m > 0 {
             self.mlm
-                .forward(&mut st.mlm, &st.hidden[num_layers], positions, params);
+                .forward(g, &mut st.mlm, &st.hidden[num_layers], positions, params);
             let ce = cross_entropy(
                 &mut st.mlm.logits[..m * v],
                 &batch.masked_labels,
@@ -388,17 +424,18 @@ impl<A: Element> Bert<A> {
             sums.mlm_loss_sum = ce.loss_sum;
             sums.mlm_count = m;
             sums.mlm_correct = ce.correct;
-            self.mlm.backward(dh, &mut st.mlm, positions, params, grads);
+            self.mlm
+                .backward(g, dh, &mut st.mlm, positions, params, grads);
         }
         // NSP head on [CLS].
         if let (Some(nsp), Some(labels)) = (&self.nsp, &batch.next_sentence_labels) {
             let cls = st.packing.firsts();
-            nsp.forward(&mut st.nsp, &st.hidden[num_layers], cls, params);
+            nsp.forward(g, &mut st.nsp, &st.hidden[num_layers], cls, params);
             let ce = cross_entropy(&mut st.nsp.logits[..b * 2], labels, 2, Some(opts.nsp_scale));
             sums.nsp_loss_sum = ce.loss_sum;
             sums.nsp_count = b;
             sums.nsp_correct = ce.correct;
-            nsp.backward(dh, &mut st.nsp, cls, params, grads);
+            nsp.backward(g, dh, &mut st.nsp, cls, params, grads);
         }
         report(self.ready.heads.clone(), grads);
         if lookup.is_some() {
@@ -412,6 +449,7 @@ impl<A: Element> Bert<A> {
             mask: tok.mask,
             dropout,
             packing: &st.packing,
+            gemms: g,
         };
         for l in (0..num_layers).rev() {
             let [dy, dx] = &mut st.dhidden;
@@ -443,7 +481,7 @@ impl<A: Element> Bert<A> {
             dsum,
             &st.emb,
             &inputs,
-            params,
+            params.f32,
             grads,
             lookup.as_deref_mut(),
         );
@@ -453,17 +491,19 @@ impl<A: Element> Bert<A> {
             self.ready.embeddings.clone()
         };
         report(rest, grads);
-        Ok(sums)
+        sums
     }
 
     /// Eval-mode losses (no dropout, no gradients).
     ///
     /// Errors: as [`Bert::forward_backward`].
     pub fn forward_loss(&mut self, params: &[A], batch: &Batch) -> Result<LossSums<A>, ModelError> {
-        let _precision = super::bf16::enter(self.precision);
         self.check_buffer("params", params.len())?;
         self.check_batch(batch, false)?;
         let tok = self.tokens(batch)?;
+        // Each weight is read once here: its GEMM rounds it (no copy made up front).
+        let params = Flat::plain(params);
+        let g = self.gemms;
         self.encode(params, &tok, None, &batch.masked_positions, self.unpad);
         let (b, v) = (tok.b, self.config.vocab_size);
         let last = self.layers.len();
@@ -472,6 +512,7 @@ impl<A: Element> Bert<A> {
         let m = batch.masked_positions.len();
         if m > 0 {
             self.mlm.forward(
+                g,
                 &mut st.mlm,
                 &st.hidden[last],
                 st.packing.positions(),
@@ -483,7 +524,13 @@ impl<A: Element> Bert<A> {
             sums.mlm_correct = ce.correct;
         }
         if let (Some(nsp), Some(labels)) = (&self.nsp, &batch.next_sentence_labels) {
-            nsp.forward(&mut st.nsp, &st.hidden[last], st.packing.firsts(), params);
+            nsp.forward(
+                g,
+                &mut st.nsp,
+                &st.hidden[last],
+                st.packing.firsts(),
+                params,
+            );
             let ce = cross_entropy(&mut st.nsp.logits[..b * 2], labels, 2, None);
             sums.nsp_loss_sum = ce.loss_sum;
             sums.nsp_count = b;
@@ -504,8 +551,8 @@ impl<A: Element> Bert<A> {
         token_type_ids: &[u32],
         positions: &[usize],
     ) -> Result<Array2<A>, ModelError> {
-        let _precision = super::bf16::enter(self.precision);
         self.check_buffer("params", params.len())?;
+        let params = Flat::plain(params);
         let t = input_ids.len();
         let mask = vec![1u8; t];
         self.check_tokens(input_ids, token_type_ids, &mask, 1, t)?;
@@ -531,13 +578,14 @@ impl<A: Element> Bert<A> {
     }
 
     /// MLM logits `[m, v]` at `positions` of the last `encode`d batch (positions checked).
-    fn head_logits(&mut self, params: &[A], positions: &[usize]) -> Array2<A> {
+    fn head_logits(&mut self, params: Flat<'_, A>, positions: &[usize]) -> Array2<A> {
         let (m, v) = (positions.len(), self.config.vocab_size);
         if m == 0 {
             return Array2::zeros((0, v));
         }
         let st = &mut self.state;
         self.mlm.forward(
+            self.gemms,
             &mut st.mlm,
             &st.hidden[self.layers.len()],
             positions,
@@ -555,8 +603,8 @@ impl<A: Element> Bert<A> {
         params: &[A],
         batch: &Batch,
     ) -> Result<ForwardOutputs<A>, ModelError> {
-        let _precision = super::bf16::enter(self.precision);
         self.check_buffer("params", params.len())?;
+        let params = Flat::plain(params);
         let tok = self.tokens(batch)?;
         // Every row, padding too: HF returns them all.
         self.encode(params, &tok, None, &[], None);
@@ -572,7 +620,14 @@ impl<A: Element> Bert<A> {
         let seq_relationship_logits = match &self.nsp {
             Some(nsp) => {
                 let st = &mut self.state;
-                nsp.forward(&mut st.nsp, &st.hidden[last], st.packing.firsts(), params);
+                let g = self.gemms;
+                nsp.forward(
+                    g,
+                    &mut st.nsp,
+                    &st.hidden[last],
+                    st.packing.firsts(),
+                    params,
+                );
                 Some(
                     Array2::from_shape_vec((b, 2), self.state.nsp.logits[..b * 2].to_vec())
                         .expect("b * 2 logits"),

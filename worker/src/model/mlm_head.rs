@@ -12,8 +12,10 @@ use keel_proto::params::ParamLayout;
 
 use super::Element;
 use super::activation;
+use super::bf16_shared::{Flat, round_once};
 use super::element::grow;
-use super::gemm::{gemm, gemm_bias, mat, mat_mut};
+use super::gemm::{GemmSite, gemm, gemm_bias, mat, mat_mut};
+use super::gemms::Gemms;
 use super::layernorm::LayerNorm;
 use super::linear::{Linear, find};
 
@@ -50,6 +52,10 @@ pub(crate) struct MlmCache<A> {
     /// Backward scratch `[m, c]` x 2.
     pub d1: Vec<A>,
     pub d2: Vec<A>,
+    /// bf16 copy of `d logits` `[m, v]` for both decoder GEMMs (native bf16 only).
+    pub dlogits16: Vec<u16>,
+    /// bf16 copy of the transform's `dy` `[m, c]` for both of its GEMMs (native bf16 only).
+    pub dy16: Vec<u16>,
 }
 
 impl<A> MlmCache<A> {
@@ -68,14 +74,20 @@ impl<A> MlmCache<A> {
         ]
         .into_iter()
         .map(super::element::held)
-        .sum()
+        .sum::<usize>()
+            + super::element::held(&self.dlogits16)
+            + super::element::held(&self.dy16)
     }
 }
 
 impl MlmHead {
     pub fn new(config: &BertConfig, layout: &ParamLayout) -> MlmHead {
         MlmHead {
-            dense: Linear::new(layout, "cls.predictions.transform.dense"),
+            dense: Linear::new(
+                layout,
+                "cls.predictions.transform.dense",
+                GemmSite::MlmTransform,
+            ),
             ln: LayerNorm::new(
                 layout,
                 "cls.predictions.transform.LayerNorm",
@@ -89,13 +101,16 @@ impl MlmHead {
         }
     }
 
-    /// Fills `cache.logits[..m * v]` from `hidden` `[n, c]` at flat `positions` `[m]`.
+    /// Fills `cache.logits[..m * v]` from `hidden` `[n, c]` at flat `positions` `[m]`, GEMMs
+    /// on the route `gemms` says; `params` the flat parameters (with their bf16 copy on the
+    /// native route).
     pub fn forward<A: Element>(
         &self,
+        gemms: Gemms,
         cache: &mut MlmCache<A>,
         hidden: &[A],
         positions: &[usize],
-        params: &[A],
+        params: Flat<'_, A>,
     ) {
         let (m, c, v) = (positions.len(), self.c, self.vocab);
         let x = grow(&mut cache.x, m * c);
@@ -103,20 +118,23 @@ impl MlmHead {
             row.copy_from_slice(&hidden[p * c..(p + 1) * c]);
         }
         let pre = grow(&mut cache.pre, m * c);
-        self.dense.forward(pre, &cache.x[..m * c], params, m);
+        let x = Flat::plain(&cache.x[..m * c]);
+        self.dense.forward(gemms, pre, x, params, m);
         let act = grow(&mut cache.act, m * c);
         activation::forward(self.act, act, &cache.pre[..m * c]);
         let z = grow(&mut cache.z, m * c);
         let xhat = grow(&mut cache.xhat, m * c);
         let rstd = grow(&mut cache.rstd, m);
         self.ln
-            .forward(z, xhat, rstd, &cache.act[..m * c], None, params, m);
+            .forward(z, xhat, rstd, &cache.act[..m * c], None, params.f32, m);
         let logits = grow(&mut cache.logits, m * v);
-        let bias = &params[self.bias..self.bias + v];
-        let e = mat(&params[self.word..], v, c);
+        let bias = &params.f32[self.bias..self.bias + v];
+        let e = params.mat(self.word, v, c);
         gemm_bias(
-            &mat(&cache.z, m, c),
-            &e.t(),
+            gemms,
+            GemmSite::Decoder,
+            mat(&cache.z, m, c).into(),
+            e.t(),
             bias,
             &mut mat_mut(logits, m, v),
         );
@@ -127,30 +145,34 @@ impl MlmHead {
     /// `dhidden` `[n, c]` at `positions`.
     pub fn backward<A: Element>(
         &self,
+        gemms: Gemms,
         dhidden: &mut [A],
         cache: &mut MlmCache<A>,
         positions: &[usize],
-        params: &[A],
+        params: Flat<'_, A>,
         grads: &mut [A],
     ) {
         let (m, c, v) = (positions.len(), self.c, self.vocab);
         let dlogits = &cache.logits[..m * v];
         super::linear::bias_gradient(&mut grads[self.bias..self.bias + v], dlogits, m);
         // `d logits` feeds both GEMMs: round it once.
-        let _dlogits16 = super::bf16_shared::share(dlogits);
-        let dlogits = mat(dlogits, m, v);
+        let dlogits = round_once(gemms, dlogits, &mut cache.dlogits16).mat(0, m, v);
         gemm(
+            gemms,
+            GemmSite::Decoder,
             A::one(),
-            &dlogits.t(),
-            &mat(&cache.z, m, c),
+            dlogits.t(),
+            mat(&cache.z, m, c).into(),
             A::one(),
             &mut mat_mut(&mut grads[self.word..self.word + v * c], v, c),
         );
         let dz = grow(&mut cache.d1, m * c);
         gemm(
+            gemms,
+            GemmSite::Decoder,
             A::one(),
-            &dlogits,
-            &mat(&params[self.word..], v, c),
+            dlogits,
+            params.mat(self.word, v, c),
             A::zero(),
             &mut mat_mut(dz, m, c),
         );
@@ -160,19 +182,21 @@ impl MlmHead {
             &cache.d1[..m * c],
             &cache.xhat,
             &cache.rstd,
-            params,
+            params.f32,
             grads,
             m,
         );
         activation::backward(self.act, dact, &cache.pre[..m * c]);
         let dx = grow(&mut cache.d1, m * c);
         self.dense.backward(
+            gemms,
             Some((&mut *dx, false)),
             &cache.d2[..m * c],
-            &cache.x,
+            Flat::plain(&cache.x),
             params,
             grads,
             m,
+            &mut cache.dy16,
         );
         for (row, &p) in cache.d1[..m * c].chunks_exact(c).zip(positions) {
             for (g, &d) in dhidden[p * c..(p + 1) * c].iter_mut().zip(row) {

@@ -46,6 +46,8 @@ mod embeddings;
 mod encoder_layer;
 pub mod gemm;
 mod gemm_ksplit;
+mod gemm_split;
+mod gemms;
 #[cfg(test)]
 mod gradcheck;
 mod init;

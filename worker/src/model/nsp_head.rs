@@ -11,7 +11,10 @@ use keel_proto::params::ParamLayout;
 
 use super::Element;
 use super::activation::{tanh_backward, tanh_forward};
+use super::bf16_shared::Flat;
 use super::element::grow;
+use super::gemm::GemmSite;
+use super::gemms::Gemms;
 use super::linear::Linear;
 
 /// Offsets of the pooler and classifier.
@@ -34,23 +37,26 @@ pub(crate) struct NspCache<A> {
     pub logits: Vec<A>,
     /// Backward scratch `[b, c]`.
     pub d: Vec<A>,
+    /// bf16 copy of a Linear's `dy` for both of its GEMMs (native bf16 only).
+    pub dy16: Vec<u16>,
 }
 
 impl NspHead {
     pub fn new(layout: &ParamLayout) -> NspHead {
         NspHead {
-            pooler: Linear::new(layout, "bert.pooler.dense"),
-            classifier: Linear::new(layout, "cls.seq_relationship"),
+            pooler: Linear::new(layout, "bert.pooler.dense", GemmSite::Nsp),
+            classifier: Linear::new(layout, "cls.seq_relationship", GemmSite::Nsp),
         }
     }
 
     /// Fills `cache.logits[..b * 2]` from `hidden` `[n, c]`, whose `[CLS]` rows are `cls` `[b]`.
     pub fn forward<A: Element>(
         &self,
+        gemms: Gemms,
         cache: &mut NspCache<A>,
         hidden: &[A],
         cls: &[usize],
-        params: &[A],
+        params: Flat<'_, A>,
     ) {
         let (b, c) = (cls.len(), self.pooler.inp);
         let x = grow(&mut cache.x, b * c);
@@ -58,43 +64,49 @@ impl NspHead {
             row.copy_from_slice(&hidden[r * c..(r + 1) * c]);
         }
         let pre = grow(&mut cache.pre, b * c);
-        self.pooler.forward(pre, &cache.x[..b * c], params, b);
+        let x = Flat::plain(&cache.x[..b * c]);
+        self.pooler.forward(gemms, pre, x, params, b);
         let pooled = grow(&mut cache.pooled, b * c);
         tanh_forward(pooled, &cache.pre[..b * c]);
         let logits = grow(&mut cache.logits, b * 2);
-        self.classifier
-            .forward(logits, &cache.pooled[..b * c], params, b);
+        let pooled = Flat::plain(&cache.pooled[..b * c]);
+        self.classifier.forward(gemms, logits, pooled, params, b);
     }
 
     /// Given `cache.logits` holding `d loss / d logits`: accumulates the head's gradients and
     /// adds `d loss / d hidden` into the `[CLS]` rows `cls` `[b]` of `dhidden` `[n, c]`.
     pub fn backward<A: Element>(
         &self,
+        gemms: Gemms,
         dhidden: &mut [A],
         cache: &mut NspCache<A>,
         cls: &[usize],
-        params: &[A],
+        params: Flat<'_, A>,
         grads: &mut [A],
     ) {
         let (b, c) = (cls.len(), self.pooler.inp);
         let dpooled = grow(&mut cache.d, b * c);
         self.classifier.backward(
+            gemms,
             Some((&mut *dpooled, false)),
             &cache.logits[..b * 2],
-            &cache.pooled,
+            Flat::plain(&cache.pooled),
             params,
             grads,
             b,
+            &mut cache.dy16,
         );
         tanh_backward(dpooled, &cache.pooled[..b * c]);
         let dx = grow(&mut cache.pre, b * c);
         self.pooler.backward(
+            gemms,
             Some((&mut *dx, false)),
             &cache.d[..b * c],
-            &cache.x,
+            Flat::plain(&cache.x),
             params,
             grads,
             b,
+            &mut cache.dy16,
         );
         for (row, &r) in cache.pre[..b * c].chunks_exact(c).zip(cls) {
             for (g, &d) in dhidden[r * c..(r + 1) * c].iter_mut().zip(row) {
