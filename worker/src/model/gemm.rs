@@ -12,11 +12,11 @@
 //! still one dot product over the whole `k`; only OpenBLAS's edge kernels may order its terms
 //! differently, so results with different thread counts agree to rounding, not bit for bit.
 //!
-//! In bf16 precision (the caller's [`Gemms`] value) the same call rounds both inputs to bf16
+//! In bf16 precision (the caller's `Gemms` value) the same call rounds both inputs to bf16
 //! and accumulates in fp32, natively (oneDNN, where faster than fp32) or emulated
-//! (`super::bf16`); an input may come with its bf16 copy ([`Operand`]), made once for several
+//! (`super::bf16`); an input may come with its bf16 copy (`Operand`), made once for several
 //! GEMMs. The flops of every call are also counted per GEMM class (`linear`, `attention`,
-//! `mlm_head`, from the caller's [`GemmSite`]) and per backend, so the bench can say what ran
+//! `mlm_head`, from the caller's `GemmSite`) and per backend, so the bench can say what ran
 //! where.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,7 +45,7 @@ static GEMM_NANOS: AtomicU64 = AtomicU64::new(0);
 static GEMM_FLOPS: AtomicU64 = AtomicU64::new(0);
 static GEMM_CALLS: AtomicU64 = AtomicU64::new(0);
 
-/// The GEMM classes the stats are kept per ([`GemmSite::class`]).
+/// The GEMM classes the stats are kept per (each call's site, `GemmSite`, counts in one).
 pub const CLASSES: [&str; 4] = ["linear", "attention", "mlm_head", "other"];
 
 /// The backends the stats are kept per.
@@ -410,15 +410,15 @@ pub(crate) fn gemm_batched<A: Element>(
         bytes::<A>(per(sc.dims)),
         flops,
     );
-    if k > 0 && gemms.native() {
-        if let (Some(a32), Some(b32), Some(c32)) =
+    if k > 0
+        && gemms.native()
+        && let (Some(a32), Some(b32), Some(c32)) =
             (f32_slice(a), f32_slice(b), f32_slice_mut(&mut *c))
-        {
-            let (alpha, beta) = (alpha.to64() as f32, beta.to64() as f32);
-            bf16::native_batched_f32(alpha, (a32, a16, sa), (b32, b16, sb), beta, (c32, sc));
-            count(class, 2, flops, start);
-            return;
-        }
+    {
+        let (alpha, beta) = (alpha.to64() as f32, beta.to64() as f32);
+        bf16::native_batched_f32(alpha, (a32, a16, sa), (b32, b16, sb), beta, (c32, sc));
+        count(class, 2, flops, start);
+        return;
     }
     fn view<A>(x: &[A], s: Strided4, i: usize, j: usize) -> ArrayView2<'_, A> {
         ArrayView2::from_shape(
