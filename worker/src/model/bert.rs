@@ -436,8 +436,9 @@ impl<A: Element> Bert<A> {
             sums.mlm_loss_sum = ce.loss_sum;
             sums.mlm_count = m;
             sums.mlm_correct = ce.correct;
+            let copy16 = &mut st.scratch.dy16;
             self.mlm
-                .backward(g, dh, &mut st.mlm, positions, params, grads);
+                .backward(g, dh, &mut st.mlm, positions, params, grads, copy16);
         }
         // NSP head on [CLS].
         if let (Some(nsp), Some(labels)) = (&self.nsp, &batch.next_sentence_labels) {
@@ -447,7 +448,7 @@ impl<A: Element> Bert<A> {
             sums.nsp_loss_sum = ce.loss_sum;
             sums.nsp_count = b;
             sums.nsp_correct = ce.correct;
-            nsp.backward(g, dh, &mut st.nsp, cls, params, grads);
+            nsp.backward(g, dh, &mut st.nsp, cls, params, grads, &mut st.scratch.dy16);
         }
         report(self.ready.heads.clone(), grads);
         if lookup.is_some() {

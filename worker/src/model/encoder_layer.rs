@@ -128,7 +128,8 @@ pub(crate) struct LayerScratch<A> {
     pub dg: Vec<A>,
     /// Attention's backward scratch (`2 * t * t` a thread, more on the batched route).
     pub attn: AttentionScratch<A>,
-    /// bf16 copy of a Linear's `dy`, made once for both of its GEMMs (native bf16 only).
+    /// bf16 copy of a Linear's `dy`, made once for both of its GEMMs (native bf16 only); the
+    /// heads' backward uses it too (the MLM decoder's `d logits`), one buffer for all.
     pub dy16: Vec<u16>,
 }
 

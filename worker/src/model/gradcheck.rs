@@ -412,7 +412,16 @@ fn mlm_head() {
     let mut grads = vec![0.0; params.len()];
     let mut dh = vec![0.0; n * c];
     let pf = Flat::plain(&params[..]);
-    head.backward(Gemms::FP32, &mut dh, &mut cache, &positions, pf, &mut grads);
+    let mut copy16 = Vec::new();
+    head.backward(
+        Gemms::FP32,
+        &mut dh,
+        &mut cache,
+        &positions,
+        pf,
+        &mut grads,
+        &mut copy16,
+    );
     check("mlm head dhidden", &hidden, &dh, 0..n * c, |h| {
         forward(&params, h).0
     });
@@ -443,7 +452,16 @@ fn nsp_head() {
     let mut grads = vec![0.0; params.len()];
     let mut dh = vec![0.0; n * c];
     let pf = Flat::plain(&params[..]);
-    head.backward(Gemms::FP32, &mut dh, &mut cache, &CLS, pf, &mut grads);
+    let mut copy16 = Vec::new();
+    head.backward(
+        Gemms::FP32,
+        &mut dh,
+        &mut cache,
+        &CLS,
+        pf,
+        &mut grads,
+        &mut copy16,
+    );
     check("nsp head dhidden", &hidden, &dh, 0..n * c, |h| {
         forward(&params, h).0
     });

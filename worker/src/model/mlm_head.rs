@@ -52,16 +52,10 @@ pub(crate) struct MlmCache<A> {
     /// Backward scratch `[m, c]` x 2.
     pub d1: Vec<A>,
     pub d2: Vec<A>,
-    /// bf16 copy of `d logits` `[m, v]` for both decoder GEMMs (native bf16 only).
-    pub dlogits16: Vec<u16>,
-    /// bf16 copy of the transform's `dy` `[m, c]` for both of its GEMMs (native bf16 only).
-    pub dy16: Vec<u16>,
 }
 
 impl<A> MlmCache<A> {
-    /// Bytes held (the backward scratch `d1`, `d2` included; the bf16 copies `dlogits16`,
-    /// `dy16` left out, as when they lived in a per-thread pool: the bench's figure stays
-    /// comparable).
+    /// Bytes held (the backward scratch `d1`, `d2` included).
     pub fn bytes(&self) -> usize {
         [
             &self.x,
@@ -142,7 +136,11 @@ impl MlmHead {
 
     /// Given `cache.logits` holding `d loss / d logits`: accumulates the head's gradients (and
     /// the decoder's share of the word-embedding gradient) and adds `d loss / d hidden` into
-    /// `dhidden` `[n, c]` at `positions`.
+    /// `dhidden` `[n, c]` at `positions`. `copy16` is scratch for the bf16 copies of
+    /// `d logits` `[m, v]` and of the transform's `dy` `[m, c]`, each made once for the two
+    /// GEMMs that read it (native bf16 only; the model's one such buffer, shared with the
+    /// encoder layers, so it grows to the largest of them).
+    #[allow(clippy::too_many_arguments)]
     pub fn backward<A: Element>(
         &self,
         gemms: Gemms,
@@ -151,12 +149,13 @@ impl MlmHead {
         positions: &[usize],
         params: Flat<'_, A>,
         grads: &mut [A],
+        copy16: &mut Vec<u16>,
     ) {
         let (m, c, v) = (positions.len(), self.c, self.vocab);
         let dlogits = &cache.logits[..m * v];
         super::linear::bias_gradient(&mut grads[self.bias..self.bias + v], dlogits, m);
         // `d logits` feeds both GEMMs: round it once.
-        let dlogits = round_once(gemms, dlogits, &mut cache.dlogits16).mat(0, m, v);
+        let dlogits = round_once(gemms, dlogits, copy16).mat(0, m, v);
         gemm(
             gemms,
             GemmSite::Decoder,
@@ -196,7 +195,7 @@ impl MlmHead {
             params,
             grads,
             m,
-            &mut cache.dy16,
+            copy16,
         );
         for (row, &p) in cache.d1[..m * c].chunks_exact(c).zip(positions) {
             for (g, &d) in dhidden[p * c..(p + 1) * c].iter_mut().zip(row) {

@@ -37,8 +37,6 @@ pub(crate) struct NspCache<A> {
     pub logits: Vec<A>,
     /// Backward scratch `[b, c]`.
     pub d: Vec<A>,
-    /// bf16 copy of a Linear's `dy` for both of its GEMMs (native bf16 only).
-    pub dy16: Vec<u16>,
 }
 
 impl NspHead {
@@ -75,6 +73,8 @@ impl NspHead {
 
     /// Given `cache.logits` holding `d loss / d logits`: accumulates the head's gradients and
     /// adds `d loss / d hidden` into the `[CLS]` rows `cls` `[b]` of `dhidden` `[n, c]`.
+    /// `copy16` is scratch for a Linear's bf16 copy of its `dy` (native bf16 only).
+    #[allow(clippy::too_many_arguments)]
     pub fn backward<A: Element>(
         &self,
         gemms: Gemms,
@@ -83,6 +83,7 @@ impl NspHead {
         cls: &[usize],
         params: Flat<'_, A>,
         grads: &mut [A],
+        copy16: &mut Vec<u16>,
     ) {
         let (b, c) = (cls.len(), self.pooler.inp);
         let dpooled = grow(&mut cache.d, b * c);
@@ -94,7 +95,7 @@ impl NspHead {
             params,
             grads,
             b,
-            &mut cache.dy16,
+            copy16,
         );
         tanh_backward(dpooled, &cache.pooled[..b * c]);
         let dx = grow(&mut cache.pre, b * c);
@@ -106,7 +107,7 @@ impl NspHead {
             params,
             grads,
             b,
-            &mut cache.dy16,
+            copy16,
         );
         for (row, &r) in cache.pre[..b * c].chunks_exact(c).zip(cls) {
             for (g, &d) in dhidden[r * c..(r + 1) * c].iter_mut().zip(row) {
