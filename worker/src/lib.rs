@@ -4,7 +4,9 @@
 //! # Layout
 //! - `batch`: the micro-batch type shared by the data pipeline and the model.
 //! - `blas_core`: OpenBLAS kernels on CPUs newer than the library (re-exec with a known core).
-//! - `model/`: BERT forward and backward, one file per layer (HF `BertForMaskedLM`, `BertForPreTraining`).
+//! - `model/`: BERT forward and backward, one file per layer (HF `BertForMaskedLM`, `BertForPreTraining`);
+//!   `model_thread`: what belongs to one thread of the model's pool (scratch, the profile's
+//!   nesting), kept out of `model/` because nothing in it decides what is computed.
 //! - `optim/`: AdamW, LAMB, learning-rate schedules, gradient clipping.
 //! - `data/`: masking (static, dynamic, whole-word) and collation of shard sequences into batches.
 //! - `allreduce/`: ring reduce-scatter + all-gather between workers over gRPC.
@@ -44,6 +46,7 @@ pub mod faults;
 pub mod io_runtime;
 pub mod job;
 pub mod model;
+mod model_thread;
 pub mod optim;
 pub mod optim_state;
 pub mod replica;

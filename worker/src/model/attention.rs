@@ -8,14 +8,21 @@
 //! `finfo.min`, i.e. probability exactly 0; `P = softmax(S)`; `P' = dropout(P)`;
 //! `ctx = P' V`. Each (sequence, head) GEMM works on row-strided views of `q`, `k`, `v`,
 //! `ctx`: no reshapes, no copies.
+//!
+//! Two routes behind [`forward`] and [`backward`], the same math: where bf16 GEMMs run
+//! natively, every (sequence, head) product of a thread's sequences in one batched call
+//! (`super::attention_batched`); elsewhere one call per (sequence, head). The choice is made
+//! from the caller's GEMM route (`AttentionDims::gemms`), a value the model made once
+//! ([`Route::of`]), never from state of the thread.
 
 // The dimensions are attention's parameter (`attention::AttentionDims` to its callers).
 pub(crate) use super::attention_dims::AttentionDims;
 
 use super::Element;
-use super::attention_batched::{KeptOperands, KeptPart};
+use super::attention_batched::{Copies16, KeptOperands, KeptPart};
 use super::element::grow;
-use super::gemm::{gemm, mat_mut};
+use super::gemm::{GemmSite, gemm, mat_mut};
+use super::gemms::Gemms;
 use super::parallel;
 use super::pass_profile::{Pass, bytes, region};
 use super::softmax::{masked_softmax, softmax_backward, softmax_keys};
@@ -40,12 +47,43 @@ fn head_mut<'a, A>(
         .slice_move(s![bi * t..(bi + 1) * t, j * d..(j + 1) * d])
 }
 
-/// Whether this thread's GEMMs take the batched route (`super::attention_batched`): bf16
-/// precision with native bf16 GEMMs, in f32.
-fn batched<A: Element>() -> bool {
-    std::any::TypeId::of::<A>() == std::any::TypeId::of::<f32>()
-        && super::bf16::current() == keel_proto::precision::Precision::Bf16
-        && super::bf16::support().native
+/// Which implementation of attention runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// One GEMM call per (sequence, head): keeps each `[t, t]` block in cache between its GEMM
+    /// and its softmax.
+    PerPair,
+    /// One batched GEMM call per phase over a thread's sequences (`super::attention_batched`):
+    /// a native bf16 call costs about as much overhead as a small block's work.
+    Batched,
+}
+
+impl Route {
+    /// The route for GEMMs that run as `gemms` says: batched exactly where they are native bf16.
+    pub(crate) fn of(gemms: Gemms) -> Route {
+        if gemms.native() {
+            Route::Batched
+        } else {
+            Route::PerPair
+        }
+    }
+}
+
+/// Attention's scratch, owned by the model and reused from step to step.
+#[derive(Debug, Default)]
+pub(crate) struct AttentionScratch<A> {
+    /// Probabilities after dropout and their gradient: [`scratch_per_part`] elements a part.
+    pub values: Vec<A>,
+    /// bf16 copies of the operands a part's batched GEMMs share (one set a part).
+    pub copies: Vec<Copies16>,
+}
+
+/// `copies` grown to `parts` sets; its first `parts`.
+fn copies_for(copies: &mut Vec<Copies16>, parts: usize) -> &mut [Copies16] {
+    if copies.len() < parts {
+        copies.resize_with(parts, Default::default);
+    }
+    &mut copies[..parts]
 }
 
 /// Scratch elements per part of at most `seqs` sequences: `blocks` `[t, t]` blocks for the
@@ -60,14 +98,14 @@ fn scratch_per_part(dims: &AttentionDims<'_>, seqs: usize, blocks: usize, batche
 }
 
 /// Fills `probs` `[b, h, t, t]` (before dropout) and `ctx` `[n, c]`, the sequences split
-/// among the model's threads. `scratch` grows to `threads * t * t` (the batched route:
+/// among the model's threads. `scratch.values` grows to `threads * t * t` (the batched route:
 /// `b * h * t * t`). On the batched route `kept` receives the bf16 copies of the operands
-/// for [`backward`]; elsewhere it is left empty.
+/// for [`backward`] (when `dims.gemms` keeps copies); elsewhere it is left empty.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<A: Element>(
     ctx: &mut [A],
     probs: &mut [A],
-    scratch: &mut Vec<A>,
+    scratch: &mut AttentionScratch<A>,
     q: &[A],
     k: &[A],
     v: &[A],
@@ -82,19 +120,16 @@ pub(crate) fn forward<A: Element>(
         bytes::<A>(rows + scores),
     );
     let parts = parallel::split(dims.b, parallel::available_threads());
-    let batched = batched::<A>();
+    let batched = Route::of(dims.gemms) == Route::Batched;
     let (n, tt) = (dims.b * t * c, dims.b * h * t * t);
-    kept.keep_inputs(&q[..n], &k[..n], &v[..n], tt);
+    kept.keep_inputs(dims.gemms, &q[..n], &k[..n], &v[..n], tt);
     let most = parts.iter().map(|r| r.len()).max().unwrap_or(0);
     let per_part = scratch_per_part(dims, most, 1, batched);
-    let scratch = grow(scratch, parts.len() * per_part);
+    let values = grow(&mut scratch.values, parts.len() * per_part);
+    let mut copies = copies_for(&mut scratch.copies, parts.len()).iter_mut();
     let mut work = Vec::with_capacity(parts.len());
-    let (mut ctx, mut probs, mut scratch, mut kept_probs) = (
-        &mut ctx[..n],
-        &mut probs[..tt],
-        scratch,
-        &mut kept.probs[..],
-    );
+    let (mut ctx, mut probs, mut scratch, mut kept_probs) =
+        (&mut ctx[..n], &mut probs[..tt], values, &mut kept.probs[..]);
     for r in parts {
         let (ctx_part, ctx_rest) = ctx.split_at_mut(r.len() * t * c);
         let (probs_part, probs_rest) = probs.split_at_mut(r.len() * h * t * t);
@@ -106,10 +141,18 @@ pub(crate) fn forward<A: Element>(
         };
         let (kept_part, kept_rest) = kept_probs.split_at_mut(kept_len);
         (ctx, probs, scratch, kept_probs) = (ctx_rest, probs_rest, scratch_rest, kept_rest);
-        work.push((r, ctx_part, probs_part, scratch_part, kept_part));
+        let part_copies = copies.next().expect("one set of copies a part");
+        work.push((
+            r,
+            ctx_part,
+            probs_part,
+            scratch_part,
+            kept_part,
+            part_copies,
+        ));
     }
     let (kq, kk, kv) = (&kept.q[..], &kept.k[..], &kept.v[..]);
-    parallel::run_parts(work, |(r, ctx, probs, scratch, kept_probs)| {
+    parallel::run_parts(work, |(r, ctx, probs, scratch, kept_probs, copies)| {
         let rows = r.start * t * c..r.end * t * c;
         let local = dims.part(&r);
         let (q, k, v) = (&q[rows.clone()], &k[rows.clone()], &v[rows.clone()]);
@@ -120,7 +163,9 @@ pub(crate) fn forward<A: Element>(
                 v: kept_rows(kv, &rows),
                 probs: kept_probs,
             };
-            super::attention_batched::forward_seqs(ctx, probs, scratch, q, k, v, kept, &local);
+            super::attention_batched::forward_seqs(
+                ctx, probs, scratch, copies, q, k, v, kept, &local,
+            );
         } else {
             forward_seqs(ctx, probs, scratch, q, k, v, &local);
         }
@@ -152,7 +197,18 @@ pub(super) fn forward_seqs<A: Element>(
             let block = &mut probs[(bi * h + j) * t * t..(bi * h + j + 1) * t * t];
             let qh = head(q, dims, bi, j);
             let kh = head(k, dims, bi, j);
-            gemm(scale, &qh, &kh.t(), A::zero(), &mut mat_mut(block, t, t));
+            let g = dims.gemms;
+            let (scores, context) = (GemmSite::AttentionScores, GemmSite::AttentionContext);
+            let block_mat = &mut mat_mut(block, t, t);
+            gemm(
+                g,
+                scores,
+                scale,
+                qh.into(),
+                kh.t().into(),
+                A::zero(),
+                block_mat,
+            );
             for row in block.chunks_exact_mut(t) {
                 masked_softmax(row, keys);
             }
@@ -164,17 +220,21 @@ pub(super) fn forward_seqs<A: Element>(
                     dropped.copy_from_slice(block);
                     dims.drop_block(m, j, dropped);
                     gemm(
+                        g,
+                        context,
                         A::one(),
-                        &super::gemm::mat(dropped, t, t),
-                        &vh,
+                        super::gemm::mat(dropped, t, t).into(),
+                        vh.into(),
                         A::zero(),
                         &mut out,
                     );
                 }
                 None => gemm(
+                    g,
+                    context,
                     A::one(),
-                    &super::gemm::mat(block, t, t),
-                    &vh,
+                    super::gemm::mat(block, t, t).into(),
+                    vh.into(),
                     A::zero(),
                     &mut out,
                 ),
@@ -184,14 +244,14 @@ pub(super) fn forward_seqs<A: Element>(
 }
 
 /// Given `dctx` `[n, c]`: writes `dq`, `dk`, `dv` `[n, c]`, the sequences split among the
-/// model's threads. `scratch` grows to `threads * 2 * t * t` (the batched route:
+/// model's threads. `scratch.values` grows to `threads * 2 * t * t` (the batched route:
 /// `2 * b * h * t * t`). `kept` is what [`forward`] kept from the same `probs`, `q`, `k`, `v`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<A: Element>(
     dq: &mut [A],
     dk: &mut [A],
     dv: &mut [A],
-    scratch: &mut Vec<A>,
+    scratch: &mut AttentionScratch<A>,
     dctx: &[A],
     probs: &[A],
     q: &[A],
@@ -208,10 +268,11 @@ pub(crate) fn backward<A: Element>(
         bytes::<A>(3 * rows),
     );
     let parts = parallel::split(dims.b, parallel::available_threads());
-    let batched = batched::<A>();
+    let batched = Route::of(dims.gemms) == Route::Batched;
     let most = parts.iter().map(|r| r.len()).max().unwrap_or(0);
     let per_part = scratch_per_part(dims, most, 2, batched);
-    let scratch = grow(scratch, parts.len() * per_part);
+    let mut copies = copies_for(&mut scratch.copies, parts.len()).iter_mut();
+    let scratch = grow(&mut scratch.values, parts.len() * per_part);
     let mut work = Vec::with_capacity(parts.len());
     let n = dims.b * t * c;
     let (mut dq, mut dk, mut dv, mut scratch) = (&mut dq[..n], &mut dk[..n], &mut dv[..n], scratch);
@@ -222,9 +283,10 @@ pub(crate) fn backward<A: Element>(
         let (dv_part, dv_rest) = dv.split_at_mut(len);
         let (scratch_part, scratch_rest) = scratch.split_at_mut(per_part);
         (dq, dk, dv, scratch) = (dq_rest, dk_rest, dv_rest, scratch_rest);
-        work.push((r, dq_part, dk_part, dv_part, scratch_part));
+        let part_copies = copies.next().expect("one set of copies a part");
+        work.push((r, dq_part, dk_part, dv_part, scratch_part, part_copies));
     }
-    parallel::run_parts(work, |(r, dq, dk, dv, scratch)| {
+    parallel::run_parts(work, |(r, dq, dk, dv, scratch, copies)| {
         let rows = r.start * t * c..r.end * t * c;
         let local = dims.part(&r);
         let prows = r.start * h * t * t..r.end * h * t * t;
@@ -243,7 +305,7 @@ pub(crate) fn backward<A: Element>(
                 probs: kept_rows(&kept.probs, &prows),
             };
             super::attention_batched::backward_seqs(
-                dq, dk, dv, scratch, dctx, p, q, k, v, kept, &local,
+                dq, dk, dv, scratch, copies, dctx, p, q, k, v, kept, &local,
             );
         } else {
             backward_seqs(dq, dk, dv, scratch, dctx, p, q, k, v, &local);
@@ -267,6 +329,8 @@ pub(super) fn backward_seqs<A: Element>(
     let (b, t, h, d) = (dims.b, dims.t, dims.h, dims.d);
     let scale = A::one() / A::of(d as f64).sqrt();
     let (dropped, dp) = scratch[..2 * t * t].split_at_mut(t * t);
+    let g = dims.gemms;
+    let (scores, context) = (GemmSite::AttentionScores, GemmSite::AttentionContext);
     for bi in 0..b {
         let mask = dims.mask_of(bi);
         for j in 0..h {
@@ -282,18 +346,22 @@ pub(super) fn backward_seqs<A: Element>(
                 None => p,
             };
             gemm(
+                g,
+                context,
                 A::one(),
-                &super::gemm::mat(p_used, t, t).t(),
-                &dctx_h,
+                super::gemm::mat(p_used, t, t).t().into(),
+                dctx_h.into(),
                 A::zero(),
                 &mut head_mut(dv, dims, bi, j),
             );
             // dP' = dctx V^T, then dP through the same dropout mask.
             let vh = head(v, dims, bi, j);
             gemm(
+                g,
+                context,
                 A::one(),
-                &dctx_h,
-                &vh.t(),
+                dctx_h.into(),
+                vh.t().into(),
                 A::zero(),
                 &mut mat_mut(dp, t, t),
             );
@@ -304,16 +372,20 @@ pub(super) fn backward_seqs<A: Element>(
             let ds = super::gemm::mat(dp, t, t);
             // dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d)
             gemm(
+                g,
+                scores,
                 scale,
-                &ds,
-                &head(k, dims, bi, j),
+                ds.into(),
+                head(k, dims, bi, j).into(),
                 A::zero(),
                 &mut head_mut(dq, dims, bi, j),
             );
             gemm(
+                g,
+                scores,
                 scale,
-                &ds.t(),
-                &head(q, dims, bi, j),
+                ds.t().into(),
+                head(q, dims, bi, j).into(),
                 A::zero(),
                 &mut head_mut(dk, dims, bi, j),
             );

@@ -13,36 +13,34 @@
 //! for this thread's `b` sequences (head `j` in columns `j*d..(j+1)*d`); `probs` `[b, h, t, t]`.
 //! `scratch` holds `2 * b * h * t * t` elements.
 
-use std::cell::RefCell;
-
 use super::Element;
 use super::attention_dims::AttentionDims;
-use super::bf16::native_copy;
-use super::gemm::gemm_batched;
+use super::bf16_shared::{keep, round_once};
+use super::gemm::{GemmSite, gemm_batched};
+use super::gemms::Gemms;
 use super::onednn::Strided4;
 use super::softmax::{masked_softmax, softmax_backward, softmax_keys};
 
-thread_local! {
-    /// bf16 copies of the operands on the native route, each made once per call and shared
-    /// by the GEMMs that read it; kept between calls (the model's threads persist), so no
-    /// allocation once grown.
-    static COPIES: RefCell<[Vec<u16>; 6]> = RefCell::new(Default::default());
-}
+/// One part's buffers for the bf16 copies of the operands on the native route, each made once
+/// per call and shared by the GEMMs that read it; owned by the model's attention scratch
+/// (`super::attention::AttentionScratch`), so no allocation once grown.
+pub(crate) type Copies16 = [Vec<u16>; 6];
 
 /// The bf16 copy of `x` in `buf` on the native route (`None` elsewhere: each GEMM then takes
 /// `x` as it is).
-fn copy<'c, A: Element>(x: &[A], buf: &'c mut Vec<u16>) -> Option<&'c [u16]> {
-    native_copy(x, buf).then_some(&buf[..])
+fn copy<'c, A: Element>(gemms: Gemms, x: &'c [A], buf: &'c mut Vec<u16>) -> Option<&'c [u16]> {
+    round_once(gemms, x, buf).bf16
 }
 
 /// `kept` (the bf16 copy of `x` kept by the forward) when there is one, else [`copy`].
 fn kept_or_copy<'c, A: Element>(
+    gemms: Gemms,
     kept: &'c [u16],
-    x: &[A],
+    x: &'c [A],
     buf: &'c mut Vec<u16>,
 ) -> Option<&'c [u16]> {
     if kept.is_empty() {
-        copy(x, buf)
+        copy(gemms, x, buf)
     } else {
         Some(kept)
     }
@@ -60,12 +58,19 @@ pub(crate) struct KeptOperands {
 }
 
 impl KeptOperands {
-    /// Keeps the bf16 copies of `q`, `k`, `v` (`super::bf16_shared::keep`) and sizes `probs`
-    /// to `probs_len` for the forward to fill, or leaves all four empty off the native route.
-    pub fn keep_inputs<A: Element>(&mut self, q: &[A], k: &[A], v: &[A], probs_len: usize) {
-        super::bf16_shared::keep(q, &mut self.q);
-        super::bf16_shared::keep(k, &mut self.k);
-        super::bf16_shared::keep(v, &mut self.v);
+    /// Keeps the bf16 copies of `q`, `k`, `v` ([`keep`]) and sizes `probs` to `probs_len` for
+    /// the forward to fill, or leaves all four empty where `gemms` keeps no copies.
+    pub fn keep_inputs<A: Element>(
+        &mut self,
+        gemms: Gemms,
+        q: &[A],
+        k: &[A],
+        v: &[A],
+        probs_len: usize,
+    ) {
+        keep(gemms, q, &mut self.q);
+        keep(gemms, k, &mut self.k);
+        keep(gemms, v, &mut self.v);
         self.probs.clear();
         if !self.q.is_empty() {
             self.probs.resize(probs_len, 0);
@@ -123,6 +128,7 @@ pub(crate) fn forward_seqs<A: Element>(
     ctx: &mut [A],
     probs: &mut [A],
     scratch: &mut [A],
+    copies: &mut Copies16,
     q: &[A],
     k: &[A],
     v: &[A],
@@ -132,12 +138,20 @@ pub(crate) fn forward_seqs<A: Element>(
     let (b, t, h) = (dims.b, dims.t, dims.h);
     let scale = A::one() / A::of(dims.d as f64).sqrt();
     let (hv, bl) = (heads(dims), blocks(dims));
-    COPIES.with_borrow_mut(|[q16, k16, v16, p16, ..]| {
-        let q16 = kept_or_copy(kept.q, q, q16);
-        let k16 = kept_or_copy(kept.k, k, k16);
-        let v16 = kept_or_copy(kept.v, v, v16);
+    let (g, scores, context) = (
+        dims.gemms,
+        GemmSite::AttentionScores,
+        GemmSite::AttentionContext,
+    );
+    {
+        let [q16, k16, v16, p16, ..] = copies;
+        let q16 = kept_or_copy(g, kept.q, q, q16);
+        let k16 = kept_or_copy(g, kept.k, k, k16);
+        let v16 = kept_or_copy(g, kept.v, v, v16);
         // S = Q K^T / sqrt(d), every (sequence, head) at once.
         gemm_batched(
+            g,
+            scores,
             scale,
             (q, q16, hv),
             (k, k16, hv.t()),
@@ -152,14 +166,16 @@ pub(crate) fn forward_seqs<A: Element>(
         }
         // ctx = P' V.
         let p = dropped(probs, scratch, dims);
-        let p16 = if kept.probs.is_empty() {
-            copy(p, p16)
-        } else {
-            super::bf16::native_copy_into(p, kept.probs);
-            Some(&*kept.probs)
+        let p16 = match super::element::f32_slice(p) {
+            Some(p32) if !kept.probs.is_empty() => {
+                super::bf16_convert::convert_slice(kept.probs, p32);
+                Some(&*kept.probs)
+            }
+            _ => copy(g, p, p16),
         };
-        gemm_batched(A::one(), (p, p16, bl), (v, v16, hv), A::zero(), (ctx, hv));
-    });
+        let (p_op, v_op) = ((p, p16, bl), (v, v16, hv));
+        gemm_batched(g, context, A::one(), p_op, v_op, A::zero(), (ctx, hv));
+    }
 }
 
 /// Backward for this thread's sequences: writes `dq`, `dk`, `dv` from `dctx`.
@@ -169,6 +185,7 @@ pub(crate) fn backward_seqs<A: Element>(
     dk: &mut [A],
     dv: &mut [A],
     scratch: &mut [A],
+    copies: &mut Copies16,
     dctx: &[A],
     probs: &[A],
     q: &[A],
@@ -182,12 +199,20 @@ pub(crate) fn backward_seqs<A: Element>(
     let scale = A::one() / A::of(dims.d as f64).sqrt();
     let (hv, bl) = (heads(dims), blocks(dims));
     let (drop_buf, dp) = scratch[..2 * b * h * tt].split_at_mut(b * h * tt);
-    COPIES.with_borrow_mut(|[dctx16, v16, k16, q16, p16, ds16]| {
-        let (dctx16, v16) = (copy(dctx, dctx16), kept_or_copy(kept.v, v, v16));
+    let (g, scores, context) = (
+        dims.gemms,
+        GemmSite::AttentionScores,
+        GemmSite::AttentionContext,
+    );
+    {
+        let [dctx16, v16, k16, q16, p16, ds16] = copies;
+        let (dctx16, v16) = (copy(g, dctx, dctx16), kept_or_copy(g, kept.v, v, v16));
         // dV = P'^T dctx.
         let p_used = dropped(probs, drop_buf, dims);
-        let p16 = kept_or_copy(kept.probs, p_used, p16);
+        let p16 = kept_or_copy(g, kept.probs, p_used, p16);
         gemm_batched(
+            g,
+            context,
             A::one(),
             (p_used, p16, bl.t()),
             (dctx, dctx16, hv),
@@ -196,6 +221,8 @@ pub(crate) fn backward_seqs<A: Element>(
         );
         // dP' = dctx V^T, then dP through the same dropout mask, then the softmax backward.
         gemm_batched(
+            g,
+            context,
             A::one(),
             (dctx, dctx16, hv),
             (v, v16, hv.t()),
@@ -214,17 +241,23 @@ pub(crate) fn backward_seqs<A: Element>(
             }
         }
         // dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d).
-        let ds16 = copy(dp, ds16);
-        let (k16, q16) = (kept_or_copy(kept.k, k, k16), kept_or_copy(kept.q, q, q16));
-        gemm_batched(scale, (&*dp, ds16, bl), (k, k16, hv), A::zero(), (dq, hv));
+        let ds16 = copy(g, &*dp, ds16);
+        let (k16, q16) = (
+            kept_or_copy(g, kept.k, k, k16),
+            kept_or_copy(g, kept.q, q, q16),
+        );
+        let (ds_op, k_op) = ((&*dp, ds16, bl), (k, k16, hv));
+        gemm_batched(g, scores, scale, ds_op, k_op, A::zero(), (dq, hv));
         gemm_batched(
+            g,
+            scores,
             scale,
             (&*dp, ds16, bl.t()),
             (q, q16, hv),
             A::zero(),
             (dk, hv),
         );
-    });
+    }
 }
 
 #[cfg(test)]
@@ -232,8 +265,9 @@ mod tests {
     use keel_proto::precision::Precision;
 
     use super::super::attention::{self, AttentionDims};
-    use super::super::bf16::{support, with_precision};
+    use super::super::bf16::support;
     use super::super::dropout::DropoutKey;
+    use super::super::gemms::Gemms;
     use super::super::{Element, gemm};
 
     /// 3 sequences, 2 heads of 8, 6 tokens; sequence 1 has 2 padded keys, sequence 2 is all
@@ -253,7 +287,7 @@ mod tests {
     }
 
     /// Forward (`ctx`, `probs`) and backward (`dq`, `dk`, `dv`) of one route.
-    fn run<A: Element>(batched: bool, dropout: bool) -> Vec<Vec<A>> {
+    fn run<A: Element>(gemms: Gemms, batched: bool, dropout: bool) -> Vec<Vec<A>> {
         let n = B * T * H * D;
         let (q, k, v, dctx) = (
             data::<A>(n, 1),
@@ -273,7 +307,9 @@ mod tests {
             mask: &mask,
             dropout: dropout.then_some((DropoutKey { seed: 3, step: 1 }, &ids[..], 1, 0.25)),
             max_positions: 16,
+            gemms,
         };
+        let mut copies = super::Copies16::default();
         let (mut ctx, mut probs) = (vec![A::zero(); n], vec![A::zero(); B * H * T * T]);
         let mut scratch = vec![A::zero(); 2 * B * H * T * T];
         let (mut dq, mut dk, mut dv) = (vec![A::zero(); n], vec![A::zero(); n], vec![A::zero(); n]);
@@ -288,6 +324,7 @@ mod tests {
                 &mut ctx,
                 &mut probs,
                 &mut scratch,
+                &mut copies,
                 &q,
                 &k,
                 &v,
@@ -305,6 +342,7 @@ mod tests {
                 &mut dk,
                 &mut dv,
                 &mut scratch,
+                &mut copies,
                 &dctx,
                 &probs,
                 &q,
@@ -345,14 +383,20 @@ mod tests {
     #[test]
     fn batched_route_gives_the_loops_results() {
         for dropout in [false, true] {
-            let (b, l) = (run::<f64>(true, dropout), run::<f64>(false, dropout));
+            let (b, l) = (
+                run::<f64>(Gemms::FP32, true, dropout),
+                run::<f64>(Gemms::FP32, false, dropout),
+            );
             assert!(
                 worst(&b, &l) <= 1e-15,
                 "f64, dropout {dropout}: {:e}",
                 worst(&b, &l)
             );
             assert!(b[2].iter().any(|x| x.abs() > 1e-3), "dq is not all zero");
-            let (b, l) = (run::<f32>(true, dropout), run::<f32>(false, dropout));
+            let (b, l) = (
+                run::<f32>(Gemms::FP32, true, dropout),
+                run::<f32>(Gemms::FP32, false, dropout),
+            );
             assert!(
                 worst(&b, &l) <= 1e-6,
                 "f32, dropout {dropout}: {:e}",
@@ -374,12 +418,13 @@ mod tests {
         }
         let native = || gemm::stats().class_flops[1][2];
         let before = native();
-        let b = with_precision(Precision::Bf16, || run::<f32>(true, true));
+        let bf16 = Gemms::new::<f32>(Precision::Bf16);
+        let b = run::<f32>(bf16, true, true);
         assert!(native() > before, "the batched calls ran natively");
-        let l = with_precision(Precision::Bf16, || run::<f32>(false, true));
+        let l = run::<f32>(bf16, false, true);
         assert!(worst(&b, &l) <= 1e-5, "{:e}", worst(&b, &l));
         // And both differ from fp32 (the inputs were rounded).
-        let f = run::<f32>(false, true);
+        let f = run::<f32>(Gemms::FP32, false, true);
         assert!(worst(&b, &f) > 1e-5, "bf16 rounding happened");
     }
 }

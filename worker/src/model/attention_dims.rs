@@ -4,6 +4,7 @@
 
 use super::Element;
 use super::dropout::{DropoutKey, Mask, Site};
+use super::gemms::Gemms;
 
 /// Dimensions and dropout of one attention call.
 pub(crate) struct AttentionDims<'a> {
@@ -22,6 +23,8 @@ pub(crate) struct AttentionDims<'a> {
     /// Stride of the dropout element index (`max_position_embeddings`), so masks do not
     /// depend on the padded length.
     pub max_positions: usize,
+    /// The route of attention's GEMMs; it also picks attention's route (`super::attention`).
+    pub gemms: Gemms,
 }
 
 impl<'a> AttentionDims<'a> {
@@ -37,6 +40,7 @@ impl<'a> AttentionDims<'a> {
                 .dropout
                 .map(|(key, ids, layer, p)| (key, &ids[r.start..r.end], layer, p)),
             max_positions: self.max_positions,
+            gemms: self.gemms,
         }
     }
 

@@ -14,10 +14,13 @@ use ndarray::Array2;
 use keel_proto::config::BertConfig;
 use keel_proto::params::{Heads, ParamLayout};
 
+use super::attention::AttentionScratch;
+use super::bf16_shared::{Flat, round_once};
 use super::dropout::DropoutKey;
 use super::element::grow;
 use super::embeddings::{Embeddings, EmbeddingsCache, TokenInputs};
 use super::encoder_layer::{EncoderLayer, LayerCache, LayerInputs, LayerScratch};
+use super::gemms::Gemms;
 use super::lookup_grads::LookupGrads;
 use super::loss::cross_entropy;
 use super::mlm_head::{MlmCache, MlmHead};
@@ -26,10 +29,22 @@ use super::packing::Packing;
 use super::{Element, LossSums, ModelError, StepOptions};
 use crate::batch::Batch;
 
-// Checks of the inputs (`impl Bert` continued).
+// Checks of the inputs (`impl Bert` continued; this file names nothing in them, so the two
+// files make no import cycle).
 #[path = "bert_inputs.rs"]
 mod inputs;
-use inputs::Tokens;
+// The eval forwards (`impl Bert` continued).
+#[path = "bert_eval.rs"]
+mod eval;
+
+/// Token inputs after checking (`inputs`), as flat slices: ids, token types and mask `[b, t]`.
+struct Tokens<'a> {
+    ids: &'a [u32],
+    types: &'a [u32],
+    mask: &'a [u8],
+    b: usize,
+    t: usize,
+}
 
 /// BERT with its heads, generic over f32 (training) and f64 (exactness checks). Holds no
 /// parameters, only their layout and the activation buffers it reuses from step to step
@@ -46,8 +61,13 @@ pub struct Bert<A: Element> {
     /// Gradient ranges in the order backward finishes them (see `forward_backward`).
     ready: ReadyRanges,
     state: State<A>,
-    /// Precision of every GEMM of forward and backward (fp32 unless set).
-    precision: Precision,
+    /// How every GEMM of forward and backward runs: made from the precision (fp32 unless set)
+    /// here, once, and passed to each layer call (no state of the thread decides it).
+    gemms: Gemms,
+    /// The parameters' bf16 copy `[total_len]`, rounded once per training step on the native
+    /// bf16 route for every GEMM that reads a weight (forward and backward); empty elsewhere.
+    /// Reused from step to step.
+    params16: Vec<u16>,
     /// Training and evaluation leave padding rows out, the rest rounded up to a multiple of
     /// this many rows (`super::packing`); `None`: every padded row.
     unpad: Option<usize>,
@@ -76,8 +96,8 @@ struct State<A> {
     scratch: LayerScratch<A>,
     /// `[n, c]` scratch.
     tmp: Vec<A>,
-    /// `t * t` scratch.
-    attn: Vec<A>,
+    /// Attention's forward scratch (`t * t` a thread, more on the batched route).
+    attn: AttentionScratch<A>,
     /// Gradient w.r.t. the hidden states, `[n, c]` x 2 (ping-pong through the layers).
     dhidden: [Vec<A>; 2],
     mlm: MlmCache<A>,
@@ -132,7 +152,8 @@ impl<A: Element> Bert<A> {
             layers,
             ready,
             state,
-            precision: Precision::Fp32,
+            gemms: Gemms::FP32,
+            params16: Vec::new(),
             unpad: Some(super::packing::DEFAULT_ROW_MULTIPLE),
         })
     }
@@ -140,12 +161,19 @@ impl<A: Element> Bert<A> {
     /// Sets the precision of every GEMM of forward and backward (`super::bf16`): fp32, or bf16
     /// inputs with fp32 accumulation. Everything else stays fp32 (or f64) either way.
     pub fn set_precision(&mut self, precision: Precision) {
-        self.precision = precision;
+        self.gemms = Gemms::new::<A>(precision);
+    }
+
+    /// Keeps no bf16 copy between GEMMs (each rounds its operands itself): the reference the
+    /// kept copies are checked against. Undone by [`Bert::set_precision`].
+    #[cfg(test)]
+    pub(crate) fn keep_no_bf16_copies(&mut self) {
+        self.gemms = self.gemms.keeping_nothing();
     }
 
     /// The precision set by [`Bert::set_precision`] (fp32 by default).
     pub fn precision(&self) -> Precision {
-        self.precision
+        self.gemms.precision()
     }
 
     /// Whether [`Bert::forward_backward`] and [`Bert::forward_loss`] compute only the real
@@ -198,7 +226,7 @@ impl<A: Element> Bert<A> {
     /// `state.hidden[0..=L]`, `[n, c]` each.
     fn encode(
         &mut self,
-        params: &[A],
+        params: Flat<'_, A>,
         tok: &Tokens<'_>,
         dropout: Option<(DropoutKey, &[u64])>,
         masked: &[usize],
@@ -218,13 +246,14 @@ impl<A: Element> Bert<A> {
         let sum = grow(&mut st.tmp, n * c);
         let h0 = grow(&mut st.hidden[0], n * c);
         self.embeddings
-            .forward(h0, &mut st.emb, sum, &inputs, params);
+            .forward(h0, &mut st.emb, sum, &inputs, params.f32);
         let layer_inputs = LayerInputs {
             b: tok.b,
             t: tok.t,
             mask: tok.mask,
             dropout,
             packing: &st.packing,
+            gemms: self.gemms,
         };
         for (l, layer) in self.layers.iter().enumerate() {
             let (before, after) = st.hidden.split_at_mut(l + 1);
@@ -316,23 +345,42 @@ impl<A: Element> Bert<A> {
         &mut self,
         params: &[A],
         grads: &mut [A],
-        mut lookup: Option<&mut LookupGrads<A>>,
+        lookup: Option<&mut LookupGrads<A>>,
         batch: &Batch,
         opts: &StepOptions<A>,
         on_grad_ready: &mut dyn FnMut(Range<usize>, &[A]),
     ) -> Result<LossSums<A>, ModelError> {
-        let _precision = super::bf16::enter(self.precision);
         self.check_buffer("params", params.len())?;
         self.check_buffer("grads", grads.len())?;
-        // Every weight feeds a GEMM in forward and another in backward: round them once.
-        let _params16 = super::bf16_shared::share(params);
         self.check_batch(batch, opts.dropout.is_some())?;
         let tok = self.tokens(batch)?;
         if let Some(lookup) = lookup.as_deref() {
             lookup.check(tok.ids, self.config.hidden_size)?;
         }
+        // Every weight feeds a GEMM in forward and another in backward: round them once (the
+        // buffer is taken out of `self` for the step, so the layers can borrow both).
+        let mut params16 = std::mem::take(&mut self.params16);
+        let params_both = round_once(self.gemms, params, &mut params16);
+        let sums = self.step_checked(params_both, grads, lookup, batch, opts, &tok, on_grad_ready);
+        self.params16 = params16;
+        Ok(sums)
+    }
+
+    /// [`Bert::step`] after its checks: `params` with its bf16 copy on the native route.
+    #[allow(clippy::too_many_arguments)]
+    fn step_checked(
+        &mut self,
+        params: Flat<'_, A>,
+        grads: &mut [A],
+        mut lookup: Option<&mut LookupGrads<A>>,
+        batch: &Batch,
+        opts: &StepOptions<A>,
+        tok: &Tokens<'_>,
+        on_grad_ready: &mut dyn FnMut(Range<usize>, &[A]),
+    ) -> LossSums<A> {
         let dropout = opts.dropout.map(|key| (key, batch.sample_ids.as_slice()));
-        self.encode(params, &tok, dropout, &batch.masked_positions, self.unpad);
+        self.encode(params, tok, dropout, &batch.masked_positions, self.unpad);
+        let g = self.gemms;
 
         let (b, t) = (tok.b, tok.t);
         let (n, c, v) = (
@@ -356,7 +404,7 @@ impl<A: Element> Bert<A> {
         let m = positions.len();
         if m > 0 {
             self.mlm
-                .forward(&mut st.mlm, &st.hidden[num_layers], positions, params);
+                .forward(g, &mut st.mlm, &st.hidden[num_layers], positions, params);
             let ce = cross_entropy(
                 &mut st.mlm.logits[..m * v],
                 &batch.masked_labels,
@@ -366,17 +414,19 @@ impl<A: Element> Bert<A> {
             sums.mlm_loss_sum = ce.loss_sum;
             sums.mlm_count = m;
             sums.mlm_correct = ce.correct;
-            self.mlm.backward(dh, &mut st.mlm, positions, params, grads);
+            let copy16 = &mut st.scratch.dy16;
+            self.mlm
+                .backward(g, dh, &mut st.mlm, positions, params, grads, copy16);
         }
         // NSP head on [CLS].
         if let (Some(nsp), Some(labels)) = (&self.nsp, &batch.next_sentence_labels) {
             let cls = st.packing.firsts();
-            nsp.forward(&mut st.nsp, &st.hidden[num_layers], cls, params);
+            nsp.forward(g, &mut st.nsp, &st.hidden[num_layers], cls, params);
             let ce = cross_entropy(&mut st.nsp.logits[..b * 2], labels, 2, Some(opts.nsp_scale));
             sums.nsp_loss_sum = ce.loss_sum;
             sums.nsp_count = b;
             sums.nsp_correct = ce.correct;
-            nsp.backward(dh, &mut st.nsp, cls, params, grads);
+            nsp.backward(g, dh, &mut st.nsp, cls, params, grads, &mut st.scratch.dy16);
         }
         report(self.ready.heads.clone(), grads);
         if lookup.is_some() {
@@ -390,6 +440,7 @@ impl<A: Element> Bert<A> {
             mask: tok.mask,
             dropout,
             packing: &st.packing,
+            gemms: g,
         };
         for l in (0..num_layers).rev() {
             let [dy, dx] = &mut st.dhidden;
@@ -421,7 +472,7 @@ impl<A: Element> Bert<A> {
             dsum,
             &st.emb,
             &inputs,
-            params,
+            params.f32,
             grads,
             lookup.as_deref_mut(),
         );
@@ -431,137 +482,6 @@ impl<A: Element> Bert<A> {
             self.ready.embeddings.clone()
         };
         report(rest, grads);
-        Ok(sums)
-    }
-
-    /// Eval-mode losses (no dropout, no gradients).
-    ///
-    /// Errors: as [`Bert::forward_backward`].
-    pub fn forward_loss(&mut self, params: &[A], batch: &Batch) -> Result<LossSums<A>, ModelError> {
-        let _precision = super::bf16::enter(self.precision);
-        self.check_buffer("params", params.len())?;
-        self.check_batch(batch, false)?;
-        let tok = self.tokens(batch)?;
-        self.encode(params, &tok, None, &batch.masked_positions, self.unpad);
-        let (b, v) = (tok.b, self.config.vocab_size);
-        let last = self.layers.len();
-        let st = &mut self.state;
-        let mut sums = LossSums::default();
-        let m = batch.masked_positions.len();
-        if m > 0 {
-            self.mlm.forward(
-                &mut st.mlm,
-                &st.hidden[last],
-                st.packing.positions(),
-                params,
-            );
-            let ce = cross_entropy(&mut st.mlm.logits[..m * v], &batch.masked_labels, v, None);
-            sums.mlm_loss_sum = ce.loss_sum;
-            sums.mlm_count = m;
-            sums.mlm_correct = ce.correct;
-        }
-        if let (Some(nsp), Some(labels)) = (&self.nsp, &batch.next_sentence_labels) {
-            nsp.forward(&mut st.nsp, &st.hidden[last], st.packing.firsts(), params);
-            let ce = cross_entropy(&mut st.nsp.logits[..b * 2], labels, 2, None);
-            sums.nsp_loss_sum = ce.loss_sum;
-            sums.nsp_count = b;
-            sums.nsp_correct = ce.correct;
-        }
-        Ok(sums)
-    }
-
-    /// MLM logits `[positions.len(), v]` of one unpadded sequence at the given token
-    /// positions (for `keel fill-mask`). `input_ids`, `token_type_ids`: `[t]`.
-    ///
-    /// Errors: [`ModelError::BufferLength`], [`ModelError::ShapeMismatch`],
-    /// [`ModelError::OutOfRange`], [`ModelError::SequenceTooLong`].
-    pub fn mlm_logits(
-        &mut self,
-        params: &[A],
-        input_ids: &[u32],
-        token_type_ids: &[u32],
-        positions: &[usize],
-    ) -> Result<Array2<A>, ModelError> {
-        let _precision = super::bf16::enter(self.precision);
-        self.check_buffer("params", params.len())?;
-        let t = input_ids.len();
-        let mask = vec![1u8; t];
-        self.check_tokens(input_ids, token_type_ids, &mask, 1, t)?;
-        for (index, &p) in positions.iter().enumerate() {
-            if p >= t {
-                return Err(ModelError::OutOfRange {
-                    field: "positions",
-                    index,
-                    value: p,
-                    limit: t,
-                });
-            }
-        }
-        let tok = Tokens {
-            ids: input_ids,
-            types: token_type_ids,
-            mask: &mask,
-            b: 1,
-            t,
-        };
-        self.encode(params, &tok, None, positions, None);
-        Ok(self.head_logits(params, positions))
-    }
-
-    /// MLM logits `[m, v]` at `positions` of the last `encode`d batch (positions checked).
-    fn head_logits(&mut self, params: &[A], positions: &[usize]) -> Array2<A> {
-        let (m, v) = (positions.len(), self.config.vocab_size);
-        if m == 0 {
-            return Array2::zeros((0, v));
-        }
-        let st = &mut self.state;
-        self.mlm.forward(
-            &mut st.mlm,
-            &st.hidden[self.layers.len()],
-            positions,
-            params,
-        );
-        Array2::from_shape_vec((m, v), st.mlm.logits[..m * v].to_vec()).expect("m * v logits")
-    }
-
-    /// Eval forward keeping everything HF returns (hidden states of every layer, MLM logits at
-    /// every position, NSP logits), for parity tests.
-    ///
-    /// Errors: as [`Bert::forward_loss`].
-    pub fn forward_outputs(
-        &mut self,
-        params: &[A],
-        batch: &Batch,
-    ) -> Result<ForwardOutputs<A>, ModelError> {
-        let _precision = super::bf16::enter(self.precision);
-        self.check_buffer("params", params.len())?;
-        let tok = self.tokens(batch)?;
-        // Every row, padding too: HF returns them all.
-        self.encode(params, &tok, None, &[], None);
-        let (b, t, c) = (tok.b, tok.t, self.config.hidden_size);
-        let n = b * t;
-        let hidden_states = self.state.hidden[..=self.layers.len()]
-            .iter()
-            .map(|h| Array2::from_shape_vec((n, c), h[..n * c].to_vec()).expect("n * c hidden"))
-            .collect();
-        let all: Vec<usize> = (0..n).collect();
-        let last = self.layers.len();
-        let logits = self.head_logits(params, &all);
-        let seq_relationship_logits = match &self.nsp {
-            Some(nsp) => {
-                let st = &mut self.state;
-                nsp.forward(&mut st.nsp, &st.hidden[last], st.packing.firsts(), params);
-                Some(
-                    Array2::from_shape_vec((b, 2), self.state.nsp.logits[..b * 2].to_vec())
-                        .expect("b * 2 logits"),
-                )
-            }
-            None => None,
-        };
-        Ok(ForwardOutputs {
-            hidden_states,
-            logits,
-            seq_relationship_logits,
-        })
+        sums
     }
 }

@@ -4,18 +4,9 @@
 
 use ndarray::Array2;
 
-use super::Bert;
+use super::{Bert, Tokens};
 use crate::batch::Batch;
 use crate::model::{Element, ModelError};
-
-/// Token inputs after checking, as flat slices.
-pub(super) struct Tokens<'a> {
-    pub(super) ids: &'a [u32],
-    pub(super) types: &'a [u32],
-    pub(super) mask: &'a [u8],
-    pub(super) b: usize,
-    pub(super) t: usize,
-}
 
 impl<A: Element> Bert<A> {
     /// Checks that a flat buffer named `buffer` has `len = P` elements.

@@ -17,91 +17,24 @@
 //!   (the rounding pass), so `auto` never picks it; it is what `bf16` runs without hardware,
 //!   and what the tests check the numerics with on every machine.
 //!
-//! The precision is scoped per thread (`with_precision`) and carried into the model's worker
-//! threads by `super::parallel`, so two models in one process (tests) do not see each other's.
+//! Which route a GEMM takes is the caller's value (`super::gemms::Gemms`, made once per model);
+//! this file only runs the routes.
 //!
-//! Conversions: an operand is rounded into a buffer reused per thread on every call, unless it
-//! lies inside a slice the model shared for several GEMMs (`super::bf16_shared`: the
-//! parameters once per micro-batch, a layer's input for its query, key and value projections,
-//! a `dy` for both of its Linear's gradients), or comes with its bf16 copy (attention's
-//! batched GEMMs, `native_copy`).
+//! Conversions: an operand is rounded on every call (on the native route into a buffer reused
+//! per thread, `crate::model_thread`), unless it comes with its bf16 copy, made once for
+//! several GEMMs (`super::bf16_shared`: the parameters once per micro-batch, a layer's input
+//! for its query, key and value projections, a `dy` for both of its Linear's gradients,
+//! attention's operands).
 
-use std::any::{Any, TypeId};
-use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::sync::OnceLock;
 
-use keel_proto::precision::Precision;
 use ndarray::{ArrayView2, ArrayViewMut2, ShapeBuilder};
 
 use super::Element;
 use super::bf16_convert;
-use super::bf16_shared;
 use super::onednn::{self, InputType, Strided4};
 
-thread_local! {
-    /// The precision of GEMMs started on this thread.
-    static PRECISION: Cell<Precision> = const { Cell::new(Precision::Fp32) };
-    /// Reused buffers of rounded operands, one pair per element type.
-    static SCRATCH: RefCell<HashMap<TypeId, Box<dyn Any>>> = RefCell::new(HashMap::new());
-}
-
-/// The precision of GEMMs on this thread now (fp32 unless inside [`with_precision`]).
-pub(crate) fn current() -> Precision {
-    PRECISION.with(Cell::get)
-}
-
-/// Runs `f` with this thread's GEMMs in precision `p`; the previous precision is restored
-/// however `f` ends.
-pub(crate) fn with_precision<R>(p: Precision, f: impl FnOnce() -> R) -> R {
-    let _scope = enter(p);
-    f()
-}
-
-/// While alive, this thread's GEMMs run in the precision given to [`enter`]; dropping it
-/// restores the one before.
-pub(crate) struct PrecisionScope(Precision);
-
-impl Drop for PrecisionScope {
-    fn drop(&mut self) {
-        PRECISION.with(|c| c.set(self.0));
-    }
-}
-
-/// Sets this thread's GEMM precision to `p` until the returned scope is dropped.
-#[must_use = "the precision is restored when the scope is dropped"]
-pub(crate) fn enter(p: Precision) -> PrecisionScope {
-    PrecisionScope(PRECISION.with(|c| c.replace(p)))
-}
-
-/// `x` rounded to bf16 (round to nearest, ties to even), as an f32 whose low 16 bits are 0.
-/// NaN stays NaN (quiet); values past bf16's largest finite value round to infinity.
-pub fn round_bf16_f32(x: f32) -> f32 {
-    f32::from_bits(u32::from(bf16_bits(x)) << 16)
-}
-
-/// The bf16 bit pattern of `x` rounded to nearest even (the high half of an f32).
-#[inline(always)]
-pub fn bf16_bits(x: f32) -> u16 {
-    let bits = x.to_bits();
-    let quiet_nan = ((bits >> 16) | 0x0040) as u16;
-    let rounding = 0x7fff + ((bits >> 16) & 1);
-    let rounded = (bits.wrapping_add(rounding) >> 16) as u16;
-    // A select, not a branch, so that loops over slices vectorise.
-    if x.is_nan() { quiet_nan } else { rounded }
-}
-
-/// `x` rounded to 8 significant bits, nearest even, directly from f64 (no double rounding
-/// through f32). The exponent range is f64's, wider than bf16's: only for the f64 checks.
-pub fn round_bf16_f64(x: f64) -> f64 {
-    if !x.is_finite() {
-        return x;
-    }
-    let bits = x.to_bits();
-    let drop = 52 - 7;
-    let rounding = (1u64 << (drop - 1)) - 1 + ((bits >> drop) & 1);
-    f64::from_bits((bits.wrapping_add(rounding) >> drop) << drop)
-}
+pub use super::bf16_convert::{bf16_bits, round_bf16_f32, round_bf16_f64};
 
 /// Which backend ran a bf16 GEMM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,15 +45,7 @@ pub enum Bf16Backend {
     Emulated,
 }
 
-/// Whether this process runs bf16 GEMMs on hardware, and why (decided once per process).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Bf16Support {
-    /// oneDNN's bf16 matmul is usable and faster than fp32: bf16 GEMMs take the native route.
-    pub native: bool,
-    /// What was found, for registration, logs and the bench (CPU features, kernel permission,
-    /// the oneDNN implementation, or what failed).
-    pub detail: String,
-}
+pub use super::bf16_cpu::Bf16Support;
 
 /// What this process can do (probed on first use: CPUID, the kernel's AMX permission, a
 /// oneDNN bf16 matmul created and run once and, with AVX512_BF16 alone, a race against fp32;
@@ -152,22 +77,6 @@ pub fn reference_kernel_calls() -> u64 {
 /// row-strided view, a column block of a wider matrix) reached oneDNN.
 pub fn gemm_jit_kernel_calls() -> u64 {
     onednn::gemm_jit_bf16_calls()
-}
-
-/// Runs `f` with this thread's reusable pair of `T` buffers.
-fn with_scratch<T: Default + Clone + 'static, R>(
-    f: impl FnOnce(&mut Vec<T>, &mut Vec<T>) -> R,
-) -> R {
-    SCRATCH.with(|s| {
-        let mut map = s.borrow_mut();
-        let entry = map
-            .entry(TypeId::of::<T>())
-            .or_insert_with(|| Box::new((Vec::<T>::new(), Vec::<T>::new())));
-        let (x, y) = entry
-            .downcast_mut::<(Vec<T>, Vec<T>)>()
-            .expect("SCRATCH holds a (Vec<T>, Vec<T>) under TypeId::of::<T>()");
-        f(x, y)
-    })
 }
 
 /// `v` converted elementwise by `f` into `buf`, kept in `v`'s memory order when it is
@@ -232,83 +141,69 @@ fn extend_converted<S: Copy, T>(buf: &mut Vec<T>, run: &[S], f: impl Fn(S) -> T 
     buf.extend(run.iter().map(|&x| f(x)));
 }
 
-/// `c = alpha * bf16(a) bf16(b) + beta * c` on `parts` threads, fp32 (or f64) accumulation:
-/// natively when [`support`] says so and `A` is f32, else emulated. Returns the route taken.
-pub(crate) fn gemm<A: Element>(
+/// `c = alpha * bf16(a) bf16(b) + beta * c` on `parts` threads, emulated: both inputs rounded
+/// to bf16 and kept in `A`, then the fp32 (or f64) GEMM. The rounded operands are fresh
+/// buffers each call: this route runs where bf16 has no hardware, slower than fp32 anyway.
+pub(crate) fn emulated_gemm<A: Element>(
     alpha: A,
     a: &ArrayView2<'_, A>,
     b: &ArrayView2<'_, A>,
     beta: A,
     c: &mut ArrayViewMut2<'_, A>,
     parts: usize,
-) -> Bf16Backend {
-    if A::gemm_bf16_native(alpha, a, b, None, beta, c, parts) {
-        return Bf16Backend::Native;
-    }
-    with_scratch::<A, _>(|ba, bb| {
-        let round_run = |buf: &mut Vec<A>, run: &[A]| extend_converted(buf, run, A::round_bf16);
-        let ar = converted(a, ba, A::round_bf16, round_run);
-        let br = converted(b, bb, A::round_bf16, round_run);
-        super::gemm::multiply(alpha, &ar, &br, beta, c, parts);
-    });
-    Bf16Backend::Emulated
+) {
+    let (mut ba, mut bb) = (Vec::new(), Vec::new());
+    let round_run = |buf: &mut Vec<A>, run: &[A]| extend_converted(buf, run, A::round_bf16);
+    let ar = converted(a, &mut ba, A::round_bf16, round_run);
+    let br = converted(b, &mut bb, A::round_bf16, round_run);
+    super::gemm_split::multiply(alpha, &ar, &br, beta, c, parts);
 }
 
-/// The native route for f32: `c = alpha * bf16(a) bf16(b) (+ bias) + beta * c`, both operands
-/// to bf16 bit patterns, then oneDNN per part (each part given its columns of `bias` `[n]`;
-/// a bias only with `alpha = 1`, as `super::onednn::matmul` requires).
-/// Returns false (nothing done) when this process has no native bf16.
+/// One f32 GEMM operand on the native route: its values and, when its caller made it, their
+/// bf16 copy with the same shape and strides (`super::bf16_shared::Operand`).
+pub(crate) type NativeOperand<'v, 'a> = (&'v ArrayView2<'a, f32>, Option<ArrayView2<'a, u16>>);
+
+/// The native route: `c = alpha * bf16(a) bf16(b) (+ bias) + beta * c`, each operand's bf16
+/// copy read when given, else rounded here, then oneDNN per part (each part given its columns
+/// of `bias` `[n]`; a bias only with `alpha = 1`, as `super::onednn::matmul` requires). Only
+/// for a process whose [`support`] is native (the caller's `super::gemms::Gemms` says so).
 ///
 /// Panics if oneDNN fails to create or run a bf16 matmul after the startup probe created and
 /// ran one (an invariant: it fails on bad arguments or no memory, not on data).
 pub(crate) fn native_gemm_f32(
-    (alpha, a, b): (f32, &ArrayView2<'_, f32>, &ArrayView2<'_, f32>),
+    alpha: f32,
+    (a, a16): NativeOperand<'_, '_>,
+    (b, b16): NativeOperand<'_, '_>,
     bias: Option<&[f32]>,
     beta: f32,
     c: &mut ArrayViewMut2<'_, f32>,
     parts: usize,
-) -> bool {
-    if !support().native {
-        return false;
-    }
-    // An operand inside a slice shared by `super::bf16_shared::share` is read from its
-    // copy, rounded once; the others are rounded here.
-    with_scratch::<u16, _>(|ba, bb| {
-        bf16_shared::with_view(a, |a_shared| {
-            bf16_shared::with_view(b, |b_shared| {
-                let a16 = match a_shared {
-                    Some(v) => v.reborrow(),
-                    None => converted_bits(a, ba),
-                };
-                let b16 = match b_shared {
-                    Some(v) => v.reborrow(),
-                    None => converted_bits(b, bb),
-                };
-                if bias.is_none() && super::gemm_ksplit::worth_cutting_k(&a16, &b16, parts) {
-                    super::gemm_ksplit::gemm_cut_k(alpha, &a16, &b16, beta, c, parts);
-                    return;
-                }
-                super::gemm::split_keeping_c_layout(&a16, &b16, c, parts, &|a, b, c, cols| {
-                    let bias = bias.map(|z| &z[cols]);
-                    if let Err(e) = onednn::matmul(InputType::Bf16, (alpha, a, b), bias, beta, c) {
-                        panic!("oneDNN bf16 matmul failed after the startup probe succeeded: {e}");
-                    }
-                });
-            })
-        })
+) {
+    crate::model_thread::with_u16_pair(|ba, bb| {
+        let a16 = match a16 {
+            Some(v) => v.reborrow(),
+            None => converted_bits(a, ba),
+        };
+        let b16 = match b16 {
+            Some(v) => v.reborrow(),
+            None => converted_bits(b, bb),
+        };
+        if bias.is_none() && super::gemm_ksplit::worth_cutting_k(&a16, &b16, parts) {
+            super::gemm_ksplit::gemm_cut_k(alpha, &a16, &b16, beta, c, parts);
+            return;
+        }
+        super::gemm_split::split_keeping_c_layout(&a16, &b16, c, parts, &|a, b, c, cols| {
+            let bias = bias.map(|z| &z[cols]);
+            if let Err(e) = onednn::matmul(InputType::Bf16, (alpha, a, b), bias, beta, c) {
+                panic!("oneDNN bf16 matmul failed after the startup probe succeeded: {e}");
+            }
+        });
     });
-    true
-}
-
-/// Appends the bf16 bit patterns of `x` to `out` (round to nearest even; the AVX-512 loop
-/// where the CPU has it).
-pub(crate) fn extend_bits(out: &mut Vec<u16>, x: &[f32]) {
-    bf16_convert::extend_bits(out, x);
 }
 
 /// The native route for a batch of f32 products (see `super::gemm::gemm_batched`): both
-/// operands' slices to bf16 bit patterns, whole, then one oneDNN call. Returns false (nothing
-/// done) when this process has no native bf16.
+/// operands' slices to bf16 bit patterns, whole (unless their copies are given), then one
+/// oneDNN call. Only for a process whose [`support`] is native.
 ///
 /// Panics if oneDNN fails after the startup probe succeeded (as [`native_gemm_f32`]) or the
 /// operands do not fit their slices (a caller's bug).
@@ -318,11 +213,8 @@ pub(crate) fn native_batched_f32(
     (b, b16, sb): (&[f32], Option<&[u16]>, Strided4),
     beta: f32,
     (c, sc): (&mut [f32], Strided4),
-) -> bool {
-    if !support().native {
-        return false;
-    }
-    with_scratch::<u16, _>(|ba, bb| {
+) {
+    crate::model_thread::with_u16_pair(|ba, bb| {
         let a16 = a16.unwrap_or_else(|| {
             ba.clear();
             bf16_convert::extend_bits(ba, &a[..sa.extent().min(a.len())]);
@@ -339,37 +231,6 @@ pub(crate) fn native_batched_f32(
             panic!("oneDNN batched bf16 matmul failed after the startup probe succeeded: {e}");
         }
     });
-    true
-}
-
-/// `x` as bf16 bit patterns in `out` (cleared first), for an operand several native GEMMs
-/// share: converted once instead of once per GEMM. False (nothing done) unless `A` is f32
-/// and bf16 GEMMs run natively in this thread's precision.
-pub(crate) fn native_copy<A: 'static>(x: &[A], out: &mut Vec<u16>) -> bool {
-    if TypeId::of::<A>() != TypeId::of::<f32>() || current() != Precision::Bf16 || !support().native
-    {
-        return false;
-    }
-    // SAFETY: `A` is f32 (checked above): same size, alignment and validity.
-    let x = unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) };
-    out.clear();
-    bf16_convert::extend_bits(out, x);
-    true
-}
-
-/// Writes the bf16 bit patterns of `x` into `out` (`out.len() == x.len()`), on this thread
-/// only: for an operand kept in a buffer its caller sized (see `super::attention_batched`).
-///
-/// Panics unless `A` is f32 and the lengths agree (a caller's bug: only the native route keeps
-/// copies, and only of f32).
-pub(crate) fn native_copy_into<A: 'static>(x: &[A], out: &mut [u16]) {
-    assert!(
-        TypeId::of::<A>() == TypeId::of::<f32>() && out.len() == x.len(),
-        "a kept bf16 copy is of f32 and as long as its operand"
-    );
-    // SAFETY: `A` is f32 (checked above): same size, alignment and validity.
-    let x = unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) };
-    bf16_convert::convert_slice(out, x);
 }
 
 #[cfg(test)]
@@ -439,17 +300,5 @@ mod tests {
             assert!((r - x).abs() <= 2f32.powi(-8) * x.abs(), "{x} -> {r}");
             assert_eq!(round_bf16_f64(f64::from(x)), f64::from(r), "{x}");
         }
-    }
-
-    #[test]
-    fn precision_is_scoped_to_the_thread_and_restored() {
-        assert_eq!(current(), Precision::Fp32);
-        with_precision(Precision::Bf16, || {
-            assert_eq!(current(), Precision::Bf16);
-            std::thread::scope(|s| {
-                s.spawn(|| assert_eq!(current(), Precision::Fp32));
-            });
-        });
-        assert_eq!(current(), Precision::Fp32);
     }
 }

@@ -1,5 +1,5 @@
 //! f32 to bf16 bit patterns, many at a time: the conversion every native bf16 GEMM's operands
-//! go through. Round to nearest even, NaN to a quiet NaN, exactly [`super::bf16::bf16_bits`]
+//! go through. Round to nearest even, NaN to a quiet NaN, exactly [`bf16_bits`]
 //! element by element: subnormals are rounded like any other value (the hardware's
 //! `VCVTNEPS2BF16` flushes them to zero, so it is not used: the emulated route, which the tests
 //! check on every machine, must give the same bits as the native one).
@@ -8,8 +8,36 @@
 //! took 13% of a BERT-mini bf16 step on an AMX Xeon (2026-12-04, perf), about 1 ns an element;
 //! this one does 16 elements in a handful of instructions.
 
-use super::bf16::bf16_bits;
 use super::pass_profile::{Pass, bytes, region};
+
+/// `x` rounded to bf16 (round to nearest, ties to even), as an f32 whose low 16 bits are 0.
+/// NaN stays NaN (quiet); values past bf16's largest finite value round to infinity.
+pub fn round_bf16_f32(x: f32) -> f32 {
+    f32::from_bits(u32::from(bf16_bits(x)) << 16)
+}
+
+/// The bf16 bit pattern of `x` rounded to nearest even (the high half of an f32).
+#[inline(always)]
+pub fn bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let quiet_nan = ((bits >> 16) | 0x0040) as u16;
+    let rounding = 0x7fff + ((bits >> 16) & 1);
+    let rounded = (bits.wrapping_add(rounding) >> 16) as u16;
+    // A select, not a branch, so that loops over slices vectorise.
+    if x.is_nan() { quiet_nan } else { rounded }
+}
+
+/// `x` rounded to 8 significant bits, nearest even, directly from f64 (no double rounding
+/// through f32). The exponent range is f64's, wider than bf16's: only for the f64 checks.
+pub fn round_bf16_f64(x: f64) -> f64 {
+    if !x.is_finite() {
+        return x;
+    }
+    let bits = x.to_bits();
+    let drop = 52 - 7;
+    let rounding = (1u64 << (drop - 1)) - 1 + ((bits >> drop) & 1);
+    f64::from_bits((bits.wrapping_add(rounding) >> drop) << drop)
+}
 
 /// Appends the bf16 bit patterns of `x` to `out`: 16 at a time with AVX-512F where the CPU has
 /// it, else one by one; a long `x` is cut among the model's threads (`super::parallel`), since

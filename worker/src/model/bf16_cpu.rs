@@ -21,14 +21,22 @@
 //!   measured 75 against 56 GFLOP/s there (1.34x) where an idle machine gives 190 against 100,
 //!   close enough to the margin for two runs of one job to choose differently.
 
-use super::bf16::Bf16Support;
-
 /// `arch_prctl` code asking for permission to use an XSAVE feature (asm/prctl.h).
 #[cfg(target_arch = "x86_64")]
 const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
 /// The AMX tile-data XSAVE feature number.
 #[cfg(target_arch = "x86_64")]
 const XFEATURE_XTILEDATA: libc::c_long = 18;
+
+/// Whether this process runs bf16 GEMMs on hardware, and why (decided once per process).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bf16Support {
+    /// oneDNN's bf16 matmul is usable and faster than fp32: bf16 GEMMs take the native route.
+    pub native: bool,
+    /// What was found, for registration, logs and the bench (CPU features, kernel permission,
+    /// the oneDNN implementation, or what failed).
+    pub detail: String,
+}
 
 /// Probes the machine (see the module doc).
 pub(crate) fn detect() -> Bf16Support {
@@ -120,7 +128,7 @@ pub(crate) fn detect() -> Bf16Support {
 #[cfg(target_arch = "x86_64")]
 fn probe_onednn() -> Result<String, super::onednn::DnnlError> {
     use ndarray::Array2;
-    let a = Array2::<u16>::from_elem((32, 32), super::bf16::bf16_bits(1.0));
+    let a = Array2::<u16>::from_elem((32, 32), super::bf16_convert::bf16_bits(1.0));
     let bias = [1.0f32; 32];
     let mut name = String::new();
     for (with_bias, want) in [(false, 32.0), (true, 33.0)] {
@@ -207,7 +215,7 @@ fn thread_cpu_seconds() -> f64 {
 /// in bf16 through oneDNN and in fp32 through OpenBLAS, one thread each; see the module doc.
 #[cfg(target_arch = "x86_64")]
 fn race() -> Result<Race, super::onednn::DnnlError> {
-    use super::bf16::bf16_bits;
+    use super::bf16_convert::bf16_bits;
     use super::onednn::{InputType, matmul};
     use ndarray::{Array2, linalg::general_mat_mul};
 

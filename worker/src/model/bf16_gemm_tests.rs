@@ -10,8 +10,25 @@
 use keel_proto::precision::Precision;
 use ndarray::{Array2, ArrayView2, s};
 
-use super::bf16::{round_bf16_f32, with_precision};
-use super::gemm::{gemm, stats};
+use super::bf16::round_bf16_f32;
+use super::gemm::{GemmSite, Gemms, gemm, stats};
+
+/// bf16 GEMMs over f32 on this process's route (native or emulated).
+fn bf16() -> Gemms {
+    Gemms::new::<f32>(Precision::Bf16)
+}
+
+/// One bf16 product cut among `parts` threads, as the model's entry points run it.
+fn bf16_gemm(
+    alpha: f32,
+    a: &ArrayView2<'_, f32>,
+    b: &ArrayView2<'_, f32>,
+    beta: f32,
+    c: &mut ndarray::ArrayViewMut2<'_, f32>,
+    parts: usize,
+) {
+    super::gemm::block(bf16(), alpha, (*a).into(), (*b).into(), beta, c, parts);
+}
 
 /// Values with all 24 significant bits in use, in [-1.5, 1.5].
 fn data(r: usize, c: usize, seed: u32) -> Array2<f32> {
@@ -56,7 +73,7 @@ fn check(
     let (unrounded, _) = reference(alpha, &a, &b, beta, &c0.view(), false);
     let bf16_flops = || -> u64 { stats().class_flops.iter().map(|c| c[1] + c[2]).sum() };
     let before = bf16_flops();
-    with_precision(Precision::Bf16, || gemm(alpha, &a, &b, beta, c));
+    gemm(bf16(), GemmSite::Other, alpha, a.into(), b.into(), beta, c);
     // Counted as bf16 flops (other tests in this process may add theirs, never take away).
     assert!(
         bf16_flops() - before >= (2 * a.nrows() * k * b.ncols()) as u64,
@@ -244,8 +261,8 @@ fn bf16_gemm_cut_among_threads_matches() {
         let b = data(n, k, 21);
         let mut one = data(m, n, 22);
         let mut cut = one.clone();
-        super::bf16::gemm(1.0, &a.view(), &b.t(), 0.5, &mut one.view_mut(), 1);
-        super::bf16::gemm(1.0, &a.view(), &b.t(), 0.5, &mut cut.view_mut(), 3);
+        bf16_gemm(1.0, &a.view(), &b.t(), 0.5, &mut one.view_mut(), 1);
+        bf16_gemm(1.0, &a.view(), &b.t(), 0.5, &mut cut.view_mut(), 3);
         let (want, scale) = reference(1.0, &a.view(), &b.t(), 0.5, &data(m, n, 22).view(), true);
         let gamma = (k as f64 + 2.0) * 2f64.powi(-24);
         for (x, (w, sc)) in cut
@@ -312,7 +329,7 @@ fn bias_added_by_the_gemm_is_the_product_plus_the_bias() {
                 );
             }
             let mut plain = Array2::<f32>::zeros((m, n));
-            super::bf16::gemm(1.0, &a.view(), &b.t(), 0.0, &mut plain.view_mut(), 1);
+            bf16_gemm(1.0, &a.view(), &b.t(), 0.0, &mut plain.view_mut(), 1);
             let moved = plain.iter().zip(got.iter()).filter(|(x, y)| x != y).count();
             assert!(
                 moved > m * n / 2,
@@ -329,17 +346,20 @@ fn bias_added_by_the_gemm_is_the_product_plus_the_bias() {
         };
         for parts in [1, 3] {
             let mut fill = filled();
-            super::bf16::gemm(1.0, &a.view(), &b.t(), 1.0, &mut fill.view_mut(), parts);
+            bf16_gemm(1.0, &a.view(), &b.t(), 1.0, &mut fill.view_mut(), parts);
             let mut plain = Array2::<f32>::zeros((m, n));
-            super::bf16::gemm(1.0, &a.view(), &b.t(), 0.0, &mut plain.view_mut(), parts);
+            bf16_gemm(1.0, &a.view(), &b.t(), 0.0, &mut plain.view_mut(), parts);
             let mut got = Array2::<f32>::from_elem((m, n), f32::NAN);
-            if super::bf16::native_gemm_f32(
-                (1.0, &a.view(), &b.t()),
-                Some(&bias),
-                0.0,
-                &mut got.view_mut(),
-                parts,
-            ) {
+            if super::bf16::support().native {
+                super::bf16::native_gemm_f32(
+                    1.0,
+                    (&a.view(), None),
+                    (&b.t(), None),
+                    Some(&bias),
+                    0.0,
+                    &mut got.view_mut(),
+                    parts,
+                );
                 check(
                     &got,
                     &plus_bias(plain),
@@ -351,19 +371,31 @@ fn bias_added_by_the_gemm_is_the_product_plus_the_bias() {
             }
         }
         let mut fill = filled();
-        with_precision(Precision::Bf16, || {
-            gemm(1.0, &a.view(), &b.t(), 1.0, &mut fill.view_mut())
-        });
+        let other = GemmSite::Other;
+        gemm(
+            bf16(),
+            other,
+            1.0,
+            a.view().into(),
+            b.t().into(),
+            1.0,
+            &mut fill.view_mut(),
+        );
         let mut plain = Array2::<f32>::zeros((m, n));
-        with_precision(Precision::Bf16, || {
-            gemm(1.0, &a.view(), &b.t(), 0.0, &mut plain.view_mut())
-        });
+        gemm(
+            bf16(),
+            other,
+            1.0,
+            a.view().into(),
+            b.t().into(),
+            0.0,
+            &mut plain.view_mut(),
+        );
         let mut got = Array2::<f32>::from_elem((m, n), f32::NAN);
         let bf16_flops = || -> u64 { stats().class_flops.iter().map(|c| c[1] + c[2]).sum() };
         let before = bf16_flops();
-        with_precision(Precision::Bf16, || {
-            super::gemm::gemm_bias(&a.view(), &b.t(), &bias, &mut got.view_mut())
-        });
+        let (a_op, b_op) = (a.view().into(), b.t().into());
+        super::gemm::gemm_bias(bf16(), other, a_op, b_op, &bias, &mut got.view_mut());
         assert!(
             bf16_flops() >= before + (2 * m * n * k) as u64,
             "{m}x{k}x{n}: gemm_bias not counted as bf16 flops"

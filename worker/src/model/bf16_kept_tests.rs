@@ -1,4 +1,4 @@
-//! The bf16 copies a layer keeps from its forward for its backward (`bf16_shared::keep`) give
+//! The bf16 copies a layer keeps from its forward for its backward (`super::bf16_shared::keep`) give
 //! the same bits as rounding every GEMM operand where it is used: they are the same roundings
 //! of the same values, made fewer times. A stale or misplaced copy (an activation changed after
 //! it was kept, a copy lent for the wrong slice) would change the gradients.
@@ -8,7 +8,6 @@ use keel_proto::params::{Heads, ParamLayout};
 use keel_proto::precision::Precision;
 use ndarray::Array2;
 
-use super::bf16_shared::keeping_nothing;
 use super::{Bert, DropoutKey, StepOptions, init_params};
 use crate::batch::Batch;
 
@@ -39,9 +38,13 @@ fn batch(b: usize, t: usize, vocab: u32) -> Batch {
 }
 
 /// One bf16 training step (dropout on): the loss and the gradients' bits.
-fn step(config: &BertConfig, params: &[f32], batch: &Batch) -> (f32, Vec<u32>) {
+/// `keep_copies: false` keeps no copy (every GEMM rounds its own operands, the reference).
+fn step(config: &BertConfig, params: &[f32], batch: &Batch, keep_copies: bool) -> (f32, Vec<u32>) {
     let mut model = Bert::<f32>::new(config, Heads::PreTraining).expect("a valid config");
     model.set_precision(Precision::Bf16);
+    if !keep_copies {
+        model.keep_no_bf16_copies();
+    }
     let mut grads = vec![0f32; params.len()];
     let opts = StepOptions {
         mlm_scale: 1.0,
@@ -70,8 +73,8 @@ fn kept_bf16_copies_give_the_bits_of_rounding_at_each_gemm() {
         );
         return;
     }
-    let kept = step(&config, &params, &batch);
-    let rounded_at_each_gemm = keeping_nothing(|| step(&config, &params, &batch));
+    let kept = step(&config, &params, &batch, true);
+    let rounded_at_each_gemm = step(&config, &params, &batch, false);
     assert_eq!(kept.0.to_bits(), rounded_at_each_gemm.0.to_bits(), "loss");
     let differ = kept
         .1

@@ -1,339 +1,273 @@
-//! Operands rounded to bf16 once and read by several native GEMMs.
+//! GEMM operands that carry their bf16 copy, so that one rounding serves several native GEMMs.
 //!
-//! Without this, the native route (`super::bf16::native_gemm_f32`) rounds both operands of
+//! Without copies, the native route (`super::bf16::native_gemm_f32`) rounds both operands of
 //! every call: a weight once in forward and again for its input gradient, a layer's input
 //! once for each of the query, key and value projections in forward and again for each of
 //! their weight gradients, an output gradient `dy` once for the weight gradient and again for
-//! the input gradient. [`share`] rounds a whole slice once, up front, and until its guard is
-//! dropped every native GEMM whose operand view lies inside that slice reads the copy, with
-//! the view's own strides (so `W` and `W^T` are both served by one copy of `W`).
+//! the input gradient. Here the rounding is made once, into a buffer its caller owns, and
+//! handed to each GEMM that reads the same values as part of the operand ([`Operand`],
+//! [`Flat`]): the model's parameters once per micro-batch (a buffer `super::Bert` owns), a
+//! layer's inputs by its forward for its backward ([`keep`], into the layer's cache), a `dy`
+//! for both of its Linear's GEMMs ([`round_once`]).
 //!
-//! The values the GEMMs see are the same bits as before (the same rounding of the same
-//! numbers), so results are bit-identical; only the number of passes over memory changes.
-//!
-//! A copy can also outlive one scope: [`keep`] rounds an activation into a buffer the caller
-//! owns (a layer's cache), and [`share_kept`] lends that buffer to the GEMMs of a later scope.
-//! A layer's forward keeps the bf16 copies of its GEMMs' inputs and its backward reads them
-//! for the weight gradients, instead of rounding the same activations a second time.
-//!
-//! Scoping: the guard borrows the slice (and a kept copy) for its whole life, so safe code
-//! cannot change either while the copy is in use. Registrations are per thread (the GEMMs that
-//! read them are started on the thread that shared them); a GEMM on another thread converts as
-//! before.
+//! A copy is the same rounding of the same numbers the GEMM would make itself, and it is read
+//! with the operand's own shape and strides (so `W` and `W^T` are both served by one copy of
+//! `W`): results are bit-identical with or without it; only the passes over memory change.
+//! Copies exist only on the native route ([`Gemms::native`]); elsewhere every `bf16` is `None`.
 
-use std::any::TypeId;
-use std::cell::RefCell;
-use std::marker::PhantomData;
-
-use keel_proto::precision::Precision;
 use ndarray::{ArrayView2, ShapeBuilder};
 
-/// One shared slice: its address range and its bf16 bit patterns.
-struct Region {
-    /// Address of the first f32.
-    start: usize,
-    /// Length in f32 elements.
-    len: usize,
-    /// `[len]` bf16 bit patterns, element `i` of the slice at `copy[i]`.
-    copy: Copy16,
+use super::Element;
+use super::element::f32_slice;
+use super::gemms::Gemms;
+
+/// One input of a GEMM: its values and, on the native bf16 route, optionally the bf16 bit
+/// patterns of exactly those values with the same shape and strides (`[rows, cols]` both).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Operand<'a, A> {
+    /// The values (f32 or f64), any strides.
+    pub f32: ArrayView2<'a, A>,
+    /// Their bf16 copy, element `[i, j]` the rounding of `f32[[i, j]]`; `None`: the GEMM
+    /// rounds them itself when it needs bf16.
+    pub bf16: Option<ArrayView2<'a, u16>>,
 }
 
-/// Where a region's bf16 bit patterns live.
-enum Copy16 {
-    /// Made by [`share`], dropped (its buffer kept for reuse) with the guard.
-    Owned(Vec<u16>),
-    /// A caller's buffer lent by [`share_kept`]: `[len]` u16 at this address, valid while the
-    /// guard lives (the guard borrows it).
-    Lent(*const u16),
-}
+impl<'a, A> Operand<'a, A> {
+    /// An operand without a copy.
+    pub(crate) fn plain(f32: ArrayView2<'a, A>) -> Operand<'a, A> {
+        Operand { f32, bf16: None }
+    }
 
-impl Region {
-    fn bits(&self) -> &[u16] {
-        match &self.copy {
-            Copy16::Owned(v) => v,
-            // SAFETY: `share_kept` registered `len` elements of a slice that its guard borrows,
-            // and the region is popped when that guard drops.
-            Copy16::Lent(p) => unsafe { std::slice::from_raw_parts(*p, self.len) },
+    /// The transposed operand (its copy transposed with it).
+    pub(crate) fn t(self) -> Operand<'a, A> {
+        Operand {
+            f32: self.f32.reversed_axes(),
+            bf16: self.bf16.map(|v| v.reversed_axes()),
         }
     }
 }
 
-thread_local! {
-    /// The regions shared on this thread, innermost last.
-    static REGIONS: RefCell<Vec<Region>> = const { RefCell::new(Vec::new()) };
-    /// Buffers of dropped regions, kept for the next [`share`] (no allocation per step once
-    /// they have grown).
-    static SPARE: RefCell<Vec<Vec<u16>>> = const { RefCell::new(Vec::new()) };
+impl<'a, A> From<ArrayView2<'a, A>> for Operand<'a, A> {
+    fn from(f32: ArrayView2<'a, A>) -> Operand<'a, A> {
+        Operand::plain(f32)
+    }
 }
 
-#[cfg(test)]
-thread_local! {
-    /// Set by [`keeping_nothing`]: [`keep`] then keeps nothing, so every GEMM rounds its own
-    /// operands, as before copies were kept.
-    static KEEP_NOTHING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+/// A flat buffer (the parameters, a layer's activation) and, optionally, its bf16 copy element
+/// for element: where GEMM operands are cut from ([`Flat::mat`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Flat<'a, A> {
+    /// The values.
+    pub f32: &'a [A],
+    /// `[f32.len()]` bf16 bit patterns of `f32`, or `None`.
+    pub bf16: Option<&'a [u16]>,
 }
 
-/// Runs `f` with [`keep`] keeping nothing on this thread: the reference the kept copies must
-/// reproduce bit for bit (`super::bf16_kept_tests`).
-#[cfg(test)]
-pub(crate) fn keeping_nothing<R>(f: impl FnOnce() -> R) -> R {
-    KEEP_NOTHING.set(true);
-    let r = f();
-    KEEP_NOTHING.set(false);
-    r
-}
+impl<'a, A> Flat<'a, A> {
+    /// A buffer without a copy.
+    pub(crate) fn plain(f32: &'a [A]) -> Flat<'a, A> {
+        Flat { f32, bf16: None }
+    }
 
-/// While alive, native bf16 GEMMs on this thread read operands inside the shared slice from
-/// its bf16 copy. Dropping it forgets the copy (its buffer is kept for reuse).
-#[must_use = "the copy is used only while the guard lives"]
-pub(crate) struct Shared<'a> {
-    /// Whether a region was pushed (false off the native route: nothing to undo).
-    pushed: bool,
-    /// Keeps the shared slice (and a lent copy) borrowed, hence unchanged, while in use.
-    _slice: PhantomData<&'a [f32]>,
-}
-
-impl Drop for Shared<'_> {
-    fn drop(&mut self) {
-        if !self.pushed {
-            return;
+    /// `x` with the copy [`keep`] (or [`round_once`]) made of it, from the same values (the
+    /// caller's promise: `x` has not changed since). An empty `copy` (nothing kept: not the
+    /// native route) is no copy.
+    ///
+    /// Panics if `copy` is neither empty nor as long as `x` (a caller's bug).
+    pub(crate) fn kept(x: &'a [A], copy: &'a [u16]) -> Flat<'a, A> {
+        if copy.is_empty() {
+            return Flat::plain(x);
         }
-        let region = REGIONS.with(|r| r.borrow_mut().pop());
-        if let Some(Region {
-            copy: Copy16::Owned(copy),
-            ..
-        }) = region
-        {
-            SPARE.with(|s| s.borrow_mut().push(copy));
+        assert_eq!(copy.len(), x.len(), "a kept bf16 copy covers its slice");
+        Flat {
+            f32: x,
+            bf16: Some(copy),
+        }
+    }
+
+    /// `[rows, cols]` row-major from element `at`, as a GEMM operand (with the copy's view).
+    ///
+    /// Panics if the buffer is shorter than `at + rows * cols` (a caller's bug).
+    pub(crate) fn mat(self, at: usize, rows: usize, cols: usize) -> Operand<'a, A> {
+        fn view<T>(s: &[T], at: usize, rows: usize, cols: usize) -> ArrayView2<'_, T> {
+            ArrayView2::from_shape((rows, cols).strides((cols, 1)), &s[at..at + rows * cols])
+                .expect("rows * cols elements")
+        }
+        Operand {
+            f32: view(self.f32, at, rows, cols),
+            bf16: self.bf16.map(|c| view(c, at, rows, cols)),
         }
     }
 }
 
-/// Rounds `x` to bf16 once for the native GEMMs that will read it while the returned guard
-/// lives. Does nothing (a guard with nothing to undo) unless `A` is f32 and this thread's
-/// GEMMs run natively in bf16 (`super::bf16::current`, `super::bf16::support`).
-pub(crate) fn share<A: 'static>(x: &[A]) -> Shared<'_> {
-    let Some(x) = native_f32(x) else {
-        return Shared::none();
-    };
-    let mut copy = SPARE.with(|s| s.borrow_mut().pop()).unwrap_or_default();
+/// Rounds `x` to bf16 into `copy` (cleared first), for the GEMMs of a later pass to read
+/// through [`Flat::kept`]; leaves `copy` empty unless `gemms` keeps copies (the native bf16
+/// route on f32, [`Gemms::keeps`]).
+pub(crate) fn keep<A: Element>(gemms: Gemms, x: &[A], copy: &mut Vec<u16>) {
     copy.clear();
-    super::bf16::extend_bits(&mut copy, x);
-    push(x, Copy16::Owned(copy))
-}
-
-/// Rounds `x` `[len]` to bf16 into `copy` (cleared first) for GEMMs of later scopes to read
-/// through [`share_kept`]; leaves `copy` empty unless `A` is f32 and this thread's GEMMs run
-/// natively in bf16 (as [`share`]).
-pub(crate) fn keep<A: 'static>(x: &[A], copy: &mut Vec<u16>) {
-    copy.clear();
-    #[cfg(test)]
-    if KEEP_NOTHING.get() {
-        return;
-    }
-    super::bf16::native_copy(x, copy);
-}
-
-/// [`keep`] then [`share_kept`]: rounds `x` into `copy` and lends it to the GEMMs of this
-/// scope, leaving it in `copy` for a later scope's [`share_kept`].
-pub(crate) fn keep_and_share<'a, A: 'static>(x: &'a [A], copy: &'a mut Vec<u16>) -> Shared<'a> {
-    keep(x, copy);
-    share_kept(x, copy)
-}
-
-/// As [`share`], with the bf16 copy of `x` that [`keep`] wrote into `copy` from the same
-/// values (the caller's promise: `x` has not changed since). An empty `copy` (nothing kept:
-/// not the native route) shares nothing.
-///
-/// Panics if `copy` is neither empty nor `x.len()` long (a caller's bug).
-pub(crate) fn share_kept<'a, A: 'static>(x: &'a [A], copy: &'a [u16]) -> Shared<'a> {
-    if copy.is_empty() {
-        return Shared::none();
-    }
-    assert_eq!(copy.len(), x.len(), "a kept bf16 copy covers its slice");
-    let Some(x) = native_f32(x) else {
-        return Shared::none();
-    };
-    push(x, Copy16::Lent(copy.as_ptr()))
-}
-
-/// `x` as f32 when `A` is f32, `x` is not empty and this thread's GEMMs run natively in bf16.
-fn native_f32<A: 'static>(x: &[A]) -> Option<&[f32]> {
-    if TypeId::of::<A>() != TypeId::of::<f32>()
-        || super::bf16::current() != Precision::Bf16
-        || !super::bf16::support().native
-        || x.is_empty()
-    {
-        return None;
-    }
-    // SAFETY: `A` is f32 (checked above): same size, alignment and validity.
-    Some(unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) })
-}
-
-/// Registers `copy` as the bf16 bits of `x` until the returned guard drops.
-fn push<'a>(x: &'a [f32], copy: Copy16) -> Shared<'a> {
-    REGIONS.with(|r| {
-        r.borrow_mut().push(Region {
-            start: x.as_ptr() as usize,
-            len: x.len(),
-            copy,
-        })
-    });
-    Shared {
-        pushed: true,
-        _slice: PhantomData,
+    if gemms.keeps() {
+        round_into(x, copy);
     }
 }
 
-impl Shared<'_> {
-    /// A guard with nothing to undo.
-    fn none() -> Self {
-        Shared {
-            pushed: false,
-            _slice: PhantomData,
-        }
+/// `x` with its bf16 copy, rounded into `buf` once for the several native GEMMs about to read
+/// it; `x` alone off the native route (or when empty).
+pub(crate) fn round_once<'a, A: Element>(
+    gemms: Gemms,
+    x: &'a [A],
+    buf: &'a mut Vec<u16>,
+) -> Flat<'a, A> {
+    buf.clear();
+    if !gemms.native() || x.is_empty() {
+        return Flat::plain(x);
     }
+    round_into(x, buf);
+    Flat::kept(x, buf)
 }
 
-/// Calls `f` with `v`'s bf16 bit patterns read from a shared copy, when `v` (any strides
-/// `>= 0`) lies wholly inside a region shared on this thread; else with `None`.
-pub(crate) fn with_view<R>(
-    v: &ArrayView2<'_, f32>,
-    f: impl FnOnce(Option<ArrayView2<'_, u16>>) -> R,
-) -> R {
-    REGIONS.with(|r| {
-        let regions = r.borrow();
-        let view = regions.iter().rev().find_map(|region| view_in(region, v));
-        f(view)
-    })
-}
-
-/// `v` as a view of `region.copy`, when every element of `v` lies inside the region.
-fn view_in<'r>(region: &'r Region, v: &ArrayView2<'_, f32>) -> Option<ArrayView2<'r, u16>> {
-    let (rows, cols) = v.dim();
-    let [rs, cs] = [v.strides()[0], v.strides()[1]];
-    if rows == 0 || cols == 0 || rs < 0 || cs < 0 {
-        return None;
+/// Appends the bf16 bits of `x` to `out` when `A` is f32.
+fn round_into<A: Element>(x: &[A], out: &mut Vec<u16>) {
+    if let Some(x) = f32_slice(x) {
+        super::bf16_convert::extend_bits(out, x);
     }
-    let (rs, cs) = (rs as usize, cs as usize);
-    let addr = v.as_ptr() as usize;
-    let bytes = addr.checked_sub(region.start)?;
-    if !bytes.is_multiple_of(size_of::<f32>()) {
-        return None;
-    }
-    let first = bytes / size_of::<f32>();
-    let last = first + (rows - 1) * rs + (cols - 1) * cs;
-    if last >= region.len {
-        return None;
-    }
-    ArrayView2::from_shape((rows, cols).strides((rs, cs)), &region.bits()[first..]).ok()
 }
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::model::bf16::{bf16_bits, with_precision};
-    use crate::model::gemm::{gemm, mat, mat_mut};
+    use keel_proto::precision::Precision;
     use ndarray::{Array2, s};
 
-    /// A region made by hand, as [`share`] makes it on the native route.
-    fn region_of(x: &[f32]) -> Region {
-        let mut copy = Vec::new();
-        crate::model::bf16::extend_bits(&mut copy, x);
-        Region {
-            start: x.as_ptr() as usize,
-            len: x.len(),
-            copy: Copy16::Owned(copy),
-        }
-    }
+    use super::*;
+    use crate::model::bf16::{bf16_bits, support};
+    use crate::model::gemm::{GemmSite, gemm, mat_mut};
 
-    /// A view inside a shared slice reads the same bits as converting it, in every layout the
-    /// model hands a GEMM; a view reaching outside it reads nothing. Runs on every machine.
+    /// A copy cut from a [`Flat`] reads the same bits as rounding the view it goes with, in
+    /// every layout the model hands a GEMM.
     #[test]
-    fn views_inside_a_region_read_its_rounded_copy() {
-        let m = Array2::from_shape_fn((6, 10), |(i, j)| (i * 10 + j) as f32 * 0.731 - 7.0);
-        let flat = m.as_slice().expect("standard layout");
-        let region = region_of(&flat[10..]);
-        let inner = m.slice(s![1.., ..]);
+    fn a_flat_copy_reads_the_rounding_of_its_view() {
+        let x: Vec<f32> = (0..60).map(|i| i as f32 * 0.731 - 7.0).collect();
+        let mut copy = Vec::new();
+        crate::model::bf16_convert::extend_bits(&mut copy, &x);
+        let flat = Flat::kept(&x, &copy);
+        let m = flat.mat(10, 5, 10);
         for (what, v) in [
-            ("rows 1..", inner),
-            ("their transpose", inner.t()),
-            ("rows 2..5", m.slice(s![2..5, ..])),
-            ("row-strided columns", m.slice(s![1.., 3..7])),
-            ("their transpose", m.slice(s![1.., 3..7]).reversed_axes()),
+            ("rows", m),
+            ("their transpose", m.t()),
+            ("a block of columns", {
+                let Operand { f32, bf16 } = m;
+                Operand {
+                    f32: f32.slice_move(s![.., 3..7]),
+                    bf16: bf16.map(|b| b.slice_move(s![.., 3..7])),
+                }
+            }),
         ] {
-            let got = view_in(&region, &v).unwrap_or_else(|| panic!("{what}: inside"));
-            assert_eq!(got.dim(), v.dim(), "{what}");
-            for (g, &x) in got.iter().zip(v.iter()) {
+            let bits = v.bf16.expect("a copy");
+            assert_eq!(bits.dim(), v.f32.dim(), "{what}");
+            for (g, &x) in bits.iter().zip(v.f32.iter()) {
                 assert_eq!(*g, bf16_bits(x), "{what}");
             }
         }
-        for (what, v) in [
-            ("starts before", m.view()),
-            ("ends after", m.slice(s![.., 0..1])),
-        ] {
-            assert!(view_in(&region, &v).is_none(), "{what}");
-        }
-        let other = Array2::from_elem((2, 2), 1.5f32);
-        assert!(view_in(&region, &other.view()).is_none(), "elsewhere");
+        assert!(Flat::kept(&x, &[]).bf16.is_none(), "nothing kept");
     }
 
-    /// A GEMM reading shared operands gives the same bits as one rounding them itself (`W^T`
-    /// and `dy^T` included), and the guard's end forgets the copy. Where bf16 is not native,
-    /// nothing is shared and both runs take the same route.
+    /// GEMMs given the bf16 copies of their operands (`W^T`, `dy^T` views of them) give the
+    /// same bits as GEMMs rounding them themselves. Where bf16 is not native, no copy is made
+    /// and both runs take the same route.
     #[test]
-    fn shared_operands_give_the_same_bits() {
+    fn operands_with_copies_give_the_same_bits() {
         let (n, i, o) = (48, 40, 24);
         let x: Vec<f32> = (0..n * i).map(|k| (k as f32 * 0.377).sin()).collect();
         let w: Vec<f32> = (0..o * i).map(|k| (k as f32 * 0.211).cos() * 0.3).collect();
         let dy: Vec<f32> = (0..n * o).map(|k| (k as f32 * 0.913).sin() * 0.1).collect();
-        let run = |share_them: bool| {
-            with_precision(Precision::Bf16, || {
-                let _guards = share_them.then(|| (share(&w), share(&dy)));
-                let mut y = vec![0f32; n * o];
-                let mut dw = vec![0f32; o * i];
-                let wm = mat(&w, o, i);
-                gemm(
-                    1.0,
-                    &mat(&x, n, i),
-                    &wm.t(),
-                    0.0,
-                    &mut mat_mut(&mut y, n, o),
-                );
-                gemm(
-                    1.0,
-                    &mat(&dy, n, o).t(),
-                    &mat(&x, n, i),
-                    0.0,
-                    &mut mat_mut(&mut dw, o, i),
-                );
-                (y, dw)
-            })
+        let g = Gemms::new::<f32>(Precision::Bf16);
+        let run = |with_copies: bool| {
+            let (mut w16, mut dy16) = (Vec::new(), Vec::new());
+            let (wf, dyf) = if with_copies {
+                (round_once(g, &w, &mut w16), round_once(g, &dy, &mut dy16))
+            } else {
+                (Flat::plain(&w[..]), Flat::plain(&dy[..]))
+            };
+            assert_eq!(wf.bf16.is_some(), with_copies && g.native());
+            let xf = Flat::plain(&x[..]);
+            let mut y = vec![0f32; n * o];
+            let mut dw = vec![0f32; o * i];
+            let site = GemmSite::Other;
+            gemm(
+                g,
+                site,
+                1.0,
+                xf.mat(0, n, i),
+                wf.mat(0, o, i).t(),
+                0.0,
+                &mut mat_mut(&mut y, n, o),
+            );
+            gemm(
+                g,
+                site,
+                1.0,
+                dyf.mat(0, n, o).t(),
+                xf.mat(0, n, i),
+                0.0,
+                &mut mat_mut(&mut dw, o, i),
+            );
+            (y, dw)
         };
-        if !crate::model::bf16::support().native {
+        if !support().native {
             eprintln!(
-                "no native bf16 in this process ({}): nothing is shared, both runs emulate",
-                crate::model::bf16::support().detail
+                "no native bf16 in this process ({}): no copies, both runs emulate",
+                support().detail
             );
         }
-        let (plain, shared) = (run(false), run(true));
+        let (plain, copied) = (run(false), run(true));
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&plain.0), bits(&shared.0), "y = x W^T");
-        assert_eq!(bits(&plain.1), bits(&shared.1), "dW = dy^T x");
-        assert!(REGIONS.with(|r| r.borrow().is_empty()), "guards popped");
-        with_precision(Precision::Bf16, || {
-            let guard = share(&w);
-            assert_eq!(guard.pushed, crate::model::bf16::support().native);
-        });
+        assert_eq!(bits(&plain.0), bits(&copied.0), "y = x W^T");
+        assert_eq!(bits(&plain.1), bits(&copied.1), "dW = dy^T x");
     }
 
-    /// Off the bf16 precision nothing is shared.
+    /// A wrong copy is read: the GEMM takes the copy it is given, so the test above could fail.
     #[test]
-    fn fp32_shares_nothing() {
+    fn a_given_copy_is_what_the_native_gemm_reads() {
+        let g = Gemms::new::<f32>(Precision::Bf16);
+        if !g.native() {
+            eprintln!("no native bf16 here: copies are never read");
+            return;
+        }
+        let a = Array2::from_elem((4, 4), 1.0f32);
+        let ones = Array2::from_elem((4, 4), bf16_bits(1.0));
+        let twos = Array2::from_elem((4, 4), bf16_bits(2.0));
+        let mut c = Array2::zeros((4, 4));
+        let twos_op = Operand {
+            f32: a.view(),
+            bf16: Some(twos.view()),
+        };
+        let ones_op = Operand {
+            f32: a.view(),
+            bf16: Some(ones.view()),
+        };
+        gemm(
+            g,
+            GemmSite::Other,
+            1.0,
+            twos_op,
+            ones_op,
+            0.0,
+            &mut c.view_mut(),
+        );
+        assert!(c.iter().all(|&v| v == 8.0), "{c}");
+    }
+
+    /// Off the native route nothing is kept or rounded.
+    #[test]
+    fn fp32_keeps_nothing() {
         let x = vec![1.0f32; 8];
-        let guard = share(&x);
-        assert!(!guard.pushed);
-        let m = ArrayView2::from_shape((2, 4), &x[..]).expect("fits");
-        with_view(&m, |v| assert!(v.is_none()));
+        let mut copy = vec![7u16; 3];
+        keep(Gemms::FP32, &x, &mut copy);
+        assert!(copy.is_empty());
+        assert!(round_once(Gemms::FP32, &x, &mut copy).bf16.is_none());
+        assert!(
+            round_once(Gemms::new::<f64>(Precision::Bf16), &[1.0f64], &mut copy)
+                .bf16
+                .is_none()
+        );
     }
 }

@@ -4,7 +4,7 @@ use std::fmt::{Debug, Display};
 use std::iter::Sum;
 use std::ops::{AddAssign, DivAssign, MulAssign, SubAssign};
 
-use ndarray::{LinalgScalar, ScalarOperand};
+use ndarray::{ArrayView, ArrayViewMut, Dimension, LinalgScalar, ScalarOperand};
 use num_traits::Float;
 
 unsafe extern "C" {
@@ -40,34 +40,14 @@ pub trait Element:
     /// (`super::bf16::round_bf16_f32` / `round_bf16_f64`).
     fn round_bf16(self) -> Self;
 
-    /// `c = alpha * bf16(a) bf16(b) (+ bias) + beta * c` on bf16 hardware, cut into `parts`
-    /// (shapes as in `super::gemm::gemm`; `bias` `[n]` added to every row, as
-    /// `super::gemm::gemm_bias`); false, with nothing done, where this type or process has
-    /// none (the caller then emulates it).
-    fn gemm_bf16_native(
-        _alpha: Self,
-        _a: &ndarray::ArrayView2<'_, Self>,
-        _b: &ndarray::ArrayView2<'_, Self>,
-        _bias: Option<&[Self]>,
-        _beta: Self,
-        _c: &mut ndarray::ArrayViewMut2<'_, Self>,
-        _parts: usize,
-    ) -> bool {
-        false
-    }
+    /// `v` as f32 when this type is f32, `None` otherwise: the one way the model asks what its
+    /// element type is (the bf16 routes need f32 operands; f64 runs the emulated route). A
+    /// safe identity for f32, so no `TypeId` and no pointer cast. Any dimension: a slice is
+    /// asked as `ndarray::aview1(x)`.
+    fn as_f32<D: Dimension>(v: ArrayView<'_, Self, D>) -> Option<ArrayView<'_, f32, D>>;
 
-    /// A batch of bf16 products by one native call (`super::bf16::native_batched_f32`; an
-    /// operand may come with its bf16 copy already made); false (nothing done) for types or
-    /// CPUs without one.
-    fn gemm_batched_bf16_native(
-        _alpha: Self,
-        _a: (&[Self], Option<&[u16]>, super::onednn::Strided4),
-        _b: (&[Self], Option<&[u16]>, super::onednn::Strided4),
-        _beta: Self,
-        _c: (&mut [Self], super::onednn::Strided4),
-    ) -> bool {
-        false
-    }
+    /// [`Element::as_f32`] for a mutable view (a GEMM's output).
+    fn as_f32_mut<D: Dimension>(v: ArrayViewMut<'_, Self, D>) -> Option<ArrayViewMut<'_, f32, D>>;
 
     /// `y = x * Phi(x)`, exact GELU (Hendrycks & Gimpel 2016, eq. 1).
     fn gelu_forward(y: &mut [Self], x: &[Self]) {
@@ -130,28 +110,13 @@ impl Element for f32 {
         self as f64
     }
     fn round_bf16(self) -> f32 {
-        super::bf16::round_bf16_f32(self)
+        super::bf16_convert::round_bf16_f32(self)
     }
-    fn gemm_bf16_native(
-        alpha: f32,
-        a: &ndarray::ArrayView2<'_, f32>,
-        b: &ndarray::ArrayView2<'_, f32>,
-        bias: Option<&[f32]>,
-        beta: f32,
-        c: &mut ndarray::ArrayViewMut2<'_, f32>,
-        parts: usize,
-    ) -> bool {
-        super::bf16::native_gemm_f32((alpha, a, b), bias, beta, c, parts)
+    fn as_f32<D: Dimension>(v: ArrayView<'_, f32, D>) -> Option<ArrayView<'_, f32, D>> {
+        Some(v)
     }
-
-    fn gemm_batched_bf16_native(
-        alpha: f32,
-        a: (&[f32], Option<&[u16]>, super::onednn::Strided4),
-        b: (&[f32], Option<&[u16]>, super::onednn::Strided4),
-        beta: f32,
-        c: (&mut [f32], super::onednn::Strided4),
-    ) -> bool {
-        super::bf16::native_batched_f32(alpha, a, b, beta, c)
+    fn as_f32_mut<D: Dimension>(v: ArrayViewMut<'_, f32, D>) -> Option<ArrayViewMut<'_, f32, D>> {
+        Some(v)
     }
 }
 
@@ -167,8 +132,24 @@ impl Element for f64 {
         self
     }
     fn round_bf16(self) -> f64 {
-        super::bf16::round_bf16_f64(self)
+        super::bf16_convert::round_bf16_f64(self)
     }
+    fn as_f32<D: Dimension>(_: ArrayView<'_, f64, D>) -> Option<ArrayView<'_, f32, D>> {
+        None
+    }
+    fn as_f32_mut<D: Dimension>(_: ArrayViewMut<'_, f64, D>) -> Option<ArrayViewMut<'_, f32, D>> {
+        None
+    }
+}
+
+/// `x` as f32 when `A` is f32 ([`Element::as_f32`] of the slice).
+pub(crate) fn f32_slice<A: Element>(x: &[A]) -> Option<&[f32]> {
+    A::as_f32(ndarray::aview1(x)).and_then(|v| v.to_slice())
+}
+
+/// `x` as f32 when `A` is f32 ([`Element::as_f32_mut`] of the slice).
+pub(crate) fn f32_slice_mut<A: Element>(x: &mut [A]) -> Option<&mut [f32]> {
+    A::as_f32_mut(ndarray::aview_mut1(x)).and_then(|v| v.into_slice())
 }
 
 /// Grows `buf` to at least `len` elements (never shrinks, so steady-state steps do not

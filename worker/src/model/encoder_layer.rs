@@ -19,11 +19,13 @@ use keel_proto::params::EncoderLayerParams;
 
 use super::Element;
 use super::activation;
-use super::attention::{self, AttentionDims};
+use super::attention::{self, AttentionDims, AttentionScratch};
 use super::attention_batched::KeptOperands;
-use super::bf16_shared;
+use super::bf16_shared::{Flat, keep};
 use super::dropout::{self, DropoutKey, Site};
 use super::element::{grow, held};
+use super::gemm::GemmSite;
+use super::gemms::Gemms;
 use super::layernorm::LayerNorm;
 use super::linear::Linear;
 use super::packing::Packing;
@@ -71,8 +73,8 @@ pub(crate) struct LayerCache<A> {
     pub xhat2: Vec<A>,
     pub rstd2: Vec<A>,
     /// bf16 copies of the Linears' inputs (the layer's input `x`, `ctx`, `h1` `[n, c]`; `act`
-    /// `[n, f]`), rounded once by the forward's GEMMs and read again by the backward's weight
-    /// gradients (`bf16_shared::keep`); empty off the native bf16 route.
+    /// `[n, f]`), rounded once for the forward's GEMMs and read again by the backward's weight
+    /// gradients (`super::bf16_shared::keep`); empty off the native bf16 route.
     pub x_bf16: Vec<u16>,
     pub ctx_bf16: Vec<u16>,
     pub h1_bf16: Vec<u16>,
@@ -124,8 +126,11 @@ pub(crate) struct LayerScratch<A> {
     pub dv: Vec<A>,
     /// `[n, f]`.
     pub dg: Vec<A>,
-    /// `2 * t * t`.
-    pub attn: Vec<A>,
+    /// Attention's backward scratch (`2 * t * t` a thread, more on the batched route).
+    pub attn: AttentionScratch<A>,
+    /// bf16 copy of a Linear's `dy`, made once for both of its GEMMs (native bf16 only); the
+    /// heads' backward uses it too (the MLM decoder's `d logits`), one buffer for all.
+    pub dy16: Vec<u16>,
 }
 
 /// The batch-level inputs every layer sees.
@@ -138,6 +143,8 @@ pub(crate) struct LayerInputs<'a> {
     pub dropout: Option<(DropoutKey, &'a [u64])>,
     /// The `n` rows computed.
     pub packing: &'a Packing,
+    /// How the layer's GEMMs run (the model's value, made once).
+    pub gemms: Gemms,
 }
 
 impl EncoderLayer {
@@ -146,13 +153,13 @@ impl EncoderLayer {
         let eps = config.layer_norm_eps;
         EncoderLayer {
             index,
-            query: Linear::new(&params.query),
-            key: Linear::new(&params.key),
-            value: Linear::new(&params.value),
-            attn_out: Linear::new(&params.attention_output),
+            query: Linear::new(&params.query, GemmSite::Qkv),
+            key: Linear::new(&params.key, GemmSite::Qkv),
+            value: Linear::new(&params.value, GemmSite::Qkv),
+            attn_out: Linear::new(&params.attention_output, GemmSite::AttentionOut),
             ln1: LayerNorm::new(&params.attention_layer_norm, eps),
-            intermediate: Linear::new(&params.intermediate),
-            output: Linear::new(&params.output),
+            intermediate: Linear::new(&params.intermediate, GemmSite::Intermediate),
+            output: Linear::new(&params.output, GemmSite::FeedForwardOut),
             ln2: LayerNorm::new(&params.output_layer_norm, eps),
             heads: config.num_attention_heads,
             act: config.hidden_act,
@@ -174,6 +181,7 @@ impl EncoderLayer {
                 .dropout
                 .map(|(key, ids)| (key, ids, self.index, self.p_attn)),
             max_positions: self.max_positions,
+            gemms: inputs.gemms,
         }
     }
 
@@ -193,17 +201,19 @@ impl EncoderLayer {
         }
     }
 
-    /// `y[n, c]` from `x[n, c]`; fills `cache`. `tmp` is `[n, c]` scratch, `attn_scratch` `t * t`.
+    /// `y[n, c]` from `x[n, c]`; fills `cache`. `tmp` is `[n, c]` scratch, `attn_scratch`
+    /// attention's. `params` is the flat parameter buffer (with its bf16 copy on the native
+    /// route).
     #[allow(clippy::too_many_arguments)]
     pub fn forward<A: Element>(
         &self,
         y: &mut [A],
         cache: &mut LayerCache<A>,
         tmp: &mut Vec<A>,
-        attn_scratch: &mut Vec<A>,
+        attn_scratch: &mut AttentionScratch<A>,
         x: &[A],
         inputs: &LayerInputs<'_>,
-        params: &[A],
+        params: Flat<'_, A>,
     ) {
         let (b, t, packing) = (inputs.b, inputs.t, inputs.packing);
         let (n, c, f, h) = (
@@ -213,22 +223,25 @@ impl EncoderLayer {
             self.heads,
         );
         let padded = b * t * c;
+        let g = inputs.gemms;
         let x = &x[..n * c];
-        let x16 = bf16_shared::keep_and_share(x, &mut cache.x_bf16);
+        // `x` feeds the query, key and value projections here and their weight gradients in
+        // the backward: rounded once, kept in the cache.
+        keep(g, x, &mut cache.x_bf16);
+        let x16 = Flat::kept(x, &cache.x_bf16);
         for (linear, out) in [
             (&self.query, &mut cache.q),
             (&self.key, &mut cache.k),
             (&self.value, &mut cache.v),
         ] {
             if packing.is_identity() {
-                linear.forward(grow(out, n * c), x, params, n);
+                linear.forward(g, grow(out, n * c), x16, params, n);
             } else {
                 let rows = grow(tmp, n * c);
-                linear.forward(rows, x, params, n);
+                linear.forward(g, rows, x16, params, n);
                 packing.scatter(rows, grow(out, padded), c);
             }
         }
-        drop(x16);
         let probs = grow(&mut cache.probs, b * h * t * t);
         let ctx_padded = if packing.is_identity() {
             grow(&mut cache.ctx, n * c)
@@ -252,20 +265,23 @@ impl EncoderLayer {
         let a = grow(tmp, n * c);
         {
             let ctx = &cache.ctx[..n * c];
-            let _ctx16 = bf16_shared::keep_and_share(ctx, &mut cache.ctx_bf16);
-            self.attn_out.forward(a, ctx, params, n);
+            keep(g, ctx, &mut cache.ctx_bf16);
+            let ctx = Flat::kept(ctx, &cache.ctx_bf16);
+            self.attn_out.forward(g, a, ctx, params, n);
         }
         self.hidden_dropout(a, inputs, Site::AttentionOutput);
         let h1 = grow(&mut cache.h1, n * c);
         let xhat1 = grow(&mut cache.xhat1, n * c);
         let rstd1 = grow(&mut cache.rstd1, n);
-        self.ln1.forward(h1, xhat1, rstd1, a, Some(x), params, n);
+        self.ln1
+            .forward(h1, xhat1, rstd1, a, Some(x), params.f32, n);
 
         let pre = grow(&mut cache.pre, n * f);
         {
             let h1 = &cache.h1[..n * c];
-            let _h1_16 = bf16_shared::keep_and_share(h1, &mut cache.h1_bf16);
-            self.intermediate.forward(pre, h1, params, n);
+            keep(g, h1, &mut cache.h1_bf16);
+            let h1 = Flat::kept(h1, &cache.h1_bf16);
+            self.intermediate.forward(g, pre, h1, params, n);
         }
         let act = grow(&mut cache.act, n * f);
         activation::forward(self.act, act, &cache.pre[..n * f]);
@@ -273,8 +289,9 @@ impl EncoderLayer {
         let o = grow(tmp, n * c);
         {
             let act = &cache.act[..n * f];
-            let _act16 = bf16_shared::keep_and_share(act, &mut cache.act_bf16);
-            self.output.forward(o, act, params, n);
+            keep(g, act, &mut cache.act_bf16);
+            let act = Flat::kept(act, &cache.act_bf16);
+            self.output.forward(g, o, act, params, n);
         }
         self.hidden_dropout(o, inputs, Site::FeedForwardOutput);
         let xhat2 = grow(&mut cache.xhat2, n * c);
@@ -285,7 +302,7 @@ impl EncoderLayer {
             rstd2,
             o,
             Some(&cache.h1[..n * c]),
-            params,
+            params.f32,
             n,
         );
     }
@@ -301,12 +318,13 @@ impl EncoderLayer {
         s: &mut LayerScratch<A>,
         x: &[A],
         inputs: &LayerInputs<'_>,
-        params: &[A],
+        params: Flat<'_, A>,
         grads: &mut [A],
     ) {
         let (b, t, packing) = (inputs.b, inputs.t, inputs.packing);
         let (n, c, f) = (packing.rows(), self.query.out, self.intermediate.out);
         let padded = b * t * c;
+        let g = inputs.gemms;
         let x = &x[..n * c];
         let dx = &mut dx[..n * c];
 
@@ -317,7 +335,7 @@ impl EncoderLayer {
             &dy[..n * c],
             &cache.xhat2,
             &cache.rstd2,
-            params,
+            params.f32,
             grads,
             n,
         );
@@ -327,30 +345,30 @@ impl EncoderLayer {
         // Output projection, activation, intermediate projection.
         let dg = grow(&mut s.dg, n * f);
         {
-            let act = &cache.act[..n * f];
-            let _act16 = bf16_shared::share_kept(act, &cache.act_bf16);
+            let act = Flat::kept(&cache.act[..n * f], &cache.act_bf16);
+            let dx = Some((&mut *dg, false));
             self.output
-                .backward(Some((&mut *dg, false)), da, act, params, grads, n);
+                .backward(g, dx, da, act, params, grads, n, &mut s.dy16);
         }
         activation::backward(self.act, dg, &cache.pre[..n * f]);
         {
-            let h1 = &cache.h1[..n * c];
-            let _h1_16 = bf16_shared::share_kept(h1, &cache.h1_bf16);
+            let h1 = Flat::kept(&cache.h1[..n * c], &cache.h1_bf16);
+            let dx = Some((&mut *dh1, true));
             self.intermediate
-                .backward(Some((&mut *dh1, true)), dg, h1, params, grads, n);
+                .backward(g, dx, dg, h1, params, grads, n, &mut s.dy16);
         }
         // LN1: d(a_dropped + x)
         self.ln1
-            .backward(da, dh1, &cache.xhat1, &cache.rstd1, params, grads, n);
+            .backward(da, dh1, &cache.xhat1, &cache.rstd1, params.f32, grads, n);
         dx.copy_from_slice(da);
         self.hidden_dropout(da, inputs, Site::AttentionOutput);
         // Attention output projection; reuse dh1 for d ctx.
         let dctx = &mut *dh1;
         {
-            let ctx = &cache.ctx[..n * c];
-            let _ctx16 = bf16_shared::share_kept(ctx, &cache.ctx_bf16);
+            let ctx = Flat::kept(&cache.ctx[..n * c], &cache.ctx_bf16);
+            let dx = Some((&mut *dctx, false));
             self.attn_out
-                .backward(Some((&mut *dctx, false)), da, ctx, params, grads, n);
+                .backward(g, dx, da, ctx, params, grads, n, &mut s.dy16);
         }
         let dctx_padded: &[A] = if packing.is_identity() {
             dctx
@@ -375,7 +393,7 @@ impl EncoderLayer {
             &cache.attention_bf16,
             &self.dims(inputs),
         );
-        let _x16 = bf16_shared::share_kept(x, &cache.x_bf16);
+        let x16 = Flat::kept(x, &cache.x_bf16);
         for (linear, d) in [
             (&self.query, &s.dq),
             (&self.key, &s.dk),
@@ -388,7 +406,8 @@ impl EncoderLayer {
                 packing.gather(&d[..padded], rows, c);
                 &*rows
             };
-            linear.backward(Some((&mut *dx, true)), d_rows, x, params, grads, n);
+            let dx = Some((&mut *dx, true));
+            linear.backward(g, dx, d_rows, x16, params, grads, n, &mut s.dy16);
         }
     }
 }

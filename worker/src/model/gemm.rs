@@ -12,21 +12,24 @@
 //! still one dot product over the whole `k`; only OpenBLAS's edge kernels may order its terms
 //! differently, so results with different thread counts agree to rounding, not bit for bit.
 //!
-//! In bf16 precision (`super::bf16::with_precision`) the same call rounds both inputs to bf16
-//! and accumulates in fp32, natively (oneDNN, where faster than fp32) or emulated (`super::bf16`). The flops of
-//! every call are also counted per GEMM class (the calling file: `linear`, `attention`,
-//! `mlm_head`) and per backend, so the bench can say what ran where.
+//! In bf16 precision (the caller's `Gemms` value) the same call rounds both inputs to bf16
+//! and accumulates in fp32, natively (oneDNN, where faster than fp32) or emulated
+//! (`super::bf16`); an input may come with its bf16 copy (`Operand`), made once for several
+//! GEMMs. The flops of every call are also counted per GEMM class (`linear`, `attention`,
+//! `mlm_head`, from the caller's `GemmSite`) and per backend, so the bench can say what ran
+//! where.
 
-use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use ndarray::{ArrayView2, ArrayViewMut2, Axis, ShapeBuilder, s};
-
-use keel_proto::precision::Precision;
+use ndarray::{ArrayView2, ArrayViewMut2, ShapeBuilder};
 
 use super::Element;
-use super::bf16::{self, Bf16Backend};
+use super::bf16;
+pub(crate) use super::bf16_shared::Operand;
+use super::element::{f32_slice, f32_slice_mut};
+use super::gemm_split::multiply;
+pub(crate) use super::gemms::Gemms;
 use super::onednn::Strided4;
 use super::parallel;
 use super::pass_profile::{self, Pass, Region, bytes};
@@ -42,7 +45,7 @@ static GEMM_NANOS: AtomicU64 = AtomicU64::new(0);
 static GEMM_FLOPS: AtomicU64 = AtomicU64::new(0);
 static GEMM_CALLS: AtomicU64 = AtomicU64::new(0);
 
-/// The GEMM classes the stats are kept per: named after the file that calls `gemm`.
+/// The GEMM classes the stats are kept per (each call's site, `GemmSite`, counts in one).
 pub const CLASSES: [&str; 4] = ["linear", "attention", "mlm_head", "other"];
 
 /// The backends the stats are kept per.
@@ -119,30 +122,65 @@ pub fn reset_stats() {
     }
 }
 
-/// The class of a call from `file` (a path ending in `linear.rs`, ...).
-fn class_of(file: &str) -> usize {
-    let stem = file
-        .rsplit(['/', '\\'])
-        .next()
-        .unwrap_or(file)
-        .trim_end_matches(".rs")
-        .trim_end_matches("_batched");
-    CLASSES[..3].iter().position(|c| *c == stem).unwrap_or(3)
+/// Which GEMM of the model a call is: the key of the stats (each site counts in one of
+/// [`CLASSES`]) and of the profile's GEMM passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GemmSite {
+    /// An encoder layer's query, key and value projections.
+    Qkv,
+    /// An encoder layer's attention output projection.
+    AttentionOut,
+    /// An encoder layer's feed-forward intermediate projection.
+    Intermediate,
+    /// An encoder layer's feed-forward output projection.
+    FeedForwardOut,
+    /// The MLM head's transform (`cls.predictions.transform.dense`).
+    MlmTransform,
+    /// The NSP head's pooler and classifier.
+    Nsp,
+    /// Attention's scores `Q K^T` and their gradients `dQ`, `dK`.
+    AttentionScores,
+    /// Attention's context `P V` and its gradients `dP`, `dV`.
+    AttentionContext,
+    /// The tied MLM decoder `[m, c] x [c, v]` and its gradients.
+    Decoder,
+    /// Anything else (the tests' GEMMs).
+    #[cfg_attr(not(test), allow(dead_code))]
+    Other,
+}
+
+impl GemmSite {
+    /// The site's class, an index into [`CLASSES`].
+    fn class(self) -> usize {
+        match self {
+            GemmSite::Qkv
+            | GemmSite::AttentionOut
+            | GemmSite::Intermediate
+            | GemmSite::FeedForwardOut
+            | GemmSite::MlmTransform
+            | GemmSite::Nsp => 0,
+            GemmSite::AttentionScores | GemmSite::AttentionContext => 1,
+            GemmSite::Decoder => 2,
+            GemmSite::Other => 3,
+        }
+    }
 }
 
 /// `c = alpha * a b + beta * c`, `a` `[m, k]`, `b` `[k, n]`, `c` `[m, n]` (any of them may be
-/// a transposed or row-strided view), in this thread's precision (`super::bf16::current`):
-/// fp32 (the inputs as they are), or bf16 inputs with fp32 accumulation.
-#[track_caller]
+/// a transposed or row-strided view), on the route `gemms` says: fp32 (the inputs as they
+/// are), or bf16 inputs with fp32 accumulation (an input's bf16 copy read when it has one).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm<A: Element>(
+    gemms: Gemms,
+    site: GemmSite,
     alpha: A,
-    a: &ArrayView2<'_, A>,
-    b: &ArrayView2<'_, A>,
+    a: Operand<'_, A>,
+    b: Operand<'_, A>,
     beta: A,
     c: &mut ArrayViewMut2<'_, A>,
 ) {
-    let (m, k) = a.dim();
-    let n = b.ncols();
+    let (m, k) = a.f32.dim();
+    let n = b.f32.ncols();
     if m == 0 || n == 0 {
         return;
     }
@@ -158,15 +196,15 @@ pub(crate) fn gemm<A: Element>(
     let start = Instant::now();
     let flops = 2 * m * n * k;
     let parts = parts_for(m, k, n);
-    let class = class_of(std::panic::Location::caller().file());
+    let class = site.class();
     let _region = profile_region::<A>(class, m, k, n, beta != A::zero());
-    let backend = block(alpha, a, b, beta, c, parts);
+    let backend = block(gemms, alpha, a, b, beta, c, parts);
     count(class, backend, flops, start);
 }
 
 /// `c = a b + bias`, the bias `[n]` added to every row of the product (a Linear's forward):
-/// `a` `[m, k]`, `b` `[k, n]`, `c` `[m, n]` (views as for [`gemm`]), in this thread's
-/// precision. Where bf16 GEMMs run natively, oneDNN adds the bias as it writes `c` (its matmul
+/// `a` `[m, k]`, `b` `[k, n]`, `c` `[m, n]` (views as for [`gemm`]), on the route `gemms`
+/// says. Where bf16 GEMMs run natively, oneDNN adds the bias as it writes `c` (its matmul
 /// bias, added once to the finished fp32 sum: the bits of the product plus the bias, on every
 /// kernel oneDNN picks, `onednn::tests::bias_gives_the_bits_of_the_product_plus_the_bias`);
 /// elsewhere `c` is first filled with the bias rows and the product added to it (`beta = 1`).
@@ -176,25 +214,26 @@ pub(crate) fn gemm<A: Element>(
 /// `[masked, vocab]`).
 ///
 /// Panics if `bias` is not `n` long (a caller's bug).
-#[track_caller]
 pub(crate) fn gemm_bias<A: Element>(
-    a: &ArrayView2<'_, A>,
-    b: &ArrayView2<'_, A>,
+    gemms: Gemms,
+    site: GemmSite,
+    a: Operand<'_, A>,
+    b: Operand<'_, A>,
     bias: &[A],
     c: &mut ArrayViewMut2<'_, A>,
 ) {
-    let (m, k) = a.dim();
-    let n = b.ncols();
+    let (m, k) = a.f32.dim();
+    let n = b.f32.ncols();
     assert_eq!(bias.len(), n, "bias of a [{m}, {k}] x [{k}, {n}] product");
     if m == 0 || n == 0 {
         return;
     }
     let parts = parts_for(m, k, n);
-    let class = class_of(std::panic::Location::caller().file());
+    let class = site.class();
     let _region = profile_region::<A>(class, m, k, n, false);
-    if k > 0 && bf16::current() == Precision::Bf16 {
+    if k > 0 && gemms.native() {
         let start = Instant::now();
-        if A::gemm_bf16_native(A::one(), a, b, Some(bias), A::zero(), c, parts) {
+        if native(A::one(), a, b, Some(bias), A::zero(), c, parts) {
             count(class, 2, 2 * m * n * k, start);
             return;
         }
@@ -204,7 +243,7 @@ pub(crate) fn gemm_bias<A: Element>(
         return;
     }
     let start = Instant::now();
-    let backend = block(A::one(), a, b, A::one(), c, parts);
+    let backend = block(gemms, A::one(), a, b, A::one(), c, parts);
     count(class, backend, 2 * m * n * k, start);
 }
 
@@ -254,26 +293,65 @@ fn parts_for(m: usize, k: usize, n: usize) -> usize {
         .max(1)
 }
 
-/// One product in this thread's precision on `parts` threads; returns the backend's index in
-/// [`BACKENDS`].
-fn block<A: Element>(
+/// One product on the route `gemms` says, on `parts` threads, uncounted; returns the backend's
+/// index in [`BACKENDS`].
+pub(crate) fn block<A: Element>(
+    gemms: Gemms,
     alpha: A,
-    a: &ArrayView2<'_, A>,
-    b: &ArrayView2<'_, A>,
+    a: Operand<'_, A>,
+    b: Operand<'_, A>,
     beta: A,
     c: &mut ArrayViewMut2<'_, A>,
     parts: usize,
 ) -> usize {
-    match bf16::current() {
-        Precision::Fp32 => {
-            multiply(alpha, a, b, beta, c, parts);
-            0
-        }
-        Precision::Bf16 => match bf16::gemm(alpha, a, b, beta, c, parts) {
-            Bf16Backend::Emulated => 1,
-            Bf16Backend::Native => 2,
-        },
+    if !gemms.bf16() {
+        multiply(alpha, &a.f32, &b.f32, beta, c, parts);
+        0
+    } else if gemms.native() && native(alpha, a, b, None, beta, c, parts) {
+        2
+    } else {
+        bf16::emulated_gemm(alpha, &a.f32, &b.f32, beta, c, parts);
+        1
     }
+}
+
+/// The native bf16 route (`super::bf16::native_gemm_f32`) when `A` is f32 (false, nothing
+/// done, otherwise): `c = alpha * bf16(a) bf16(b) (+ bias) + beta * c`. Only for a native
+/// [`Gemms`]. Scalars pass through f64, exact for f32.
+fn native<A: Element>(
+    alpha: A,
+    a: Operand<'_, A>,
+    b: Operand<'_, A>,
+    bias: Option<&[A]>,
+    beta: A,
+    c: &mut ArrayViewMut2<'_, A>,
+    parts: usize,
+) -> bool {
+    let (Some(a32), Some(b32), Some(mut c32)) = (
+        A::as_f32(a.f32),
+        A::as_f32(b.f32),
+        A::as_f32_mut(c.view_mut()),
+    ) else {
+        return false;
+    };
+    let bias = match bias {
+        Some(z) => match f32_slice(z) {
+            Some(z) => Some(z),
+            None => return false,
+        },
+        None => None,
+    };
+    let (alpha, beta) = (alpha.to64() as f32, beta.to64() as f32);
+    bf16::native_gemm_f32(
+        alpha,
+        (&a32, a.bf16),
+        (&b32, b.bf16),
+        bias,
+        beta,
+        &mut c32,
+        parts,
+    );
+    true
 }
 
 /// Adds one call of `flops` started at `start` to the stats.
@@ -290,14 +368,16 @@ fn count(class: usize, backend: usize, flops: usize, start: Instant) {
 /// `b` `[b, h, k, n]`, `c` `[b, h, m, n]`, each a [`Strided4`] over its slice (attention's
 /// per-(sequence, head) blocks). Where bf16 GEMMs run natively, one oneDNN call for the whole
 /// batch; elsewhere one [`gemm`]-equivalent call per matrix (the same arithmetic as calling
-/// it per block). An operand may carry its bf16 bit patterns, made once by
-/// `super::bf16::native_copy` for several GEMMs; the native route then uses them (they must
+/// it per block). An operand may carry its bf16 bit patterns, made once for several GEMMs
+/// (the whole slice rounded, `super::bf16_convert`); the native route then uses them (they must
 /// be that operand's slice converted), the others ignore them. Counted in the stats as one
-/// call of the caller's class.
+/// call of `site`.
 ///
 /// Panics if an operand reaches past its slice or the shapes do not chain (a caller's bug).
-#[track_caller]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_batched<A: Element>(
+    gemms: Gemms,
+    site: GemmSite,
     alpha: A,
     (a, a16, sa): (&[A], Option<&[u16]>, Strided4),
     (b, b16, sb): (&[A], Option<&[u16]>, Strided4),
@@ -321,7 +401,7 @@ pub(crate) fn gemm_batched<A: Element>(
         return;
     }
     let start = Instant::now();
-    let class = class_of(std::panic::Location::caller().file());
+    let class = site.class();
     let flops = 2 * bb * h * m * n * k;
     let per = |d: [usize; 4]| d.iter().product::<usize>();
     let _region = pass_profile::gemm_region(
@@ -331,9 +411,12 @@ pub(crate) fn gemm_batched<A: Element>(
         flops,
     );
     if k > 0
-        && bf16::current() == Precision::Bf16
-        && A::gemm_batched_bf16_native(alpha, (a, a16, sa), (b, b16, sb), beta, (&mut *c, sc))
+        && gemms.native()
+        && let (Some(a32), Some(b32), Some(c32)) =
+            (f32_slice(a), f32_slice(b), f32_slice_mut(&mut *c))
     {
+        let (alpha, beta) = (alpha.to64() as f32, beta.to64() as f32);
+        bf16::native_batched_f32(alpha, (a32, a16, sa), (b32, b16, sb), beta, (c32, sc));
         count(class, 2, flops, start);
         return;
     }
@@ -362,119 +445,11 @@ pub(crate) fn gemm_batched<A: Element>(
                     }
                 });
             } else {
-                backend = block(alpha, &av, &bv, beta, &mut cv, 1);
+                backend = block(gemms, alpha, av.into(), bv.into(), beta, &mut cv, 1);
             }
         }
     }
     count(class, backend, flops, start);
-}
-
-/// `c = alpha * a b + beta * c` by OpenBLAS on `parts` threads (see [`split_among`]).
-pub(crate) fn multiply<A: Element>(
-    alpha: A,
-    a: &ArrayView2<'_, A>,
-    b: &ArrayView2<'_, A>,
-    beta: A,
-    c: &mut ArrayViewMut2<'_, A>,
-    parts: usize,
-) {
-    split_among(a, b, c, parts, &|a, b, c| {
-        ndarray::linalg::general_mat_mul(alpha, a, b, beta, c)
-    });
-}
-
-/// A single-threaded GEMM kernel `c (op)= a b` on views (OpenBLAS, oneDNN).
-pub(crate) type Kernel<'k, T, C> =
-    dyn Fn(&ArrayView2<'_, T>, &ArrayView2<'_, T>, &mut ArrayViewMut2<'_, C>) + Sync + 'k;
-
-/// A [`Kernel`] that is also told which columns of the whole `C` its part holds (to take
-/// the matching part of a bias).
-pub(crate) type ColumnKernel<'k, T, C> = dyn Fn(&ArrayView2<'_, T>, &ArrayView2<'_, T>, &mut ArrayViewMut2<'_, C>, Range<usize>)
-    + Sync
-    + 'k;
-
-/// Runs `kernel(a, b, c)` on `parts` threads: `c` cut by rows, or by columns when it is wider
-/// than tall (`C^T = B^T A^T`: the same call on transposed views).
-pub(crate) fn split_among<T: Sync, C: Send>(
-    a: &ArrayView2<'_, T>,
-    b: &ArrayView2<'_, T>,
-    c: &mut ArrayViewMut2<'_, C>,
-    parts: usize,
-    kernel: &Kernel<'_, T, C>,
-) {
-    if parts <= 1 || a.nrows() >= b.ncols() {
-        // One call, or cut by rows: the same as keeping C's layout.
-        split_keeping_c_layout(a, b, c, parts, &|a, b, c, _| kernel(a, b, c));
-    } else {
-        split_rows(
-            &b.t(),
-            &a.t(),
-            &mut c.view_mut().reversed_axes(),
-            parts,
-            kernel,
-        );
-    }
-}
-
-/// Fewest rows of `C` per part for [`split_keeping_c_layout`] to cut a wide `C` by rows.
-const MIN_ROWS_PER_PART: usize = 64;
-
-/// Like [`split_among`], but `c` keeps its memory layout in every part: cut by rows (when it
-/// is taller than wide, or has at least [`MIN_ROWS_PER_PART`] rows a part), else by blocks of
-/// columns (no transposed `C`). Rows first: a block of columns of a row-major `C` is not
-/// dense, and oneDNN runs such a part on `gemm:jit` instead of its AMX brgemm kernel (the MLM
-/// decoder's `[masked, vocab]` logits cut by columns took 32-43 ms on 2 threads against 20-21
-/// on 1: BERT-tiny, AMX Xeon, 2026-12-05). oneDNN's fast bf16
-/// kernels take only a row-major `C`; handed the transposed one that [`split_among`] makes
-/// of a wide `C` (the MLM decoder's `[masked, vocab]`), oneDNN 2.6.3 falls back to its
-/// reference kernel, ~200x slower (measured: 0.9 GFLOP/s on the Zen 5 EPYC with 2 threads).
-/// Each call is told its part's columns of `C`.
-pub(crate) fn split_keeping_c_layout<T: Sync, C: Send>(
-    a: &ArrayView2<'_, T>,
-    b: &ArrayView2<'_, T>,
-    c: &mut ArrayViewMut2<'_, C>,
-    parts: usize,
-    kernel: &ColumnKernel<'_, T, C>,
-) {
-    let n = b.ncols();
-    if parts <= 1 {
-        kernel(a, b, c, 0..n);
-    } else if a.nrows() >= n || a.nrows() >= parts * MIN_ROWS_PER_PART {
-        split_rows(a, b, c, parts, &|a, b, c| kernel(a, b, c, 0..n));
-    } else {
-        let mut blocks = Vec::with_capacity(parts);
-        let mut rest = c.view_mut();
-        for r in parallel::split(n, parts) {
-            let (block, tail) = rest.split_at(Axis(1), r.len());
-            rest = tail;
-            blocks.push((b.slice(s![.., r.clone()]), block, r));
-        }
-        parallel::run_parts(blocks, |(b_block, mut c_block, cols)| {
-            kernel(a, &b_block, &mut c_block, cols);
-        });
-    }
-}
-
-/// `kernel` with the rows of `a` and `c` cut into `parts` contiguous blocks, each on its own
-/// thread.
-fn split_rows<T: Sync, C: Send>(
-    a: &ArrayView2<'_, T>,
-    b: &ArrayView2<'_, T>,
-    c: &mut ArrayViewMut2<'_, C>,
-    parts: usize,
-    kernel: &Kernel<'_, T, C>,
-) {
-    let m = a.nrows();
-    let mut blocks = Vec::with_capacity(parts);
-    let mut rest = c.view_mut();
-    for r in parallel::split(m, parts) {
-        let (block, tail) = rest.split_at(Axis(0), r.len());
-        rest = tail;
-        blocks.push((a.slice(s![r, ..]), block));
-    }
-    parallel::run_parts(blocks, |(a_block, mut c_block)| {
-        kernel(&a_block, b, &mut c_block);
-    });
 }
 
 /// `[r, c]` row-major view of the first `r * c` elements of `s`.
@@ -487,71 +462,4 @@ pub(crate) fn mat<A>(s: &[A], r: usize, c: usize) -> ArrayView2<'_, A> {
 pub(crate) fn mat_mut<A>(s: &mut [A], r: usize, c: usize) -> ArrayViewMut2<'_, A> {
     ArrayViewMut2::from_shape((r, c), &mut s[..r * c])
         .expect("a slice of exactly r * c elements fits [r, c]")
-}
-
-#[cfg(test)]
-mod tests {
-    use ndarray::{Array2, ShapeBuilder};
-
-    use super::multiply;
-    use crate::model::Element;
-
-    fn filled<A: Element>(r: usize, c: usize, seed: usize, column_major: bool) -> Array2<A> {
-        let f = move |(i, j): (usize, usize)| {
-            A::of((((i * 131 + j * 71 + seed * 17) % 97) as f64 - 48.0) / 37.0)
-        };
-        if column_major {
-            Array2::from_shape_fn((r, c).f(), f)
-        } else {
-            Array2::from_shape_fn((r, c), f)
-        }
-    }
-
-    /// Cutting `C` among threads, by rows or by columns, with plain, transposed and
-    /// column-major operands and `beta != 0`, gives the one-call result up to rounding
-    /// (OpenBLAS's edge kernels may order a dot product's terms differently).
-    fn same_result_cut_or_not<A: Element>(tolerance: f64) {
-        for &(m, k, n) in &[(100, 37, 50), (7, 300, 90), (64, 64, 3), (33, 1, 65)] {
-            for layout in 0..4 {
-                let (ta, tb) = (layout & 1 == 1, layout & 2 == 2);
-                let a = filled::<A>(m, k, 1, ta);
-                let b = filled::<A>(k, n, 2, tb);
-                let c0 = filled::<A>(m, n, 3, false);
-                let (alpha, beta) = (A::of(0.75), A::of(0.5));
-                let mut whole = c0.clone();
-                multiply(alpha, &a.view(), &b.view(), beta, &mut whole.view_mut(), 1);
-                for parts in [2, 3, 5] {
-                    let mut cut = c0.clone();
-                    multiply(
-                        alpha,
-                        &a.view(),
-                        &b.view(),
-                        beta,
-                        &mut cut.view_mut(),
-                        parts,
-                    );
-                    let d = cut
-                        .iter()
-                        .zip(whole.iter())
-                        .map(|(x, y)| (x.to64() - y.to64()).abs())
-                        .fold(0.0, f64::max);
-                    let scale = whole.iter().map(|x| x.to64().abs()).fold(0.0, f64::max);
-                    assert!(
-                        d <= tolerance * scale,
-                        "{m}x{k}x{n} layout {layout}: {parts} parts differ from one call by {d:e}"
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn cutting_among_threads_agrees_with_one_call_f64() {
-        same_result_cut_or_not::<f64>(1e-14);
-    }
-
-    #[test]
-    fn cutting_among_threads_agrees_with_one_call_f32() {
-        same_result_cut_or_not::<f32>(4e-6);
-    }
 }

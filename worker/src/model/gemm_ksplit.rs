@@ -14,8 +14,6 @@
 //! The sum's order differs from one call's (the blocks' sums added last), so results with
 //! different thread counts agree to fp32 rounding, not bit for bit; with one count they repeat.
 
-use std::cell::RefCell;
-
 use ndarray::{ArrayView2, ArrayViewMut2, Axis, s};
 
 use super::onednn::{self, InputType};
@@ -24,12 +22,6 @@ use super::parallel;
 /// Fewest rows of the sum per part: below this a part's GEMM is too short to pay for adding
 /// its partial output.
 const MIN_K_PER_PART: usize = 256;
-
-thread_local! {
-    /// The partial outputs of the parts after the first, reused from call to call (the decoder's
-    /// is `[v, c]`, 15 MiB at BERT-tiny: fresh pages every call would cost their zeroing).
-    static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
 
 /// True when cutting the sum keeps every part's operands dense and cutting `C` would not: `a`
 /// `[m, k]` column-major (a transposed row-major matrix), `b` `[k, n]` row-major, and `k` long
@@ -64,8 +56,8 @@ pub(crate) fn gemm_cut_k(
     assert_eq!(b.nrows(), k, "inner dimensions");
     assert_eq!(c.dim(), (m, n), "output shape");
     let blocks = parallel::split(k, parts);
-    PARTIALS.with(|partials| {
-        let mut partials = partials.borrow_mut();
+    // The partial outputs are this thread's (`crate::model_thread`), reused call to call.
+    crate::model_thread::with_partials(|partials| {
         let len = (blocks.len() - 1) * m * n;
         if partials.len() < len {
             partials.resize(len, 0.0);

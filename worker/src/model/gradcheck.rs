@@ -8,11 +8,14 @@ use keel_proto::config::{BertConfig, HiddenAct};
 use keel_proto::params::{Heads, ParamLayout};
 
 use super::activation;
-use super::attention::{self, AttentionDims};
+use super::attention::{self, AttentionDims, AttentionScratch};
 use super::attention_batched::KeptOperands;
+use super::bf16_shared::Flat;
 use super::dropout::DropoutKey;
 use super::embeddings::{Embeddings, EmbeddingsCache, TokenInputs};
 use super::encoder_layer::{EncoderLayer, LayerCache, LayerInputs, LayerScratch};
+use super::gemm::GemmSite;
+use super::gemms::Gemms;
 use super::layernorm::LayerNorm;
 use super::linear::Linear;
 use super::loss::cross_entropy;
@@ -113,18 +116,25 @@ fn packing(pack: bool) -> Packing {
 #[test]
 fn linear() {
     let (_, layout, params) = setup(HiddenAct::Gelu, Heads::MaskedLm);
-    let lin = Linear::new(&layout.modules().layers[0].intermediate);
+    let lin = Linear::new(
+        &layout.modules().layers[0].intermediate,
+        GemmSite::Intermediate,
+    );
+    let g = Gemms::FP32;
+    let mut dy16 = Vec::new();
     let (n, i, o) = (B * T, lin.inp, lin.out);
     let x = values(2, n * i, 1.0);
     let w = values(3, n * o, 1.0);
     let forward = |p: &[f64], x: &[f64]| {
         let mut y = vec![0.0; n * o];
-        lin.forward(&mut y, x, p, n);
+        lin.forward(g, &mut y, Flat::plain(x), Flat::plain(p), n);
         dot(&y, &w)
     };
     let mut grads = vec![0.0; params.len()];
     let mut dx = vec![7.0; n * i];
-    lin.backward(Some((&mut dx, false)), &w, &x, &params, &mut grads, n);
+    let (xf, pf) = (Flat::plain(&x[..]), Flat::plain(&params[..]));
+    let dx_acc = Some((&mut dx[..], false));
+    lin.backward(g, dx_acc, &w, xf, pf, &mut grads, n, &mut dy16);
     check("linear dx", &x, &dx, 0..n * i, |x| forward(&params, x));
     let idx = range_of(&layout, "bert.encoder.layer.0.intermediate.dense.weight").chain(range_of(
         &layout,
@@ -133,7 +143,8 @@ fn linear() {
     check("linear params", &params, &grads, idx, |p| forward(p, &x));
     // Accumulating: dx += dy W.
     let mut dx2 = vec![1.0; n * i];
-    lin.backward(Some((&mut dx2, true)), &w, &x, &params, &mut grads, n);
+    let dx_acc = Some((&mut dx2[..], true));
+    lin.backward(g, dx_acc, &w, xf, pf, &mut grads, n, &mut dy16);
     assert!(
         dx2.iter()
             .zip(&dx)
@@ -215,6 +226,7 @@ fn attention_with_padding_and_dropout() {
             mask: &MASK,
             dropout,
             max_positions: 7,
+            gemms: Gemms::FP32,
         };
         let (q, k, v) = (
             values(9, n * c, 1.5),
@@ -223,8 +235,11 @@ fn attention_with_padding_and_dropout() {
         );
         let w = values(12, n * c, 1.0);
         let forward = |q: &[f64], k: &[f64], v: &[f64]| {
-            let (mut ctx, mut probs, mut s) =
-                (vec![0.0; n * c], vec![0.0; B * h * T * T], vec![0.0; T * T]);
+            let (mut ctx, mut probs, mut s) = (
+                vec![0.0; n * c],
+                vec![0.0; B * h * T * T],
+                AttentionScratch::default(),
+            );
             let mut kept = KeptOperands::default();
             attention::forward(&mut ctx, &mut probs, &mut s, q, k, v, &mut kept, &dims);
             (dot(&ctx, &w), probs)
@@ -245,7 +260,7 @@ fn attention_with_padding_and_dropout() {
             vec![0.0; n * c],
             vec![0.0; n * c],
             vec![0.0; n * c],
-            vec![0.0; 2 * T * T],
+            AttentionScratch::default(),
         );
         let kept = KeptOperands::default();
         attention::backward(
@@ -339,6 +354,7 @@ fn encoder_layer_with_dropout_on(act: HiddenAct, packing: &Packing) {
             mask: &MASK,
             dropout: Some((KEY, &IDS)),
             packing,
+            gemms: Gemms::FP32,
         };
         let x = values(15, n * c, 1.0);
         let w = values(16, n * c, 1.0);
@@ -347,8 +363,9 @@ fn encoder_layer_with_dropout_on(act: HiddenAct, packing: &Packing) {
                 vec![0.0; n * c],
                 LayerCache::default(),
                 Vec::new(),
-                Vec::new(),
+                AttentionScratch::default(),
             );
+            let p = Flat::plain(p);
             layer.forward(&mut y, &mut cache, &mut tmp, &mut s, x, &inputs, p);
             (dot(&y, &w), cache)
         };
@@ -363,7 +380,7 @@ fn encoder_layer_with_dropout_on(act: HiddenAct, packing: &Packing) {
             &mut scratch,
             &x,
             &inputs,
-            &params,
+            Flat::plain(&params),
             &mut grads,
         );
         check("encoder layer dx", &x, &dx, 0..n * c, |x| {
@@ -391,14 +408,24 @@ fn mlm_head() {
     let w = values(18, positions.len() * v, 1.0);
     let forward = |p: &[f64], h: &[f64]| {
         let mut cache = MlmCache::default();
-        head.forward(&mut cache, h, &positions, p);
+        head.forward(Gemms::FP32, &mut cache, h, &positions, Flat::plain(p));
         (dot(&cache.logits[..positions.len() * v], &w), cache)
     };
     let (_, mut cache) = forward(&params, &hidden);
     cache.logits[..w.len()].copy_from_slice(&w);
     let mut grads = vec![0.0; params.len()];
     let mut dh = vec![0.0; n * c];
-    head.backward(&mut dh, &mut cache, &positions, &params, &mut grads);
+    let pf = Flat::plain(&params[..]);
+    let mut copy16 = Vec::new();
+    head.backward(
+        Gemms::FP32,
+        &mut dh,
+        &mut cache,
+        &positions,
+        pf,
+        &mut grads,
+        &mut copy16,
+    );
     check("mlm head dhidden", &hidden, &dh, 0..n * c, |h| {
         forward(&params, h).0
     });
@@ -427,14 +454,24 @@ fn nsp_head() {
     let w = values(20, B * 2, 1.0);
     let forward = |p: &[f64], h: &[f64]| {
         let mut cache = NspCache::default();
-        head.forward(&mut cache, h, &CLS, p);
+        head.forward(Gemms::FP32, &mut cache, h, &CLS, Flat::plain(p));
         (dot(&cache.logits[..B * 2], &w), cache)
     };
     let (_, mut cache) = forward(&params, &hidden);
     cache.logits[..B * 2].copy_from_slice(&w);
     let mut grads = vec![0.0; params.len()];
     let mut dh = vec![0.0; n * c];
-    head.backward(&mut dh, &mut cache, &CLS, &params, &mut grads);
+    let pf = Flat::plain(&params[..]);
+    let mut copy16 = Vec::new();
+    head.backward(
+        Gemms::FP32,
+        &mut dh,
+        &mut cache,
+        &CLS,
+        pf,
+        &mut grads,
+        &mut copy16,
+    );
     check("nsp head dhidden", &hidden, &dh, 0..n * c, |h| {
         forward(&params, h).0
     });

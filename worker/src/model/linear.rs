@@ -6,7 +6,9 @@ use super::pass_profile::{Pass, bytes, region};
 use keel_proto::params::LinearParams;
 
 use super::Element;
-use super::gemm::{gemm, gemm_bias, mat, mat_mut};
+use super::bf16_shared::{Flat, round_once};
+use super::gemm::{GemmSite, gemm, gemm_bias, mat_mut};
+use super::gemms::Gemms;
 use super::parallel;
 
 /// Where a Linear's weight and bias live in the flat buffer.
@@ -20,16 +22,19 @@ pub(crate) struct Linear {
     pub out: usize,
     /// Input features `i`.
     pub inp: usize,
+    /// Which GEMM this Linear's are, for the stats.
+    site: GemmSite,
 }
 
 impl Linear {
-    /// The Linear over these tensors of the layout.
-    pub fn new(params: &LinearParams) -> Linear {
+    /// The Linear over these tensors of the layout; its GEMMs count as `site`.
+    pub fn new(params: &LinearParams, site: GemmSite) -> Linear {
         Linear {
             w: params.weight.offset,
             b: params.bias.offset,
             out: params.out_features(),
             inp: params.in_features(),
+            site,
         }
     }
 
@@ -37,47 +42,63 @@ impl Linear {
         self.out * self.inp
     }
 
-    /// `y[n, o] = x[n, i] W^T + b` (the bias added by the GEMM: [`super::gemm::gemm_bias`]).
-    pub fn forward<A: Element>(&self, y: &mut [A], x: &[A], params: &[A], n: usize) {
-        let bias = &params[self.b..self.b + self.out];
-        let w = mat(&params[self.w..], self.out, self.inp);
+    /// `y[n, o] = x[n, i] W^T + b` (the bias added by the GEMM: [`super::gemm::gemm_bias`]),
+    /// on the route `gemms` says. `x` and `params` (the flat parameters) may carry bf16 copies
+    /// the GEMM then reads instead of rounding.
+    pub fn forward<A: Element>(
+        &self,
+        gemms: Gemms,
+        y: &mut [A],
+        x: Flat<'_, A>,
+        params: Flat<'_, A>,
+        n: usize,
+    ) {
+        let bias = &params.f32[self.b..self.b + self.out];
+        let w = params.mat(self.w, self.out, self.inp);
         gemm_bias(
-            &mat(x, n, self.inp),
-            &w.t(),
+            gemms,
+            self.site,
+            x.mat(0, n, self.inp),
+            w.t(),
             bias,
             &mut mat_mut(y, n, self.out),
         );
     }
 
     /// Given `dy[n, o]`: `dW += dy^T x`, `db += sum_n dy`, and `dx[n, i] = dy W`
-    /// (`dx += dy W` when `accumulate_dx`). `dx: None` skips the input gradient.
+    /// (`dx += dy W` when `accumulate_dx`). `dx: None` skips the input gradient. On the native
+    /// bf16 route `dy` is rounded once into `dy16` (scratch) for both GEMMs.
     #[allow(clippy::too_many_arguments)]
     pub fn backward<A: Element>(
         &self,
+        gemms: Gemms,
         dx: Option<(&mut [A], bool)>,
         dy: &[A],
-        x: &[A],
-        params: &[A],
+        x: Flat<'_, A>,
+        params: Flat<'_, A>,
         grads: &mut [A],
         n: usize,
+        dy16: &mut Vec<u16>,
     ) {
         let dy = &dy[..n * self.out];
         // `dy` feeds both GEMMs: round it once.
-        let _dy16 = super::bf16_shared::share(dy);
-        let dy_m = mat(dy, n, self.out);
+        let dy = round_once(gemms, dy, dy16);
+        let dy_m = dy.mat(0, n, self.out);
         {
             let mut dw = mat_mut(
                 &mut grads[self.w..self.w + self.w_len()],
                 self.out,
                 self.inp,
             );
-            gemm(A::one(), &dy_m.t(), &mat(x, n, self.inp), A::one(), &mut dw);
+            let x = x.mat(0, n, self.inp);
+            gemm(gemms, self.site, A::one(), dy_m.t(), x, A::one(), &mut dw);
         }
-        bias_gradient(&mut grads[self.b..self.b + self.out], dy, n);
+        bias_gradient(&mut grads[self.b..self.b + self.out], dy.f32, n);
         if let Some((dx, accumulate)) = dx {
-            let w = mat(&params[self.w..], self.out, self.inp);
+            let w = params.mat(self.w, self.out, self.inp);
             let beta = if accumulate { A::one() } else { A::zero() };
-            gemm(A::one(), &dy_m, &w, beta, &mut mat_mut(dx, n, self.inp));
+            let dx = &mut mat_mut(dx, n, self.inp);
+            gemm(gemms, self.site, A::one(), dy_m, w, beta, dx);
         }
     }
 }

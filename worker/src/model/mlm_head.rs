@@ -12,8 +12,10 @@ use keel_proto::params::{MlmHeadParams, ParamView};
 
 use super::Element;
 use super::activation;
+use super::bf16_shared::{Flat, round_once};
 use super::element::grow;
-use super::gemm::{gemm, gemm_bias, mat, mat_mut};
+use super::gemm::{GemmSite, gemm, gemm_bias, mat, mat_mut};
+use super::gemms::Gemms;
 use super::layernorm::LayerNorm;
 use super::linear::Linear;
 
@@ -77,7 +79,7 @@ impl MlmHead {
     /// word embeddings `word` (tied).
     pub fn new(config: &BertConfig, params: &MlmHeadParams, word: &ParamView) -> MlmHead {
         MlmHead {
-            dense: Linear::new(&params.transform),
+            dense: Linear::new(&params.transform, GemmSite::MlmTransform),
             ln: LayerNorm::new(&params.layer_norm, config.layer_norm_eps),
             act: config.hidden_act,
             word: word.offset,
@@ -87,13 +89,16 @@ impl MlmHead {
         }
     }
 
-    /// Fills `cache.logits[..m * v]` from `hidden` `[n, c]` at flat `positions` `[m]`.
+    /// Fills `cache.logits[..m * v]` from `hidden` `[n, c]` at flat `positions` `[m]`, GEMMs
+    /// on the route `gemms` says; `params` the flat parameters (with their bf16 copy on the
+    /// native route).
     pub fn forward<A: Element>(
         &self,
+        gemms: Gemms,
         cache: &mut MlmCache<A>,
         hidden: &[A],
         positions: &[usize],
-        params: &[A],
+        params: Flat<'_, A>,
     ) {
         let (m, c, v) = (positions.len(), self.c, self.vocab);
         let x = grow(&mut cache.x, m * c);
@@ -101,20 +106,23 @@ impl MlmHead {
             row.copy_from_slice(&hidden[p * c..(p + 1) * c]);
         }
         let pre = grow(&mut cache.pre, m * c);
-        self.dense.forward(pre, &cache.x[..m * c], params, m);
+        let x = Flat::plain(&cache.x[..m * c]);
+        self.dense.forward(gemms, pre, x, params, m);
         let act = grow(&mut cache.act, m * c);
         activation::forward(self.act, act, &cache.pre[..m * c]);
         let z = grow(&mut cache.z, m * c);
         let xhat = grow(&mut cache.xhat, m * c);
         let rstd = grow(&mut cache.rstd, m);
         self.ln
-            .forward(z, xhat, rstd, &cache.act[..m * c], None, params, m);
+            .forward(z, xhat, rstd, &cache.act[..m * c], None, params.f32, m);
         let logits = grow(&mut cache.logits, m * v);
-        let bias = &params[self.bias..self.bias + v];
-        let e = mat(&params[self.word..], v, c);
+        let bias = &params.f32[self.bias..self.bias + v];
+        let e = params.mat(self.word, v, c);
         gemm_bias(
-            &mat(&cache.z, m, c),
-            &e.t(),
+            gemms,
+            GemmSite::Decoder,
+            mat(&cache.z, m, c).into(),
+            e.t(),
             bias,
             &mut mat_mut(logits, m, v),
         );
@@ -122,33 +130,42 @@ impl MlmHead {
 
     /// Given `cache.logits` holding `d loss / d logits`: accumulates the head's gradients (and
     /// the decoder's share of the word-embedding gradient) and adds `d loss / d hidden` into
-    /// `dhidden` `[n, c]` at `positions`.
+    /// `dhidden` `[n, c]` at `positions`. `copy16` is scratch for the bf16 copies of
+    /// `d logits` `[m, v]` and of the transform's `dy` `[m, c]`, each made once for the two
+    /// GEMMs that read it (native bf16 only; the model's one such buffer, shared with the
+    /// encoder layers, so it grows to the largest of them).
+    #[allow(clippy::too_many_arguments)]
     pub fn backward<A: Element>(
         &self,
+        gemms: Gemms,
         dhidden: &mut [A],
         cache: &mut MlmCache<A>,
         positions: &[usize],
-        params: &[A],
+        params: Flat<'_, A>,
         grads: &mut [A],
+        copy16: &mut Vec<u16>,
     ) {
         let (m, c, v) = (positions.len(), self.c, self.vocab);
         let dlogits = &cache.logits[..m * v];
         super::linear::bias_gradient(&mut grads[self.bias..self.bias + v], dlogits, m);
         // `d logits` feeds both GEMMs: round it once.
-        let _dlogits16 = super::bf16_shared::share(dlogits);
-        let dlogits = mat(dlogits, m, v);
+        let dlogits = round_once(gemms, dlogits, copy16).mat(0, m, v);
         gemm(
+            gemms,
+            GemmSite::Decoder,
             A::one(),
-            &dlogits.t(),
-            &mat(&cache.z, m, c),
+            dlogits.t(),
+            mat(&cache.z, m, c).into(),
             A::one(),
             &mut mat_mut(&mut grads[self.word..self.word + v * c], v, c),
         );
         let dz = grow(&mut cache.d1, m * c);
         gemm(
+            gemms,
+            GemmSite::Decoder,
             A::one(),
-            &dlogits,
-            &mat(&params[self.word..], v, c),
+            dlogits,
+            params.mat(self.word, v, c),
             A::zero(),
             &mut mat_mut(dz, m, c),
         );
@@ -158,19 +175,21 @@ impl MlmHead {
             &cache.d1[..m * c],
             &cache.xhat,
             &cache.rstd,
-            params,
+            params.f32,
             grads,
             m,
         );
         activation::backward(self.act, dact, &cache.pre[..m * c]);
         let dx = grow(&mut cache.d1, m * c);
         self.dense.backward(
+            gemms,
             Some((&mut *dx, false)),
             &cache.d2[..m * c],
-            &cache.x,
+            Flat::plain(&cache.x),
             params,
             grads,
             m,
+            copy16,
         );
         for (row, &p) in cache.d1[..m * c].chunks_exact(c).zip(positions) {
             for (g, &d) in dhidden[p * c..(p + 1) * c].iter_mut().zip(row) {

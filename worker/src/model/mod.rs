@@ -9,12 +9,16 @@
 //! vocabulary size.
 //!
 //! # Layout
-//! - `element`: the scalar trait ([`Element`], implemented for f32 and f64).
-//! - `gemm`: the one matrix-multiply entry point (OpenBLAS through ndarray), timed for the bench.
-//! - `bf16`, `bf16_cpu`, `bf16_shared`, `onednn`: the bf16 precision of that entry point
-//!   (inputs rounded to bf16, fp32 accumulation), the probe for native bf16 (AMX, or
-//!   AVX512_BF16 raced against fp32), operands rounded once for several GEMMs, and oneDNN's
-//!   matmul behind a C shim.
+//! - `element`: the scalar trait ([`Element`], implemented for f32 and f64); its `as_f32` is
+//!   the one way the model asks what its element type is.
+//! - `gemms`: how a model's GEMMs run, as a value (`Gemms`: fp32 or bf16, native or not), made
+//!   once by [`Bert`] and passed with every layer call; attention's route follows from it.
+//! - `gemm`: the matrix-multiply entry points, counted per `GemmSite` for the bench;
+//!   `gemm_split` cuts a GEMM among the model's threads, `gemm_ksplit` along its sum.
+//! - `bf16`, `bf16_convert`, `bf16_cpu`, `bf16_shared`, `onednn`: the bf16 routes of those
+//!   entry points (inputs rounded to bf16, fp32 accumulation), the rounding, the probe for
+//!   native bf16 (AMX, or AVX512_BF16 raced against fp32), operands that carry their bf16 copy
+//!   (rounded once for several GEMMs: `Operand`, `Flat`), and oneDNN's matmul behind a C shim.
 //! - One file per layer, each a forward/backward pair side by side: `linear`, `layernorm`,
 //!   `activation` (GELU, tanh-GELU, ReLU), `dropout`, `attention`, `embeddings`,
 //!   `encoder_layer`, `mlm_head`, `nsp_head`, `loss` (cross-entropy). Attention's two routes
@@ -22,7 +26,8 @@
 //! - `pass_profile`: the step's time and bytes per pass, for the bench's roofline table.
 //! - `packing`: the rows a batch is computed on: only the real tokens', padding left out
 //!   (attention's operands scattered into the padded layout and back).
-//! - `bert`: the whole model ([`Bert`]) over one flat parameter buffer.
+//! - `bert`: the whole model ([`Bert`]) over one flat parameter buffer (its children:
+//!   `bert_inputs`, the checks of a batch; `bert_eval`, the eval forwards).
 //! - `init`: HF's `_init_weights` ([`init_params`]).
 //! - `lookup_grads`: the word embeddings' lookup share of the gradient, kept apart from the
 //!   tied decoder's share so the latter can be all-reduced early ([`LookupGrads`]).
@@ -46,6 +51,8 @@ mod embeddings;
 mod encoder_layer;
 pub mod gemm;
 mod gemm_ksplit;
+mod gemm_split;
+mod gemms;
 #[cfg(test)]
 mod gradcheck;
 mod init;

@@ -11,7 +11,10 @@ use keel_proto::params::NspHeadParams;
 
 use super::Element;
 use super::activation::{tanh_backward, tanh_forward};
+use super::bf16_shared::Flat;
 use super::element::grow;
+use super::gemm::GemmSite;
+use super::gemms::Gemms;
 use super::linear::Linear;
 
 /// Offsets of the pooler and classifier.
@@ -40,18 +43,19 @@ impl NspHead {
     /// The pooler and classifier over their tensors `params`.
     pub fn new(params: &NspHeadParams) -> NspHead {
         NspHead {
-            pooler: Linear::new(&params.pooler),
-            classifier: Linear::new(&params.classifier),
+            pooler: Linear::new(&params.pooler, GemmSite::Nsp),
+            classifier: Linear::new(&params.classifier, GemmSite::Nsp),
         }
     }
 
     /// Fills `cache.logits[..b * 2]` from `hidden` `[n, c]`, whose `[CLS]` rows are `cls` `[b]`.
     pub fn forward<A: Element>(
         &self,
+        gemms: Gemms,
         cache: &mut NspCache<A>,
         hidden: &[A],
         cls: &[usize],
-        params: &[A],
+        params: Flat<'_, A>,
     ) {
         let (b, c) = (cls.len(), self.pooler.inp);
         let x = grow(&mut cache.x, b * c);
@@ -59,43 +63,52 @@ impl NspHead {
             row.copy_from_slice(&hidden[r * c..(r + 1) * c]);
         }
         let pre = grow(&mut cache.pre, b * c);
-        self.pooler.forward(pre, &cache.x[..b * c], params, b);
+        let x = Flat::plain(&cache.x[..b * c]);
+        self.pooler.forward(gemms, pre, x, params, b);
         let pooled = grow(&mut cache.pooled, b * c);
         tanh_forward(pooled, &cache.pre[..b * c]);
         let logits = grow(&mut cache.logits, b * 2);
-        self.classifier
-            .forward(logits, &cache.pooled[..b * c], params, b);
+        let pooled = Flat::plain(&cache.pooled[..b * c]);
+        self.classifier.forward(gemms, logits, pooled, params, b);
     }
 
     /// Given `cache.logits` holding `d loss / d logits`: accumulates the head's gradients and
     /// adds `d loss / d hidden` into the `[CLS]` rows `cls` `[b]` of `dhidden` `[n, c]`.
+    /// `copy16` is scratch for a Linear's bf16 copy of its `dy` (native bf16 only).
+    #[allow(clippy::too_many_arguments)]
     pub fn backward<A: Element>(
         &self,
+        gemms: Gemms,
         dhidden: &mut [A],
         cache: &mut NspCache<A>,
         cls: &[usize],
-        params: &[A],
+        params: Flat<'_, A>,
         grads: &mut [A],
+        copy16: &mut Vec<u16>,
     ) {
         let (b, c) = (cls.len(), self.pooler.inp);
         let dpooled = grow(&mut cache.d, b * c);
         self.classifier.backward(
+            gemms,
             Some((&mut *dpooled, false)),
             &cache.logits[..b * 2],
-            &cache.pooled,
+            Flat::plain(&cache.pooled),
             params,
             grads,
             b,
+            copy16,
         );
         tanh_backward(dpooled, &cache.pooled[..b * c]);
         let dx = grow(&mut cache.pre, b * c);
         self.pooler.backward(
+            gemms,
             Some((&mut *dx, false)),
             &cache.d[..b * c],
-            &cache.x,
+            Flat::plain(&cache.x),
             params,
             grads,
             b,
+            copy16,
         );
         for (row, &r) in cache.pre[..b * c].chunks_exact(c).zip(cls) {
             for (g, &d) in dhidden[r * c..(r + 1) * c].iter_mut().zip(row) {

@@ -315,7 +315,7 @@ fn column_parts_take_their_own_columns_of_the_bias() {
         }
         let mut got = Array2::<f32>::from_elem((m, n), f32::NAN);
         let run = |c: &mut Array2<f32>, with_bias: bool| {
-            crate::model::gemm::split_keeping_c_layout(
+            crate::model::gemm_split::split_keeping_c_layout(
                 &a.view(),
                 &b.view(),
                 &mut c.view_mut(),

@@ -13,33 +13,26 @@
 //! oneDNN's and libgomp's per-thread set-up on every first call, which with native bf16 made
 //! 2 threads only 1.13-1.17x faster than 1 (measured on a 2-core Zen 5 EPYC).
 
-use std::cell::Cell;
-
 use super::pass_profile::Pass;
 
-use keel_proto::precision::Precision;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 static THREADS: AtomicUsize = AtomicUsize::new(1);
 
-thread_local! {
-    /// True while this thread runs one part of a split: work inside it is not split again.
-    static IN_PART: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Runs `f` with this thread marked as running one part of a split, in GEMM precision
-/// `precision` (the splitting thread's: `super::bf16` keeps it per thread); the mark is taken
-/// off again however `f` ends (a panic too: the thread may be a pool thread that lives on).
-fn as_part<R>(precision: Precision, f: impl FnOnce() -> R) -> R {
+/// Runs `f` with this thread marked as running one part of a split (`crate::model_thread`
+/// holds the mark: it is a fact about the thread); the mark is taken off again however `f`
+/// ends (a panic too: the thread may be a pool thread that lives on). Nothing else crosses to
+/// the helper: what the work computes (the GEMM route, bf16 copies) travels in `f`.
+fn as_part<R>(f: impl FnOnce() -> R) -> R {
     struct Restore(bool);
     impl Drop for Restore {
         fn drop(&mut self) {
-            IN_PART.with(|p| p.set(self.0));
+            crate::model_thread::set_in_part(self.0);
         }
     }
-    let _restore = Restore(IN_PART.with(|p| p.replace(true)));
-    super::bf16::with_precision(precision, f)
+    let _restore = Restore(crate::model_thread::set_in_part(true));
+    f()
 }
 
 unsafe extern "C" {
@@ -169,7 +162,7 @@ pub(crate) fn threads() -> usize {
 /// The threads work started here may be cut among: [`threads`], or 1 on a thread that is
 /// already running one part of a split.
 pub(crate) fn available_threads() -> usize {
-    if IN_PART.with(Cell::get) {
+    if crate::model_thread::in_part() {
         1
     } else {
         threads()
@@ -219,7 +212,6 @@ pub(crate) fn zip_parts<A: Send, B: Sync, R: Send>(
         return vec![f(&mut out[..items * out_unit], &inp[..items * in_unit])];
     }
     let ranges = split(items, parts);
-    let precision = super::bf16::current();
     let mut results: Vec<Option<R>> = (0..ranges.len()).map(|_| None).collect();
     let mut rest = &mut out[..items * out_unit];
     let mut work = Vec::with_capacity(ranges.len());
@@ -233,14 +225,14 @@ pub(crate) fn zip_parts<A: Send, B: Sync, R: Send>(
     let first = work.next();
     let others: Vec<Box<dyn FnOnce() + Send + '_>> = work
         .map(|(mine, src, slot)| {
-            Box::new(move || *slot = Some(as_part(precision, || f(mine, src))))
+            Box::new(move || *slot = Some(as_part(|| f(mine, src))))
                 as Box<dyn FnOnce() + Send + '_>
         })
         .collect();
     fork_join(
         move || {
             if let Some((mine, src, slot)) = first {
-                *slot = Some(as_part(precision, || f(mine, src)));
+                *slot = Some(as_part(|| f(mine, src)));
             }
         },
         others,
@@ -276,19 +268,16 @@ pub(crate) fn run_parts<T: Send>(work: Vec<T>, f: impl Fn(T) + Sync) {
         work.into_iter().for_each(f);
         return;
     }
-    let precision = super::bf16::current();
     let f = &f;
     let mut items = work.into_iter();
     let first = items.next();
     let others: Vec<Box<dyn FnOnce() + Send + '_>> = items
-        .map(|item| {
-            Box::new(move || as_part(precision, || f(item))) as Box<dyn FnOnce() + Send + '_>
-        })
+        .map(|item| Box::new(move || as_part(|| f(item))) as Box<dyn FnOnce() + Send + '_>)
         .collect();
     fork_join(
         move || {
             if let Some(item) = first {
-                as_part(precision, || f(item));
+                as_part(|| f(item));
             }
         },
         others,

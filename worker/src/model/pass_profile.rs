@@ -15,7 +15,6 @@
 //! once), so `bytes / seconds` held against the machine's copy bandwidth says how far a pass is
 //! from the memory limit. Counting costs two clock reads per region (a few hundred per step).
 
-use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -136,18 +135,9 @@ static FLOPS: [AtomicU64; N] = [ZERO; N];
 /// [`Pass::Join`]'s nanoseconds by the pass whose split it waited for.
 static JOIN_BY_PASS: [AtomicU64; N] = [ZERO; N];
 
-thread_local! {
-    /// True on the model's helper threads (set when the pool starts them): they do not record.
-    static HELPER: Cell<bool> = const { Cell::new(false) };
-    /// Nanoseconds spent in regions opened inside the innermost open region on this thread.
-    static INNER: Cell<u64> = const { Cell::new(0) };
-    /// The innermost open region's pass on this thread (`Join` when none is open).
-    static OPEN: Cell<Pass> = const { Cell::new(Pass::Join) };
-}
-
 /// Marks this thread as one of the model's helper threads (called by the pool's start handler).
 pub(crate) fn mark_helper_thread() {
-    HELPER.with(|h| h.set(true));
+    crate::model_thread::mark_helper();
 }
 
 /// One pass while it runs; its exclusive time is recorded when it is dropped.
@@ -158,8 +148,8 @@ pub(crate) struct Region {
     start: Option<Instant>,
     /// The enclosing region's inner time, put back (plus this region's) on drop.
     outer_inner: u64,
-    /// The enclosing region's pass, open again after this one.
-    outer_pass: Pass,
+    /// The enclosing region's pass, open again after this one (`None`: none was open).
+    outer_pass: Option<Pass>,
 }
 
 /// Opens a region of `pass` that reads `read` and writes `written` bytes.
@@ -169,12 +159,12 @@ pub(crate) fn region(pass: Pass, read: usize, written: usize) -> Region {
 
 /// [`region`] for a GEMM of `flops` floating-point operations.
 pub(crate) fn gemm_region(pass: Pass, read: usize, written: usize, flops: usize) -> Region {
-    if HELPER.with(Cell::get) {
+    if crate::model_thread::is_helper() {
         return Region {
             pass,
             start: None,
             outer_inner: 0,
-            outer_pass: pass,
+            outer_pass: None,
         };
     }
     let i = pass.index();
@@ -185,8 +175,9 @@ pub(crate) fn gemm_region(pass: Pass, read: usize, written: usize, flops: usize)
     Region {
         pass,
         start: Some(Instant::now()),
-        outer_inner: INNER.with(|c| c.replace(0)),
-        outer_pass: OPEN.with(|o| o.replace(pass)),
+        outer_inner: crate::model_thread::replace_inner_nanos(0),
+        outer_pass: crate::model_thread::replace_open_pass(Some(pass.index()))
+            .and_then(|i| Pass::ALL.get(i).copied()),
     }
 }
 
@@ -198,13 +189,15 @@ impl Region {
             return 0;
         };
         let elapsed = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let exclusive = elapsed.saturating_sub(INNER.with(Cell::get));
+        let exclusive = elapsed.saturating_sub(crate::model_thread::inner_nanos());
         NANOS[self.pass.index()].fetch_add(exclusive, Ordering::Relaxed);
         if self.pass == Pass::Join {
-            JOIN_BY_PASS[self.outer_pass.index()].fetch_add(exclusive, Ordering::Relaxed);
+            // A join outside any region is counted under its own pass, as before.
+            let outer = self.outer_pass.unwrap_or(Pass::Join);
+            JOIN_BY_PASS[outer.index()].fetch_add(exclusive, Ordering::Relaxed);
         }
-        INNER.with(|c| c.set(self.outer_inner.saturating_add(elapsed)));
-        OPEN.with(|o| o.set(self.outer_pass));
+        crate::model_thread::replace_inner_nanos(self.outer_inner.saturating_add(elapsed));
+        crate::model_thread::replace_open_pass(self.outer_pass.map(Pass::index));
         exclusive
     }
 }
