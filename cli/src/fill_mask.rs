@@ -3,10 +3,10 @@
 
 use crate::output::outln;
 use anyhow::Context;
+use keel_model::Bert;
 use keel_proto::config::BertConfig;
 use keel_proto::params::ParamLayout;
 use keel_proto::tokenizer::KeelTokenizer;
-use keel_worker::model::Bert;
 use std::path::PathBuf;
 
 /// Arguments of `keel fill-mask`.

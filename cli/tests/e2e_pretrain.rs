@@ -6,9 +6,9 @@
 mod common;
 
 use common::*;
+use keel_model::Bert;
 use keel_proto::config::BertConfig;
 use keel_proto::params::ParamLayout;
-use keel_worker::model::Bert;
 use std::collections::BTreeMap;
 use std::path::Path;
 

@@ -85,7 +85,7 @@ fn the_same_job_twice_gives_bit_identical_checkpoints() {
     let corpus = kjv_lines(dir.path(), 3000);
     let a = run(dir.path(), &corpus, (2, 6, 1), "auto", "a");
     let b = run(dir.path(), &corpus, (2, 6, 1), "auto", "b");
-    // `auto` is each worker's start-up race of bf16 against fp32 (worker/src/model/bf16_cpu.rs):
+    // `auto` is each worker's start-up race of bf16 against fp32 (model/src/bf16_cpu.rs):
     // the two runs must have chosen alike for their checkpoints to be comparable at all.
     let precision = |dir: &Path| -> String {
         let state: serde_json::Value =

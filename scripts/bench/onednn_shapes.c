@@ -1,5 +1,5 @@
 /* GFLOP/s of the bf16 matmuls Keel's worker runs, called exactly as the worker calls them
- * (through worker/csrc/dnnl_matmul.c: bf16 inputs, f32 output, user scratchpad, 1 OpenMP
+ * (through model/csrc/dnnl_matmul.c: bf16 inputs, f32 output, user scratchpad, 1 OpenMP
  * thread), at BERT-mini and BERT-base shapes, in the three layouts the model uses:
  *   AB   y = x W       (A [m, k], B [k, n], row-major)
  *   AB^T y = x W^T     (B stored [n, k]: a Linear's forward and the MLM decoder)
@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "../../worker/csrc/dnnl_matmul.c"
+#include "../../model/csrc/dnnl_matmul.c"
 
 static double now(void) {
     struct timespec t;

@@ -2,11 +2,9 @@
 //! all-reduce and the worker process that ties them to the coordinator.
 //!
 //! # Layout
-//! - `batch`: the micro-batch type shared by the data pipeline and the model.
+//! - `batch`, `model`: re-exported from the `keel-model` crate (the micro-batch type and BERT's
+//!   forward and backward), so that `keel_worker::model` paths still work.
 //! - `blas_core`: OpenBLAS kernels on CPUs newer than the library (re-exec with a known core).
-//! - `model/`: BERT forward and backward, one file per layer (HF `BertForMaskedLM`, `BertForPreTraining`);
-//!   `model_thread`: what belongs to one thread of the model's pool (scratch, the profile's
-//!   nesting), kept out of `model/` because nothing in it decides what is computed.
 //! - `optim/`: AdamW, LAMB, learning-rate schedules, gradient clipping.
 //! - `data/`: masking (static, dynamic, whole-word) and collation of shard sequences into batches.
 //! - `allreduce/`: ring reduce-scatter + all-gather between workers over gRPC.
@@ -29,12 +27,9 @@
 
 #![warn(missing_docs)]
 
-// Link OpenBLAS (Debian's system library) as ndarray's BLAS backend.
-extern crate blas_src;
-
 pub mod allocator;
 pub mod allreduce;
-pub mod batch;
+pub use keel_model::batch;
 pub mod bench;
 pub mod bench_roofline;
 pub mod blas_core;
@@ -45,8 +40,7 @@ pub mod data;
 pub mod faults;
 pub mod io_runtime;
 pub mod job;
-pub mod model;
-mod model_thread;
+pub use keel_model as model;
 pub mod optim;
 pub mod optim_state;
 pub mod replica;

@@ -21,7 +21,7 @@
 //! this file only runs the routes.
 //!
 //! Conversions: an operand is rounded on every call (on the native route into a buffer reused
-//! per thread, `crate::model_thread`), unless it comes with its bf16 copy, made once for
+//! per thread, `crate::thread_state`), unless it comes with its bf16 copy, made once for
 //! several GEMMs (`super::bf16_shared`: the parameters once per micro-batch, a layer's input
 //! for its query, key and value projections, a `dy` for both of its Linear's gradients,
 //! attention's operands).
@@ -179,7 +179,7 @@ pub(crate) fn native_gemm_f32(
     c: &mut ArrayViewMut2<'_, f32>,
     parts: usize,
 ) {
-    crate::model_thread::with_u16_pair(|ba, bb| {
+    crate::thread_state::with_u16_pair(|ba, bb| {
         let a16 = match a16 {
             Some(v) => v.reborrow(),
             None => converted_bits(a, ba),
@@ -214,7 +214,7 @@ pub(crate) fn native_batched_f32(
     beta: f32,
     (c, sc): (&mut [f32], Strided4),
 ) {
-    crate::model_thread::with_u16_pair(|ba, bb| {
+    crate::thread_state::with_u16_pair(|ba, bb| {
         let a16 = a16.unwrap_or_else(|| {
             ba.clear();
             bf16_convert::extend_bits(ba, &a[..sa.extent().min(a.len())]);

@@ -277,7 +277,7 @@ mod tests {
     }
 
     fn unsafe_erf(x: f64) -> f64 {
-        use crate::model::Element;
+        use crate::Element;
         Element::erf(x)
     }
 }

@@ -136,13 +136,13 @@ static FLOPS: [AtomicU64; N] = [ZERO; N];
 static JOIN_BY_PASS: [AtomicU64; N] = [ZERO; N];
 
 /// Marks this thread as one of the model's helper threads (called by the pool's start handler).
-pub(crate) fn mark_helper_thread() {
-    crate::model_thread::mark_helper();
+pub fn mark_helper_thread() {
+    crate::thread_state::mark_helper();
 }
 
 /// One pass while it runs; its exclusive time is recorded when it is dropped.
 #[must_use = "the region is timed until it is dropped"]
-pub(crate) struct Region {
+pub struct Region {
     pass: Pass,
     /// `None` on a helper thread: nothing is recorded.
     start: Option<Instant>,
@@ -153,13 +153,13 @@ pub(crate) struct Region {
 }
 
 /// Opens a region of `pass` that reads `read` and writes `written` bytes.
-pub(crate) fn region(pass: Pass, read: usize, written: usize) -> Region {
+pub fn region(pass: Pass, read: usize, written: usize) -> Region {
     gemm_region(pass, read, written, 0)
 }
 
 /// [`region`] for a GEMM of `flops` floating-point operations.
-pub(crate) fn gemm_region(pass: Pass, read: usize, written: usize, flops: usize) -> Region {
-    if crate::model_thread::is_helper() {
+pub fn gemm_region(pass: Pass, read: usize, written: usize, flops: usize) -> Region {
+    if crate::thread_state::is_helper() {
         return Region {
             pass,
             start: None,
@@ -175,8 +175,8 @@ pub(crate) fn gemm_region(pass: Pass, read: usize, written: usize, flops: usize)
     Region {
         pass,
         start: Some(Instant::now()),
-        outer_inner: crate::model_thread::replace_inner_nanos(0),
-        outer_pass: crate::model_thread::replace_open_pass(Some(pass.index()))
+        outer_inner: crate::thread_state::replace_inner_nanos(0),
+        outer_pass: crate::thread_state::replace_open_pass(Some(pass.index()))
             .and_then(|i| Pass::ALL.get(i).copied()),
     }
 }
@@ -189,15 +189,15 @@ impl Region {
             return 0;
         };
         let elapsed = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let exclusive = elapsed.saturating_sub(crate::model_thread::inner_nanos());
+        let exclusive = elapsed.saturating_sub(crate::thread_state::inner_nanos());
         NANOS[self.pass.index()].fetch_add(exclusive, Ordering::Relaxed);
         if self.pass == Pass::Join {
             // A join outside any region is counted under its own pass, as before.
             let outer = self.outer_pass.unwrap_or(Pass::Join);
             JOIN_BY_PASS[outer.index()].fetch_add(exclusive, Ordering::Relaxed);
         }
-        crate::model_thread::replace_inner_nanos(self.outer_inner.saturating_add(elapsed));
-        crate::model_thread::replace_open_pass(self.outer_pass.map(Pass::index));
+        crate::thread_state::replace_inner_nanos(self.outer_inner.saturating_add(elapsed));
+        crate::thread_state::replace_open_pass(self.outer_pass.map(Pass::index));
         exclusive
     }
 }
@@ -257,7 +257,7 @@ pub fn reset() {
 }
 
 /// Bytes of `n` elements of `A`.
-pub(crate) fn bytes<A>(n: usize) -> usize {
+pub fn bytes<A>(n: usize) -> usize {
     n * std::mem::size_of::<A>()
 }
 

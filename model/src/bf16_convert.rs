@@ -173,7 +173,7 @@ mod tests {
         let mut cut: Vec<u16> = vec![9];
         cut.reserve(x.len());
         let spare = &mut cut.spare_capacity_mut()[..x.len()];
-        let parts = crate::model::parallel::zip_parts(3, spare, 1, &x, 1, x.len(), |o, i| {
+        let parts = crate::parallel::zip_parts(3, spare, 1, &x, 1, x.len(), |o, i| {
             convert_into(o, i);
             o.len()
         });

@@ -6,7 +6,7 @@ use ndarray::Array2;
 
 use super::{Bert, Tokens};
 use crate::batch::Batch;
-use crate::model::{Element, ModelError};
+use crate::{Element, ModelError};
 
 impl<A: Element> Bert<A> {
     /// Checks that a flat buffer named `buffer` has `len = P` elements.

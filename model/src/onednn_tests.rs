@@ -4,7 +4,7 @@
 use ndarray::{Array2, ShapeBuilder};
 
 use super::{InputType, Key, matmul, primitive};
-use crate::model::bf16::{bf16_bits, round_bf16_f32};
+use crate::bf16::{bf16_bits, round_bf16_f32};
 
 fn filled(r: usize, c: usize, seed: usize, column_major: bool) -> Array2<f32> {
     let f =
@@ -315,7 +315,7 @@ fn column_parts_take_their_own_columns_of_the_bias() {
         }
         let mut got = Array2::<f32>::from_elem((m, n), f32::NAN);
         let run = |c: &mut Array2<f32>, with_bias: bool| {
-            crate::model::gemm_split::split_keeping_c_layout(
+            crate::gemm_split::split_keeping_c_layout(
                 &a.view(),
                 &b.view(),
                 &mut c.view_mut(),

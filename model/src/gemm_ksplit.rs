@@ -56,8 +56,8 @@ pub(crate) fn gemm_cut_k(
     assert_eq!(b.nrows(), k, "inner dimensions");
     assert_eq!(c.dim(), (m, n), "output shape");
     let blocks = parallel::split(k, parts);
-    // The partial outputs are this thread's (`crate::model_thread`), reused call to call.
-    crate::model_thread::with_partials(|partials| {
+    // The partial outputs are this thread's (`crate::thread_state`), reused call to call.
+    crate::thread_state::with_partials(|partials| {
         let len = (blocks.len() - 1) * m * n;
         if partials.len() < len {
             partials.resize(len, 0.0);
@@ -117,7 +117,7 @@ mod tests {
     use ndarray::{Array2, ShapeBuilder};
 
     use super::*;
-    use crate::model::bf16;
+    use crate::bf16;
 
     /// Cut along `k` into 2 and 3 parts, a weight gradient's layout (`a` column-major) gives
     /// the one-call result up to fp32 rounding of the sum, with `beta` 1 (gradients

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 
 static THREADS: AtomicUsize = AtomicUsize::new(1);
 
-/// Runs `f` with this thread marked as running one part of a split (`crate::model_thread`
+/// Runs `f` with this thread marked as running one part of a split (`crate::thread_state`
 /// holds the mark: it is a fact about the thread); the mark is taken off again however `f`
 /// ends (a panic too: the thread may be a pool thread that lives on). Nothing else crosses to
 /// the helper: what the work computes (the GEMM route, bf16 copies) travels in `f`.
@@ -28,10 +28,10 @@ fn as_part<R>(f: impl FnOnce() -> R) -> R {
     struct Restore(bool);
     impl Drop for Restore {
         fn drop(&mut self) {
-            crate::model_thread::set_in_part(self.0);
+            crate::thread_state::set_in_part(self.0);
         }
     }
-    let _restore = Restore(crate::model_thread::set_in_part(true));
+    let _restore = Restore(crate::thread_state::set_in_part(true));
     f()
 }
 
@@ -103,7 +103,7 @@ static SPINNERS: AtomicUsize = AtomicUsize::new(0);
 
 /// While alive, the model's helper threads look for work without going to sleep (see [`hot`]).
 #[must_use = "the helpers stay hot until the guard is dropped"]
-pub(crate) struct Hot(());
+pub struct Hot(());
 
 impl Drop for Hot {
     fn drop(&mut self) {
@@ -119,7 +119,7 @@ impl Drop for Hot {
 /// 6-8 ms with the helpers hot, and the step went from 32-34 k to 36-37 k tokens/s
 /// (`keel-worker bench`, 2 threads, AMX Xeon, 2026-12-05). Open it around a step's compute,
 /// not around waits for the network.
-pub(crate) fn hot() -> Hot {
+pub fn hot() -> Hot {
     static START: Mutex<()> = Mutex::new(());
     let _one_at_a_time = START
         .lock()
@@ -148,21 +148,21 @@ pub(crate) fn hot() -> Hot {
 }
 
 /// Sets the thread count of the model; OpenBLAS is set to one thread.
-pub(crate) fn set_threads(n: usize) {
+pub fn set_threads(n: usize) {
     let n = n.max(1);
     THREADS.store(n, Ordering::Relaxed);
     set_openblas_threads(1);
 }
 
 /// The thread count set by [`set_threads`] (1 by default).
-pub(crate) fn threads() -> usize {
+pub fn threads() -> usize {
     THREADS.load(Ordering::Relaxed)
 }
 
 /// The threads work started here may be cut among: [`threads`], or 1 on a thread that is
 /// already running one part of a split.
-pub(crate) fn available_threads() -> usize {
-    if crate::model_thread::in_part() {
+pub fn available_threads() -> usize {
+    if crate::thread_state::in_part() {
         1
     } else {
         threads()
@@ -170,7 +170,7 @@ pub(crate) fn available_threads() -> usize {
 }
 
 /// Splits `0..items` into at most `parts` contiguous, nearly equal ranges (none empty).
-pub(crate) fn split(items: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
+pub fn split(items: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
     let parts = parts.clamp(1, items.max(1));
     (0..parts)
         .map(|p| p * items / parts..(p + 1) * items / parts)
@@ -182,7 +182,7 @@ pub(crate) fn split(items: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
 /// units of `out_unit` / `in_unit` elements, on up to [`threads`] threads (at least
 /// `min_items` units each); returns the parts' results in order.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn zip_units<A: Send, B: Sync, R: Send>(
+pub fn zip_units<A: Send, B: Sync, R: Send>(
     out: &mut [A],
     out_unit: usize,
     inp: &[B],
@@ -198,7 +198,7 @@ pub(crate) fn zip_units<A: Send, B: Sync, R: Send>(
 /// [`zip_units`] cut into exactly `parts` parts (fewer only when there are fewer units), run on
 /// the helper pool as it is: for tests that need a cut whatever the thread count.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn zip_parts<A: Send, B: Sync, R: Send>(
+pub fn zip_parts<A: Send, B: Sync, R: Send>(
     parts: usize,
     out: &mut [A],
     out_unit: usize,
@@ -248,7 +248,7 @@ const MIN_PASS_ELEMENTS: usize = 1 << 16;
 
 /// Sets every element of `x` to `value`, cut among the model's threads (a gradient buffer of
 /// millions of elements is a pass over memory one thread does not saturate).
-pub(crate) fn fill<A: Copy + Send + Sync>(x: &mut [A], value: A) {
+pub fn fill<A: Copy + Send + Sync>(x: &mut [A], value: A) {
     let none: &[A] = &[];
     zip_units(x, 1, none, 0, x.len(), MIN_PASS_ELEMENTS, |part, _| {
         part.fill(value)
@@ -256,14 +256,14 @@ pub(crate) fn fill<A: Copy + Send + Sync>(x: &mut [A], value: A) {
 }
 
 /// `f(part)` over `x` cut into contiguous parts among the model's threads, in place.
-pub(crate) fn for_each_part<A: Send + Sync>(x: &mut [A], f: impl Fn(&mut [A]) + Sync) {
+pub fn for_each_part<A: Send + Sync>(x: &mut [A], f: impl Fn(&mut [A]) + Sync) {
     let none: &[A] = &[];
     zip_units(x, 1, none, 0, x.len(), MIN_PASS_ELEMENTS, |part, _| f(part));
 }
 
 /// Runs `f(work)` for each work item on its own thread (the first on the caller); GEMMs
 /// and elementwise work inside an item are not split again.
-pub(crate) fn run_parts<T: Send>(work: Vec<T>, f: impl Fn(T) + Sync) {
+pub fn run_parts<T: Send>(work: Vec<T>, f: impl Fn(T) + Sync) {
     if work.len() <= 1 {
         work.into_iter().for_each(f);
         return;

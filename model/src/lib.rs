@@ -31,11 +31,24 @@
 //! - `init`: HF's `_init_weights` ([`init_params`]).
 //! - `lookup_grads`: the word embeddings' lookup share of the gradient, kept apart from the
 //!   tied decoder's share so the latter can be all-reduced early ([`LookupGrads`]).
+//! - `batch`: the micro-batch type the data pipeline makes and the model reads.
+//! - `parallel`: the model's thread pool and its fixed-order splits; `thread_state`: what
+//!   belongs to one thread of that pool (reused scratch, the part mark, the profile's nesting),
+//!   none of it a choice of what is computed.
+//!
+//! A crate of its own so that a program that only runs the model (`keel fill-mask`) does not
+//! link the worker's ring, gRPC services and training loop.
+
+#![warn(missing_docs)]
+
+// Link OpenBLAS (Debian's system library) as ndarray's BLAS backend.
+extern crate blas_src;
 
 mod activation;
 mod attention;
 mod attention_batched;
 mod attention_dims;
+pub mod batch;
 mod bert;
 pub mod bf16;
 mod bf16_convert;
@@ -64,9 +77,10 @@ mod mlm_head;
 mod nsp_head;
 mod onednn;
 mod packing;
-pub(crate) mod parallel;
+pub mod parallel;
 pub mod pass_profile;
 mod softmax;
+mod thread_state;
 mod vmath;
 
 pub use bert::{Bert, ForwardOutputs};

@@ -1,6 +1,6 @@
 /* A small C shim over oneDNN 2.x's matmul primitive (Debian 12: libdnnl 2.6.3), so that the
  * Rust side never has to mirror oneDNN's large memory-descriptor struct. See
- * worker/src/model/onednn.rs for the safe wrapper, the primitive cache and why.
+ * model/src/onednn.rs for the safe wrapper, the primitive cache and why.
  *
  * One primitive computes C[m, n] = alpha * A[m, k] B[k, n] (+ bias[n]) + beta * C with any
  * (positive) element strides for A, B and C, A and B both f32 or both bf16, C and the bias f32,

@@ -9,7 +9,7 @@ use super::super::bf16_shared::Flat;
 use super::super::loss::cross_entropy;
 use super::{Bert, ForwardOutputs, Tokens};
 use crate::batch::Batch;
-use crate::model::{Element, LossSums, ModelError};
+use crate::{Element, LossSums, ModelError};
 
 impl<A: Element> Bert<A> {
     /// Eval-mode losses (no dropout, no gradients).

@@ -138,8 +138,8 @@ mod tests {
     use ndarray::{Array2, s};
 
     use super::*;
-    use crate::model::bf16::{bf16_bits, support};
-    use crate::model::gemm::{GemmSite, gemm, mat_mut};
+    use crate::bf16::{bf16_bits, support};
+    use crate::gemm::{GemmSite, gemm, mat_mut};
 
     /// A copy cut from a [`Flat`] reads the same bits as rounding the view it goes with, in
     /// every layout the model hands a GEMM.
@@ -147,7 +147,7 @@ mod tests {
     fn a_flat_copy_reads_the_rounding_of_its_view() {
         let x: Vec<f32> = (0..60).map(|i| i as f32 * 0.731 - 7.0).collect();
         let mut copy = Vec::new();
-        crate::model::bf16_convert::extend_bits(&mut copy, &x);
+        crate::bf16_convert::extend_bits(&mut copy, &x);
         let flat = Flat::kept(&x, &copy);
         let m = flat.mat(10, 5, 10);
         for (what, v) in [

@@ -1,4 +1,4 @@
-//! What belongs to one thread of the model's pool (`model::parallel`), as a fact about that
+//! What belongs to one thread of the model's pool (`crate::parallel`), as a fact about that
 //! thread: scratch buffers, whether it runs one part of a split, and the profiler's record of
 //! the regions open on it.
 //!
@@ -8,11 +8,11 @@
 //!   at once; the pool's threads persist, so a buffer per thread is reused from step to step
 //!   without allocating.
 //! - The part mark: work started on a thread already running one part is not cut again.
-//! - The profile (`model::pass_profile`): regions nest per thread (an inner region's time is
+//! - The profile (`crate::pass_profile`): regions nest per thread (an inner region's time is
 //!   taken out of the one around it on the same thread), and helper threads record nothing.
 //!
 //! Nothing here chooses what is computed: the model's GEMM precision and its kept bf16 copies
-//! are values passed with each call (`model::gemms`, `model::bf16_shared`). So this state
+//! are values passed with each call (`crate::gemms`, `crate::bf16_shared`). So this state
 //! lives outside `model/`, as plain per-thread storage.
 
 use std::cell::{Cell, RefCell};
@@ -30,7 +30,7 @@ thread_local! {
     static HELPER: Cell<bool> = const { Cell::new(false) };
     /// Nanoseconds spent in profile regions opened inside the innermost open one.
     static INNER: Cell<u64> = const { Cell::new(0) };
-    /// The innermost open profile region's pass, as `model::pass_profile::Pass`'s index
+    /// The innermost open profile region's pass, as `crate::pass_profile::Pass`'s index
     /// (`None` when none is open).
     static OPEN: Cell<Option<usize>> = const { Cell::new(None) };
 }

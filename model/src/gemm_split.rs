@@ -126,7 +126,7 @@ mod tests {
     use ndarray::{Array2, ShapeBuilder};
 
     use super::multiply;
-    use crate::model::Element;
+    use crate::Element;
 
     fn filled<A: Element>(r: usize, c: usize, seed: usize, column_major: bool) -> Array2<A> {
         let f = move |(i, j): (usize, usize)| {
