@@ -206,11 +206,13 @@ impl Sim {
         }
         let inc = self.workers[w].inc;
         let d = self.fifo(w, false);
+        let epoch = self.coord.epoch;
         self.at(
             d,
             Ev::Command {
                 w,
                 inc,
+                epoch,
                 worker_id,
                 command,
             },

@@ -5,6 +5,7 @@
 
 pub mod check;
 mod coord;
+mod events;
 mod ring;
 mod worker;
 
@@ -18,6 +19,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 pub use check::{Report, Summary};
+use events::{Answer, Call, DriverInput, Ev, Heal, Up};
 use worker::{Ring, Worker};
 
 /// A small self-contained PRNG (SplitMix64): one `u64` seed gives the whole run, and the
@@ -145,160 +147,6 @@ impl Config {
     }
 }
 
-/// Messages from a worker to the coordinator (each one unary RPC).
-#[derive(Debug, Clone)]
-enum Up {
-    Register { holds: Option<TrainingKey> },
-    Heartbeat { key: Option<TrainingKey> },
-    Step(StepReport),
-    Eval(EvalReport),
-    Done(DoneReport),
-    Failure(FailureReport),
-    Held(HeldReport),
-    UploadBegins(TrainingKey),
-    UploadData { key: TrainingKey, weights: u64 },
-}
-
-/// What a worker does with the answer to one of its RPCs.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Call {
-    Register,
-    Heartbeat,
-    /// The reporter of run `serial`: a step or eval report.
-    Report {
-        serial: u64,
-    },
-    /// The reporter of run `serial`: an upload's start, then its data.
-    UploadBegins {
-        serial: u64,
-    },
-    UploadData {
-        serial: u64,
-    },
-    /// A run's last word (done, failure, held): nothing follows.
-    Last,
-}
-
-/// An RPC's answer as the worker sees it.
-#[derive(Debug, Clone)]
-enum Answer {
-    Registered {
-        worker_id: String,
-        attach: u64,
-        epoch: u64,
-    },
-    Known(bool),
-    Ok,
-    Err(String),
-}
-
-/// Inputs the driver model feeds back to the machine.
-#[derive(Debug, Clone)]
-enum DriverInput {
-    Prepared {
-        job_id: String,
-    },
-    FilesBuilt {
-        job_id: String,
-        generation: u64,
-        ranks: usize,
-    },
-    Verified {
-        job_id: String,
-        generation: u64,
-        newest: Option<u64>,
-    },
-    SaveFailed {
-        job_id: String,
-    },
-    Detached {
-        worker_id: String,
-        attach: u64,
-    },
-}
-
-/// One scheduled event.
-#[derive(Debug, Clone)]
-enum Ev {
-    Tick {
-        epoch: u64,
-    },
-    Submit {
-        job: usize,
-    },
-    CoordinatorRestart,
-    /// An RPC reaches the coordinator.
-    Deliver {
-        w: usize,
-        inc: u64,
-        epoch: u64,
-        call: Call,
-        msg: Up,
-    },
-    /// An RPC's answer reaches the worker.
-    Answer {
-        w: usize,
-        inc: u64,
-        call: Call,
-        answer: Answer,
-    },
-    /// A command on a worker's attach stream.
-    Command {
-        w: usize,
-        inc: u64,
-        worker_id: String,
-        command: worker_command::Command,
-    },
-    Driver {
-        epoch: u64,
-        input: DriverInput,
-    },
-    Heartbeat {
-        w: usize,
-        inc: u64,
-    },
-    Register {
-        w: usize,
-        inc: u64,
-    },
-    SessionLost {
-        w: usize,
-        inc: u64,
-        worker_id: String,
-    },
-    WorkerRestart {
-        w: usize,
-    },
-    RingDeadline {
-        ring: usize,
-    },
-    RingStep {
-        ring: usize,
-    },
-    RingFail {
-        ring: usize,
-        why: String,
-    },
-    /// The reporter of run `serial` tries its final upload again.
-    UploadRetry {
-        w: usize,
-        inc: u64,
-        serial: u64,
-    },
-    Fault(FaultKind),
-    Heal {
-        what: Heal,
-    },
-    EndOfFaults,
-}
-
-/// A fault's end.
-#[derive(Debug, Clone, Copy)]
-enum Heal {
-    CoordinatorCut(usize),
-    RingCut(usize),
-}
-
 /// The simulated network's state and its randomness.
 #[derive(Debug, Default)]
 struct Net {
@@ -317,6 +165,7 @@ struct Net {
 /// The coordinator process: the real machine (absent while crashed) and what its driver keeps.
 #[derive(Debug, Default)]
 struct Coordinator {
+    /// The real machine; `None` while the process is down.
     machine: Option<Machine>,
     /// Bumped at every crash: effects' results and RPCs of an older process are dropped.
     epoch: u64,
@@ -340,19 +189,29 @@ struct Coordinator {
 
 /// One whole simulated cluster.
 pub struct Sim {
+    /// What is simulated.
     cfg: Config,
+    /// The run's one source of randomness.
     rng: Rng,
     /// Virtual milliseconds since the start.
     now: u64,
+    /// Events scheduled so far: the tie-breaker of equal times.
     seq: u64,
+    /// Pending events by (time, sequence number).
     queue: BTreeMap<(u64, u64), Ev>,
+    /// The machine's clock at virtual time 0 (every `Instant` it sees is this plus `now`).
     t0: Instant,
+    /// The coordinator process.
     coord: Coordinator,
+    /// The network.
     net: Net,
+    /// The worker processes.
     workers: Vec<Worker>,
     /// Worker ids of live sessions → simulated worker.
     ids: HashMap<String, usize>,
+    /// Every ring formed so far.
     rings: Vec<Ring>,
+    /// Rings by (job, generation, coordinator epoch).
     ring_index: HashMap<(String, u64, u64), usize>,
     /// The checkpoint store: `(job, step)` → weights.
     store: BTreeMap<(String, u64), u64>,
@@ -366,10 +225,15 @@ pub struct Sim {
     launched_by: HashMap<(String, u64), u64>,
     /// Job specs to submit, and the ids they got.
     to_submit: Vec<JobSpec>,
+    /// The id each job got, once submitted.
     submitted: Vec<Option<String>>,
+    /// Runs started so far (each worker run's serial number).
     run_serial: u64,
+    /// The fault window has closed.
     faults_over: bool,
+    /// When every job was first seen ended after the fault window (the run stops 20 s later).
     all_done_at: Option<u64>,
+    /// What the run found.
     report: Report,
 }
 
@@ -553,9 +417,14 @@ impl Sim {
             Ev::Command {
                 w,
                 inc,
+                epoch,
                 worker_id,
                 command,
-            } => self.on_command(w, inc, &worker_id, command),
+            } => {
+                if epoch == self.coord.epoch {
+                    self.on_command(w, inc, &worker_id, command)
+                }
+            }
             Ev::Driver { epoch, input } => self.driver_input(epoch, input),
             Ev::Heartbeat { w, inc } => self.on_heartbeat_timer(w, inc),
             Ev::Register { w, inc } => self.on_register_timer(w, inc),

@@ -84,6 +84,7 @@ impl Sim {
             }
         }
         self.rings[r].running = true;
+        self.trace(|| format!("ring {r} starts at step {}", self.rings[r].step));
         let max = self.rings[r].max_steps;
         for &(w, _) in &joined {
             if let Some(run) = self.workers[w].run.as_mut()

@@ -15,24 +15,33 @@ use std::collections::VecDeque;
 /// Why a run was stopped (`serve/state.rs`'s `StopReason`, less the shutdown).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) enum Stop {
+    /// A `Suspend` for `generation`: the run's last word is the held report.
     Suspend { generation: u64 },
+    /// A `Cancel` (or another job's `Start`): the replica is dropped, nothing is said.
     Cancel,
 }
 
 /// One queued item of a run's reporter.
 #[derive(Debug, Clone)]
 pub(super) enum Item {
+    /// The step report of a step.
     Step(u64),
+    /// The eval report at a step.
     Eval(u64),
+    /// The checkpoint of `step` (`last`: the final one, tried again until stored).
     Upload { step: u64, weights: u64, last: bool },
 }
 
 /// One generation of a job on this worker.
 #[derive(Debug)]
 pub(super) struct Run {
+    /// This run's serial number (answers and ring slots name it).
     pub(super) serial: u64,
+    /// Its job, generation and start step.
     pub(super) key: TrainingKey,
+    /// Its rank.
     pub(super) rank: u32,
+    /// Its ring.
     pub(super) ring: usize,
     /// `(step, weights)` of its replica, once it has one.
     pub(super) replica: Option<(u64, u64)>,
@@ -40,7 +49,9 @@ pub(super) struct Run {
     pub(super) training: bool,
     /// How training ended: `Ok`, or the error and whether it may be recovered from.
     pub(super) outcome: Option<Result<(), (String, bool)>>,
+    /// Why it was stopped from outside, if it was.
     pub(super) stop: Option<Stop>,
+    /// The reporter's items not sent yet, in order.
     pub(super) queue: VecDeque<Item>,
     /// Stage a checkpoint of the start step once the ring has started (after the broadcast,
     /// as `Trainer::run` does).
@@ -56,20 +67,27 @@ pub(super) struct Run {
 /// One simulated worker process.
 #[derive(Debug)]
 pub(super) struct Worker {
+    /// Its advertise address (ring peers are named by it).
     pub(super) addr: String,
+    /// Its process runs.
     pub(super) alive: bool,
     /// Incarnation: bumped at each restart, so that the old process's events are dropped.
     pub(super) inc: u64,
     /// `(worker id, attach stream)` of the live session.
     pub(super) session: Option<(String, u64)>,
+    /// A registration is in flight.
     pub(super) registering: bool,
     /// The coordinator process (epoch) of the live session: its commands come from it.
     pub(super) epoch: u64,
+    /// The pause before the next registration attempt (200 ms doubling to 2 s).
     pub(super) pause: u64,
+    /// Heartbeats failed in a row.
     pub(super) hb_failures: u32,
+    /// The job generation it runs, if any.
     pub(super) run: Option<Run>,
     /// `(job, step, weights)` held between generations.
     pub(super) held: Option<(String, u64, u64)>,
+    /// It computes slowly until then (virtual ms).
     pub(super) stall_until: u64,
 }
 
@@ -119,18 +137,29 @@ impl Worker {
 /// A ring of one generation: its members by rank and its lockstep.
 #[derive(Debug)]
 pub(super) struct Ring {
+    /// Its job, generation and start step.
     pub(super) key: TrainingKey,
+    /// The simulated worker of each rank, from the `StartJob`'s peers.
     pub(super) members: Vec<Option<usize>>,
     /// `(worker, run serial)` of each rank that joined.
     pub(super) joined: Vec<Option<(usize, u64)>>,
+    /// Where its start state comes from.
     pub(super) source: StateSource,
+    /// The rank whose replica is broadcast (from memory).
     pub(super) root: u32,
+    /// The job's global batch (in every step's hash).
     pub(super) global_batch: u64,
+    /// The job's last step.
     pub(super) max_steps: u64,
+    /// `checkpoint_every`.
     pub(super) every: u64,
+    /// The ring timeout (connect, and a peer's silence).
     pub(super) timeout_ms: u64,
+    /// The last step completed.
     pub(super) step: u64,
+    /// Every rank joined and it runs.
     pub(super) running: bool,
+    /// A member left: no more steps.
     pub(super) broken: bool,
 }
 
@@ -483,6 +512,7 @@ impl Sim {
             return;
         }
         let rank = s.rank as usize;
+        self.trace(|| format!("worker {w} joins ring {ring} as rank {rank} (epoch {epoch})"));
         if self.rings[ring].members.get(rank) != Some(&Some(w)) {
             self.violation(format!(
                 "{} generation {}: rank {rank}'s StartJob went to worker {w}, which its peers \
