@@ -91,16 +91,16 @@ impl Sim {
             };
             let outcome = match job.phase() {
                 Phase::Finished(Outcome::Completed) => "completed".to_string(),
-                Phase::Finished(Outcome::Failed(e)) => match {
+                Phase::Finished(Outcome::Failed(e)) => {
                     self.trace(|| format!("{id} failed: {e}"));
-                    failure_kind(e)
-                } {
-                    Some(kind) => kind.to_string(),
-                    None => {
-                        self.violation(format!("{id} failed for no injected fault: {e}"));
-                        "failed: unexplained".to_string()
+                    match failure_kind(e) {
+                        Some(kind) => kind.to_string(),
+                        None => {
+                            self.violation(format!("{id} failed for no injected fault: {e}"));
+                            "failed: unexplained".to_string()
+                        }
                     }
-                },
+                }
                 Phase::Finished(Outcome::Cancelled(e)) => {
                     self.violation(format!("{id} was cancelled, and nobody cancels: {e}"));
                     "cancelled".to_string()

@@ -275,23 +275,25 @@ impl Sim {
             return;
         };
         run.busy = false;
-        if let Some(ok) = upload
-            && let Some((step, weights, last)) = run.uploading.take()
+        if upload == Some(false)
+            && let Some((step, weights, true)) = run.uploading
         {
-            if !ok && last {
-                run.tries += 1;
-                if run.stop.is_none() && run.tries < 60 {
-                    run.queue.push_front(Item::Upload {
-                        step,
-                        weights,
-                        last,
-                    });
-                    run.busy = true;
-                    self.after(2000, Ev::UploadRetry { w, inc, serial });
-                    return;
-                }
-                run.outcome = Some(Err(("the final checkpoint was not uploaded".into(), true)));
+            run.tries += 1;
+            if run.stop.is_none() && run.tries < 60 {
+                run.queue.push_front(Item::Upload {
+                    step,
+                    weights,
+                    last: true,
+                });
+                run.busy = true;
+                run.uploading = None;
+                self.after(2000, Ev::UploadRetry { w, inc, serial });
+                return;
             }
+            run.outcome = Some(Err(("the final checkpoint was not uploaded".into(), true)));
+        }
+        if upload.is_some() {
+            run.uploading = None;
         }
         self.pump(w);
     }
