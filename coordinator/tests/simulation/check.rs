@@ -203,6 +203,9 @@ pub struct Summary {
     pub pruned_but_listed: (u64, u64),
     /// Violations in all.
     pub violations: u64,
+    /// Of those, the ones in runs where a generation number was launched again (the known
+    /// bug of `a_reused_generation_takes_the_old_rings_step`).
+    pub violations_with_reused_generation: u64,
     /// Events in all.
     pub events: u64,
     /// The longest run, virtual seconds.
@@ -234,6 +237,9 @@ impl Summary {
         self.changed_world_completed += r.changed_world_completed;
         let n = r.violations.len() as u64 + r.more_violations;
         self.violations += n;
+        if r.generations_reused > 0 {
+            self.violations_with_reused_generation += n;
+        }
         if n > 0 {
             self.failing.push((r.seed, r.workers, r.violations.clone()));
         }
@@ -281,9 +287,11 @@ impl fmt::Display for Summary {
         )?;
         writeln!(
             f,
-            "invariant violations: {} in {} runs",
+            "invariant violations: {} in {} runs ({} of them in runs with a reused generation \
+             number)",
             self.violations,
-            self.failing.len()
+            self.failing.len(),
+            self.violations_with_reused_generation
         )?;
         for (seed, workers, v) in self.failing.iter().take(20) {
             writeln!(f, "  seed {seed} ({workers} workers):")?;
