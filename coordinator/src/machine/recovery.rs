@@ -402,6 +402,21 @@ impl Machine {
             return;
         }
         job.global_batch_size = global_batch;
+        // Members that answered the Suspend but do not fit under the cap (more holders came
+        // back than the ring takes, e.g. after a restart gathered every holder) are let go:
+        // `suspend` marked them as the job's, and nothing else would ever clear that, so they
+        // stayed out of every ring, this job's and others', even after it ended.
+        for (w, _) in &members {
+            if !chosen.contains(w)
+                && let Some(entry) = self.workers.get_mut(w)
+                && entry.job.as_ref().is_some_and(|(j, _)| j == id)
+            {
+                entry.job = None;
+            }
+        }
+        let Some(job) = self.jobs.get_mut(id) else {
+            return;
+        };
         let claims: Vec<(String, Option<u64>)> = members
             .iter()
             .filter(|(w, _)| chosen.contains(w))

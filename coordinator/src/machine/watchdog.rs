@@ -105,10 +105,21 @@ impl Machine {
                 continue;
             };
             let (generation, step) = (job.generation, run.progress.step);
+            let max_steps = job.spec.train.max_steps;
             let members: Vec<Member> = run
                 .workers
                 .iter()
-                .map(|w| match self.workers.get(w) {
+                .enumerate()
+                .map(|(rank, w)| match self.workers.get(w) {
+                    // A rank that reported done has trained every step: it holds nothing up.
+                    // (Its heartbeats name no generation once it has finished, so it looked
+                    // as if it never started, and a job whose last rank's done report was lost
+                    // dropped and excluded all the others that had finished.)
+                    Some(e) if run.done.contains(&(rank as u32)) => Member {
+                        id: w.clone(),
+                        name: e.describe(),
+                        step: Some(max_steps),
+                    },
                     Some(e) => Member {
                         id: w.clone(),
                         name: e.describe(),
