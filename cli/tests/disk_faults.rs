@@ -2,6 +2,7 @@
 //! clear error naming the folder, leaves no half-written file that a later start trusts, and
 //! the job either goes on or fails with that reason. The full file systems are tmpfs mounts the
 //! tests make (root only; skipped otherwise):
+//! - the coordinator's data folder full when a job is submitted (its first record);
 //! - the coordinator's data folder full while a job is prepared;
 //! - the data folder full while job records (`job-state.json`) are written mid-job;
 //! - a worker's cache full while it receives the job's files.
@@ -11,6 +12,7 @@ mod common;
 use common::disk::{Tmpfs, fill};
 use common::*;
 use std::path::Path;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 /// `keel submit` of `job` (written to `dir/job.toml`); the job id.
@@ -36,6 +38,74 @@ fn wait_status(
         let s = status(job, addr, root);
         done(&s).then_some(s)
     })
+}
+
+/// The job's folder and `job.toml` fit, its first record (`job-state.json`) does not: the
+/// submission must be refused naming the record's file, and leave no job behind (before, it
+/// was accepted, and a coordinator restart lost it: the restart knows only folders with a
+/// record).
+#[test]
+fn a_submission_whose_record_cannot_be_written_is_refused_and_leaves_no_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let data = root.join("coordinator");
+    let Some(_tmpfs) = Tmpfs::mount(&data, "16m") else {
+        return;
+    };
+    let (coordinator, addr) = start_coordinator(root);
+    let (_worker, _) = start_worker(root, &addr, 0);
+    let mut job = JobFile::new(kjv_lines(root, 2000));
+    job.vocab_size = 500;
+    job.workers = 1;
+    job.max_steps = 5;
+    job.warmup_steps = 1;
+    let case = root.join("case");
+    std::fs::create_dir_all(&case).unwrap();
+    let path = job.write(&case);
+    // One page left: job.toml takes it, the record's temporary file finds none.
+    let filler = fill(&data, 4096);
+    let out = command(&keel())
+        .args(["submit", path.to_str().unwrap(), "--coordinator", &addr])
+        .current_dir(root)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "accepted although its record could not be written: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        coordinator.log_text()
+    );
+    println!("refused: {stderr}");
+    assert!(
+        stderr.contains("job-state.json") && stderr.contains("No space left on device"),
+        "the refusal does not name the record and the full disk: {stderr}"
+    );
+    let jobs = data.join("jobs");
+    let left: Vec<_> = std::fs::read_dir(&jobs)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(
+        left.is_empty(),
+        "a refused job left {left:?} in {}",
+        jobs.display()
+    );
+    let listed = run_keel(&["jobs", "--coordinator", &addr], root);
+    assert!(
+        !String::from_utf8_lossy(&listed.stdout).contains("job-1"),
+        "the refused job is listed"
+    );
+
+    // Room again: the same job is accepted and trains to the end.
+    std::fs::remove_file(&filler).unwrap();
+    let id = submit(&job, &root.join("case-2"), &addr, root);
+    assert!(jobs.join(&id).join("job-state.json").is_file());
+    let done = wait_status(&id, &addr, root, Duration::from_secs(300), |s| {
+        assert_ne!(s["state"], "failed", "{s}");
+        s["state"] == "completed"
+    });
+    assert!(done.is_some(), "not completed:\n{}", coordinator.log_text());
 }
 
 #[test]

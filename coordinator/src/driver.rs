@@ -377,11 +377,24 @@ fn carry_out(shared: &Arc<Shared>, effect: Effect) -> bool {
             job_id,
             dir,
             record,
+            seq,
         } => match record.write(&dir) {
-            Ok(()) => return true,
+            Ok(()) => {
+                let generation = record.generation;
+                let _ = shared.apply(Input::Saved {
+                    job_id,
+                    seq,
+                    generation,
+                });
+                return true;
+            }
             Err(e) => {
                 tracing::error!(job = %job_id, "cannot save the job's state: {e}");
-                let _ = shared.apply(Input::SaveFailed { job_id });
+                let _ = shared.apply(Input::SaveFailed {
+                    job_id,
+                    error: e.to_string(),
+                    storage_full: e.is_storage_full(),
+                });
                 return false;
             }
         },

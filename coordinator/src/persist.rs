@@ -48,6 +48,25 @@ pub enum PersistError {
     },
 }
 
+impl PersistError {
+    /// Whether the error is a full file system (ENOSPC, or a quota).
+    pub fn is_storage_full(&self) -> bool {
+        let io = match self {
+            PersistError::Io { source, .. } => Some(source),
+            PersistError::Write(keel_proto::checkpoint::CheckpointError::Io { source, .. }) => {
+                Some(source)
+            }
+            _ => None,
+        };
+        io.is_some_and(|e| {
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+            )
+        })
+    }
+}
+
 /// The latest metrics shown by `keel status` / `keel jobs`; `None` before the first report.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct LastMetrics {

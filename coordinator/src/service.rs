@@ -4,15 +4,16 @@
 use crate::CoordinatorError;
 use crate::driver::Shared;
 use crate::files::send_files;
-use crate::machine::{Input, Registration, Reply, StepTimes};
+use crate::machine::{Input, Registration, Reply, SaveError, StepTimes};
 use crate::store;
 use keel_proto::jobspec::JobSpec;
 use keel_proto::protocol::{HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT};
 use keel_proto::rpc::coordinator_server::Coordinator;
 use keel_proto::rpc::*;
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -30,10 +31,77 @@ pub struct CoordinatorService {
     shared: Arc<Shared>,
 }
 
+/// How long a submission waits for its job's first record to be written (the driver tries
+/// again every tick) before it is refused.
+const SUBMIT_RECORD_WAIT: Duration = Duration::from_secs(5);
+
 impl CoordinatorService {
     /// A service over the coordinator's shared state.
     pub fn new(shared: Arc<Shared>) -> Self {
         Self { shared }
+    }
+
+    /// Waits until the just-submitted job `id`'s record is on disk, so that an accepted job
+    /// survives a coordinator restart. If it cannot be written within
+    /// [`SUBMIT_RECORD_WAIT`], the job is withdrawn, its folder `dir` removed, and the
+    /// submission refused.
+    ///
+    /// Errors: as [`Self::withdraw`].
+    async fn recorded_or_withdrawn(&self, id: &str, dir: &Path) -> Result<(), Status> {
+        let started = Instant::now();
+        loop {
+            self.shared.flushed().await;
+            let (recorded, error) = self.shared.read(|m| {
+                m.job(id).map_or((false, None), |j| {
+                    (j.is_recorded(), j.save_error().cloned())
+                })
+            });
+            if recorded {
+                return Ok(());
+            }
+            if started.elapsed() >= SUBMIT_RECORD_WAIT {
+                let why = error.unwrap_or_else(|| SaveError {
+                    message: "it was not written in time".to_string(),
+                    storage_full: false,
+                });
+                return self.withdraw(id, dir, why).await;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Refuses the submission of `id` (its record could not be written: `why`): forgets the
+    /// job and removes its folder, after any write of it still queued.
+    ///
+    /// Errors: `ResourceExhausted` when the file system is full, `Internal` otherwise; both
+    /// name the record's file and why.
+    async fn withdraw(&self, id: &str, dir: &Path, why: SaveError) -> Result<(), Status> {
+        if let Err(e) = self.shared.apply(Input::Withdraw {
+            job_id: id.to_string(),
+        }) {
+            // Written after all (between the check and now): accepted.
+            tracing::info!(job = id, "not withdrawn: {e}");
+            return Ok(());
+        }
+        self.shared.flushed().await;
+        let folder = dir.to_path_buf();
+        let removed = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&folder))
+            .await
+            .map_err(std::io::Error::other)
+            .and_then(|r| r);
+        if let Err(e) = removed {
+            tracing::error!(job = id, dir = %dir.display(), "cannot remove a withdrawn job's folder: {e}");
+        }
+        let message = format!(
+            "job not accepted: its record could not be written ({}); the coordinator's data \
+             folder must be writable with room to spare: fix it and submit again",
+            why.message
+        );
+        Err(if why.storage_full {
+            Status::resource_exhausted(message)
+        } else {
+            Status::internal(message)
+        })
     }
 }
 
@@ -101,10 +169,10 @@ impl Coordinator for CoordinatorService {
         self.shared.apply(Input::Submitted {
             id: id.clone(),
             spec,
-            dir,
+            dir: dir.clone(),
             wall: SystemTime::now(),
         })?;
-        self.shared.flushed().await;
+        self.recorded_or_withdrawn(&id, &dir).await?;
         Ok(Response::new(SubmitJobReply { job_id: id }))
     }
 

@@ -35,10 +35,10 @@
 //! reached at that step; no worker is left attached to, or training, a finished job.
 //!
 //! # Findings
-//! Bugs the simulation found and that are fixed keep their seeds as tests below
-//! (`holders_beyond_the_cap_are_let_go`, `finished_ranks_are_not_blamed_for_a_stall`). Known
-//! bugs not fixed here keep theirs as `#[ignore]`d tests describing them; the long runs
-//! count them apart from the other violations ([`simulation::Known`]).
+//! Bugs the simulation found keep their seeds as tests below, each describing the bug and
+//! its fix: regroup holders beyond the cap, finished ranks blamed for a stall, pruned
+//! checkpoints listed after a restart, generation numbers launched twice, and accepted
+//! submissions lost (the last three: what must wait until a job's record is on disk).
 //!
 //! # Running many seeds
 //! `KEEL_SIM_SEEDS=10000 cargo test --release -p keel-coordinator --test cluster_simulation
@@ -47,7 +47,7 @@
 
 mod simulation;
 
-use simulation::{Config, Known, Report, Sim, Summary};
+use simulation::{Config, Report, Sim, Summary};
 
 /// Runs `seed` on `workers` workers.
 fn run(seed: u64, workers: usize) -> Report {
@@ -116,9 +116,7 @@ fn a_seed_replays_exactly() {
 }
 
 /// Many seeds, by hand: `KEEL_SIM_SEEDS` of them (default 1000), alternately on 64 and 256
-/// workers, from `KEEL_SIM_FIRST` (default 0); prints the summary and fails on any violation
-/// but those of runs that launched a generation number twice (a known bug: see
-/// `a_reused_generation_takes_the_old_rings_step`).
+/// workers, from `KEEL_SIM_FIRST` (default 0); prints the summary and fails on any violation.
 #[test]
 #[ignore = "long: run by hand with KEEL_SIM_SEEDS"]
 fn many_seeds() {
@@ -136,11 +134,7 @@ fn many_seeds() {
     let summary = run_all(cases);
     println!("{summary}");
     println!("wall time: {:.1} s", started.elapsed().as_secs_f64());
-    assert_eq!(
-        summary.violations - summary.violations_with_reused_generation,
-        0,
-        "violations outside the known bug of a reused generation number: {summary}"
-    );
+    assert_eq!(summary.violations, 0, "violations: {summary}");
 }
 
 /// One seed, by hand (`KEEL_SIM_SEED`, `KEEL_SIM_WORKERS`; `KEEL_SIM_TRACE=1` prints its
@@ -160,14 +154,6 @@ fn one_seed() {
     );
     println!("{r:#?}");
     assert!(r.violations.is_empty());
-}
-
-/// Runs `seed` on `workers` workers with the known, unfixed bug `known` counted as a
-/// violation.
-fn run_strict(seed: u64, workers: usize, known: Known) -> Report {
-    let mut cfg = Config::new(seed, workers);
-    cfg.strict_known = Some(known);
-    Sim::new(cfg).run()
 }
 
 /// Asserts that `report` found no violation.
@@ -202,51 +188,37 @@ fn finished_ranks_are_not_blamed_for_a_stall() {
     assert!(r.outcomes.iter().all(|o| o == "completed"), "{r:#?}");
 }
 
-/// Known bug, not fixed (the fix is not small): pruned checkpoint folders are removed before
-/// the record that drops them is written. When that record's write fails and the coordinator
-/// dies before a later write succeeds, the restart reads back the older record, and the
-/// machine lists (and would offer to verify) checkpoints whose folders are gone, while the
-/// newer ones it had stored are forgotten on disk. Removal should wait until a record
-/// without them has been saved (`RemoveCheckpoints` after a confirmed `Save`).
+/// Regression: pruned checkpoint folders were removed before the record that drops them was
+/// written. When that write failed and the coordinator died before a later one succeeded,
+/// the restart read back the older record and listed checkpoints whose folders were gone.
+/// Fixed in `machine/durability.rs`: the folders are removed once a record without them is
+/// on disk.
 #[test]
-#[ignore = "known bug: pruned checkpoints come back after a restart from an older record"]
-fn pruned_checkpoint_comes_back_after_a_restart() {
-    assert_clean(&run_strict(96, 64, Known::PrunedCheckpointListed));
+fn pruned_checkpoints_stay_until_a_record_without_them_is_written() {
+    assert_clean(&run(96, 64));
 }
 
-/// Known bug, not fixed (the fix is not small): a generation's launch is not durable before
-/// its `StartJob`s go out. When its record's write fails and the coordinator dies, the restart
-/// reads back the older record and launches the same generation number again, with other
-/// members and world size, while the old ring may still be running: reports of the two are
-/// indistinguishable to the machine (`Machine::current` compares generation numbers only).
-/// Generation numbers should be unique across restarts (e.g. raised past every generation
-/// a registering worker names, or the launch saved before it is sent).
+/// Regression: a generation's `StartJob`s went out before the record naming it was written.
+/// When that write failed and the coordinator died, the restart read back the older record
+/// and launched the same generation number again with other members, while the old ring
+/// still trained: its reports were taken as the new ring's (`Machine::current` compares
+/// generation numbers). Seeds 9138 and 4927: an old ring's step report moved the reused
+/// generation's start step, and the new ring skipped 11 and 36 steps. Fixed in
+/// `machine/durability.rs`: a generation's ranks are started only once the record naming it
+/// is on disk, so generation numbers are unique across restarts.
 #[test]
-#[ignore = "known bug: a restarted coordinator may launch a generation number again"]
-fn a_generation_number_is_reused_after_a_restart() {
-    assert_clean(&run_strict(1036, 64, Known::GenerationReused));
-}
-
-/// Known bug, a consequence of the one above: the old ring of a reused generation number
-/// still trains and reports. Here a step report of the old generation 1 (step 11) reached the
-/// restarted coordinator between its launch of the new generation 1 and the files being
-/// built; it was taken as current and moved the job's step, and the `StartJob`s then said
-/// "start at step 11" with `StateSource::Init`: the new ring applied step 12 to initial
-/// weights, skipping 11 steps (the simulation's weight chain shows it). Seed 4927 on 256
-/// workers does the same (36 steps skipped, then the job fails without a final checkpoint).
-#[test]
-#[ignore = "known bug: an old ring's report moves a reused generation's start step"]
-fn a_reused_generation_takes_the_old_rings_step() {
+fn a_generation_number_is_never_launched_twice() {
+    assert_clean(&run(1036, 64));
     assert_clean(&run(9138, 64));
     assert_clean(&run(4927, 256));
 }
 
-/// Known gap, not fixed (outside the machine: the submit handler): a submission is answered
-/// after the driver flushed its effects even when the job's first record could not be
-/// written; if the coordinator dies before a later write succeeds, the restart skips the
-/// folder without `job-state.json` and the accepted job is gone.
+/// Regression: a submission was answered even when the job's first record could not be
+/// written; a restart before a later write succeeded lost the accepted job. Fixed in the
+/// submit handler (`CoordinatorService::recorded_or_withdrawn`): the answer waits for the
+/// record, and a job whose record cannot be written is withdrawn and refused.
 #[test]
-#[ignore = "known gap: an accepted submission whose first record write failed is lost in a restart"]
-fn a_submission_whose_record_was_never_written_is_lost() {
-    assert_clean(&run_strict(1442, 64, Known::SubmissionLost));
+fn an_accepted_submission_survives_a_restart() {
+    let r = run(1442, 64);
+    assert_clean(&r);
 }

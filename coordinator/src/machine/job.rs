@@ -76,7 +76,9 @@ pub struct Job {
 }
 
 /// What was last handed to the driver to save for a job, and when: decides whether a change
-/// is saved now or waits ([`PROGRESS_INTERVAL`]).
+/// is saved now or waits ([`PROGRESS_INTERVAL`]); and what the driver confirmed written,
+/// which gates what must not happen before it is durable (a generation's `StartJob`s, the
+/// removal of pruned checkpoints, a submission's answer).
 #[derive(Debug, Default)]
 pub(super) struct Saved {
     /// The record last handed out (or read back at start).
@@ -85,6 +87,26 @@ pub(super) struct Saved {
     pub(super) at: Option<Instant>,
     /// A change (step progress) is not saved yet.
     pub(super) pending: bool,
+    /// The number of the last save handed out (0: none yet in this process).
+    pub(super) seq: u64,
+    /// The generation named by the newest record known to be on disk; `None` while no
+    /// record of the job has been written.
+    pub(super) durable_generation: Option<u64>,
+    /// Checkpoint folders pruned from the list, each with the first save number whose record
+    /// no longer lists them: removed once that save (or a later one) is written, so that a
+    /// restart never reads back a record listing a removed folder.
+    pub(super) removals: Vec<(u64, Vec<PathBuf>)>,
+    /// Why the last write failed, until one succeeds.
+    pub(super) error: Option<SaveError>,
+}
+
+/// Why a job's record could not be written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SaveError {
+    /// The error, naming the file.
+    pub message: String,
+    /// The file system is full (the submit handler answers `ResourceExhausted`).
+    pub storage_full: bool,
 }
 
 impl Job {
@@ -346,14 +368,15 @@ impl Job {
                 ..Default::default()
             });
         }
+        job.saved.durable_generation = Some(record.generation);
         job.saved.last = Some(record);
         job
     }
 
     /// The record to save now, if one is due: something that matters changed since the last
     /// one handed out, or only step progress changed and that was [`PROGRESS_INTERVAL`] ago
-    /// (or `force`). Marks it handed out.
-    pub(super) fn record_due(&mut self, now: Instant, force: bool) -> Option<JobRecord> {
+    /// (or `force`). Marks it handed out, with its save number.
+    pub(super) fn record_due(&mut self, now: Instant, force: bool) -> Option<(JobRecord, u64)> {
         let record = self.record();
         if self.saved.last.as_ref() == Some(&record) {
             self.saved.pending = false;
@@ -375,17 +398,57 @@ impl Job {
         self.saved.at = Some(now);
         self.saved.last = Some(record.clone());
         self.saved.pending = false;
-        Some(record)
+        self.saved.seq += 1;
+        Some((record, self.saved.seq))
     }
 
-    /// The driver could not write the record last handed out: it is due again.
-    pub(super) fn save_failed(&mut self) {
+    /// The driver could not write the record last handed out (`error`): it is due again.
+    pub(super) fn save_failed(&mut self, error: SaveError) {
         self.saved.last = None;
         self.saved.pending = true;
+        self.saved.error = Some(error);
+    }
+
+    /// Why the last record handed out could not be written; `None` once one is written.
+    pub fn save_error(&self) -> Option<&SaveError> {
+        self.saved.error.as_ref()
     }
 
     /// Whether a change is waiting to be saved.
     pub(super) fn save_pending(&self) -> bool {
         self.saved.pending
+    }
+
+    /// The driver wrote the record of save `seq`, naming `generation`: the pruned folders
+    /// that record no longer lists, to remove now.
+    pub(super) fn save_written(&mut self, seq: u64, generation: u64) -> Vec<PathBuf> {
+        let durable = self.saved.durable_generation.unwrap_or(0).max(generation);
+        self.saved.durable_generation = Some(durable);
+        self.saved.error = None;
+        let (ready, waiting) = std::mem::take(&mut self.saved.removals)
+            .into_iter()
+            .partition(|(first, _)| *first <= seq);
+        self.saved.removals = waiting;
+        ready.into_iter().flat_map(|(_, dirs)| dirs).collect()
+    }
+
+    /// Removes `dirs` (checkpoints just pruned from the list) once a record without them is
+    /// written: the next save handed out, or a later one.
+    pub(super) fn remove_when_saved(&mut self, dirs: Vec<PathBuf>) {
+        self.saved.removals.push((self.saved.seq + 1, dirs));
+    }
+
+    /// Whether a record of the job is on disk (read back at start, or written since).
+    pub fn is_recorded(&self) -> bool {
+        self.saved.durable_generation.is_some()
+    }
+
+    /// Whether the record on disk names the current generation: only then may its ranks be
+    /// sent their `StartJob`s, so that a restart never launches the same generation number
+    /// again.
+    pub(super) fn generation_is_durable(&self) -> bool {
+        self.saved
+            .durable_generation
+            .is_some_and(|g| g >= self.generation)
     }
 }

@@ -25,6 +25,11 @@ impl Machine {
             let Some(job) = self.jobs.get_mut(&id) else {
                 continue;
             };
+            if !job.is_recorded() {
+                // Its submission is answered once its record is on disk, or withdrawn:
+                // nothing starts for a job a restart would not know.
+                continue;
+            }
             job.phase = Phase::Preparing;
             let effect = Effect::Prepare {
                 job_id: id.clone(),
@@ -171,6 +176,7 @@ impl Machine {
                 root_rank: launch.root_rank,
                 checkpoint_first: launch.checkpoint_first,
             }),
+            built: None,
         });
         self.publish(&id, now);
         if launch.source != StateSource::Init || launch.generation > 1 {
@@ -198,9 +204,8 @@ impl Machine {
         self.effects.push(Effect::BuildFiles(Box::new(launch)));
     }
 
-    /// A generation's files are built: decides the job's precision (once), records the files
-    /// workers may fetch, and sends every rank its `StartJob`. A rank that cannot be sent it
-    /// is lost (a new generation without it).
+    /// A generation's files are built: they wait until the record naming the generation is
+    /// on disk, then every rank is sent its `StartJob` ([`Self::send_assignments`]).
     pub(super) fn files_built(
         &mut self,
         now: Instant,
@@ -208,21 +213,47 @@ impl Machine {
         generation: u64,
         result: Result<RankFiles, String>,
     ) {
-        let Some(job) = self.jobs.get(job_id) else {
-            return;
-        };
-        let Phase::Running(running) = &job.phase else {
-            return;
-        };
-        let Some(info) = running.starting else {
+        let Some(job) = self.jobs.get_mut(job_id) else {
             return;
         };
         if job.generation != generation {
             return;
         }
-        let per_rank = match result {
-            Ok(files) => files,
+        let Phase::Running(running) = &mut job.phase else {
+            return;
+        };
+        if running.starting.is_none() {
+            return;
+        }
+        match result {
+            Ok(files) => running.built = Some(files),
             Err(e) => return self.end_job(job_id, Outcome::Failed(e), now),
+        }
+        self.send_assignments(now, job_id);
+    }
+
+    /// Once a generation's files are built and the record naming it is on disk: decides the
+    /// job's precision (once), records the files workers may fetch, and sends every rank its
+    /// `StartJob`. A rank that cannot be sent it is lost (a new generation without it).
+    pub(super) fn send_assignments(&mut self, now: Instant, job_id: &str) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        if !job.generation_is_durable() {
+            return;
+        }
+        let generation = job.generation;
+        let Phase::Running(running) = &mut job.phase else {
+            return;
+        };
+        let (Some(info), Some(per_rank)) = (running.starting, running.built.take()) else {
+            return;
+        };
+        let Some(job) = self.jobs.get(job_id) else {
+            return;
+        };
+        let Phase::Running(running) = &job.phase else {
+            return;
         };
         let spec_json = match serde_json::to_string(&job.spec) {
             Ok(s) => s,

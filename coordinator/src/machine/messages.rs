@@ -142,6 +142,32 @@ pub enum Input {
     SaveFailed {
         /// `job-N`.
         job_id: String,
+        /// Why, naming the file (what the submit handler answers when the job's first
+        /// record cannot be written).
+        error: String,
+        /// The file system is full.
+        storage_full: bool,
+    },
+    /// The driver wrote a job's record (the [`Effect::Save`] numbered `seq`): what it says is
+    /// durable, so the generation it names may start and the checkpoints it no longer lists
+    /// may be removed.
+    Saved {
+        /// `job-N`.
+        job_id: String,
+        /// The save's number ([`Effect::Save`]'s `seq`).
+        seq: u64,
+        /// The generation the record names.
+        generation: u64,
+    },
+    /// A submission is taken back because its first record could not be written: the job is
+    /// forgotten (its folder is the caller's to remove). Only a queued job whose record was
+    /// never written can be withdrawn.
+    ///
+    /// Errors: `UnknownJob`; `BadRequest` when the job's record was written or it has left
+    /// the queue.
+    Withdraw {
+        /// `job-N`.
+        job_id: String,
     },
 }
 
@@ -183,8 +209,8 @@ pub enum Effect {
     },
     /// Show a job's new status to its watchers (in memory).
     Publish(Box<JobStatus>),
-    /// Write a job's record (`JOB_DIR/job-state.json`, atomically); a failure comes back as
-    /// [`Input::SaveFailed`].
+    /// Write a job's record (`JOB_DIR/job-state.json`, atomically); success comes back as
+    /// [`Input::Saved`], a failure as [`Input::SaveFailed`].
     Save {
         /// `job-N`.
         job_id: String,
@@ -192,6 +218,8 @@ pub enum Effect {
         dir: PathBuf,
         /// The record.
         record: Box<JobRecord>,
+        /// This save's number among the job's saves in this process (from 1, increasing).
+        seq: u64,
     },
     /// Append one line to `JOB_DIR/metrics.jsonl`.
     AppendMetrics {
@@ -223,7 +251,8 @@ pub enum Effect {
         /// Steps to check, increasing.
         steps: Vec<u64>,
     },
-    /// Remove old checkpoint folders (pruned by `train.keep_checkpoints`).
+    /// Remove old checkpoint folders (pruned by `train.keep_checkpoints`), once a record
+    /// that no longer lists them is durable.
     RemoveCheckpoints {
         /// The folders.
         dirs: Vec<PathBuf>,

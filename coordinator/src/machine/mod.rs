@@ -22,8 +22,11 @@
 //! - `watchdog`: a running job without progress for `progress_timeout_seconds` is stalled.
 //! - `reports`: step, eval, done, failure and held reports; checkpoints stored; cancel.
 //! - `restore`: jobs read back after a coordinator restart.
+//! - `durability`: what waits until a job's record is on disk (a generation's start, the
+//!   removal of pruned checkpoints, a submission's answer).
 //! - `storage`: checkpoint uploads that could not be stored; the final one is waited for.
 
+mod durability;
 pub mod job;
 mod launch;
 mod messages;
@@ -38,7 +41,7 @@ pub mod watchdog;
 mod worker_entry;
 mod workers;
 
-pub use job::Job;
+pub use job::{Job, SaveError};
 pub use messages::{Effect, Input, Launch, RankFiles, Registration, Reply, UploadFailure};
 pub use phase::{Outcome, Phase};
 pub use worker_entry::{StepTimes, WorkerEntry};
@@ -149,12 +152,28 @@ impl Machine {
             }
             Input::CheckpointStored(key) => self.checkpoint_stored(now, &key),
             Input::UploadFailed(failure) => Ok(self.upload_failed(now, failure)),
-            Input::SaveFailed { job_id } => {
+            Input::SaveFailed {
+                job_id,
+                error,
+                storage_full,
+            } => {
                 if let Some(job) = self.jobs.get_mut(&job_id) {
-                    job.save_failed();
+                    job.save_failed(SaveError {
+                        message: error,
+                        storage_full,
+                    });
                 }
                 Ok(Reply::None)
             }
+            Input::Saved {
+                job_id,
+                seq,
+                generation,
+            } => {
+                self.saved(now, &job_id, seq, generation);
+                Ok(Reply::None)
+            }
+            Input::Withdraw { job_id } => self.withdraw(&job_id),
         }
     }
 
@@ -237,11 +256,12 @@ impl Machine {
             return false;
         };
         match job.record_due(now, force) {
-            Some(record) => {
+            Some((record, seq)) => {
                 self.effects.push(Effect::Save {
                     job_id: job.id.clone(),
                     dir: job.dir.clone(),
                     record: Box::new(record),
+                    seq,
                 });
                 true
             }

@@ -53,6 +53,9 @@ pub struct Running {
     /// Until its workers are sent their assignments (once their files are built): how
     /// they start. `None` once sent.
     pub starting: Option<LaunchInfo>,
+    /// Each rank's files, built, while the record naming this generation is not on disk yet
+    /// (the assignments wait for it: `machine::durability`).
+    pub built: Option<super::RankFiles>,
 }
 
 /// How a generation's ranks start (what their `StartJob` says beyond the files).

@@ -2,7 +2,7 @@
 //! checkpoint uploads; and the user's cancel.
 
 use super::phase::{Outcome, Phase, Stage};
-use super::{Effect, Machine, Reply};
+use super::{Machine, Reply};
 use crate::CoordinatorError;
 use crate::layout;
 use keel_proto::metrics::{EvalLine, MetricsLine, StepLine};
@@ -326,7 +326,7 @@ impl Machine {
                 .iter()
                 .map(|&s| layout::checkpoint_dir(&job.dir, s))
                 .collect();
-            self.effects.push(Effect::RemoveCheckpoints { dirs });
+            job.remove_when_saved(dirs);
         }
         self.publish(&key.job_id, now);
         tracing::info!(job = %key.job_id, step = key.step, "checkpoint stored");

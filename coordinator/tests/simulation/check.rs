@@ -24,12 +24,9 @@ pub struct Report {
     pub same_world_completed: u64,
     /// Completed jobs whose world size changed (their final weights legitimately differ).
     pub changed_world_completed: u64,
-    /// Generation numbers of a job launched by two coordinator processes (a restart read
-    /// back a record older than the launch): the known bug.
-    pub generations_reused: u64,
-    /// Checkpoints the machine lists at the end whose folders it had pruned earlier (a
-    /// restart read back a record saved before the pruning): the known bug.
-    pub pruned_but_listed: u64,
+    /// Submissions refused because their first record could not be written (the user
+    /// submitted again).
+    pub submissions_refused: u64,
     /// Invariant violations, with the virtual time each was seen at (the first 20).
     pub violations: Vec<String>,
     /// Violations beyond the first 20.
@@ -75,18 +72,13 @@ impl Sim {
                 continue;
             };
             let Ok(job) = m.job(&id) else {
-                if self.coord.records.contains_key(&id) {
-                    self.violation(format!("{id} was lost (not restored)"));
-                    self.report.outcomes.push("lost".into());
+                let record = if self.coord.records.contains_key(&id) {
+                    "not restored"
                 } else {
-                    // The known gap of `a_submission_whose_record_was_never_written_is_lost`.
-                    self.report
-                        .outcomes
-                        .push("lost: its record was never written".into());
-                    if self.cfg.strict_known == Some(Known::SubmissionLost) {
-                        self.violation(format!("{id} was lost: its record was never written"));
-                    }
-                }
+                    "its record was never written"
+                };
+                self.violation(format!("{id} was accepted and is lost: {record}"));
+                self.report.outcomes.push("lost".into());
                 continue;
             };
             let outcome = match job.phase() {
@@ -136,11 +128,9 @@ impl Sim {
             }
             for &step in job.checkpoints() {
                 match self.store.get(&(id.clone(), step)).copied() {
-                    None if self.cfg.strict_known != Some(Known::PrunedCheckpointListed)
-                        && self.pruned.contains(&(id.clone(), step)) =>
-                    {
-                        self.report.pruned_but_listed += 1
-                    }
+                    None if self.pruned.contains(&(id.clone(), step)) => self.violation(format!(
+                        "{id}: the machine counts checkpoint {step}, whose folder it removed"
+                    )),
                     None => self.violation(format!(
                         "{id}: the machine counts checkpoint {step}, which is not stored"
                     )),
@@ -197,15 +187,10 @@ pub struct Summary {
     pub changed_world_completed: u64,
     /// Runs with at least one violation: `(seed, workers, first violations)`.
     pub failing: Vec<(u64, usize, Vec<String>)>,
-    /// Starts of a reused generation number (the known bug), and in how many runs.
-    pub generations_reused: (u64, u64),
-    /// Pruned checkpoints listed again after a restart (the known bug), and in how many runs.
-    pub pruned_but_listed: (u64, u64),
+    /// Submissions refused because their first record could not be written.
+    pub submissions_refused: u64,
     /// Violations in all.
     pub violations: u64,
-    /// Of those, the ones in runs where a generation number was launched again (the known
-    /// bug of `a_reused_generation_takes_the_old_rings_step`).
-    pub violations_with_reused_generation: u64,
     /// Events in all.
     pub events: u64,
     /// The longest run, virtual seconds.
@@ -226,20 +211,10 @@ impl Summary {
                 .or_insert((r.seed, r.workers));
         }
         self.same_world_completed += r.same_world_completed;
-        if r.generations_reused > 0 {
-            self.generations_reused.0 += r.generations_reused;
-            self.generations_reused.1 += 1;
-        }
-        if r.pruned_but_listed > 0 {
-            self.pruned_but_listed.0 += r.pruned_but_listed;
-            self.pruned_but_listed.1 += 1;
-        }
+        self.submissions_refused += r.submissions_refused;
         self.changed_world_completed += r.changed_world_completed;
         let n = r.violations.len() as u64 + r.more_violations;
         self.violations += n;
-        if r.generations_reused > 0 {
-            self.violations_with_reused_generation += n;
-        }
         if n > 0 {
             self.failing.push((r.seed, r.workers, r.violations.clone()));
         }
@@ -272,13 +247,8 @@ impl fmt::Display for Summary {
         )?;
         writeln!(
             f,
-            "known bug, generation numbers launched again after a restart: {} starts in {} runs",
-            self.generations_reused.0, self.generations_reused.1
-        )?;
-        writeln!(
-            f,
-            "known bug, pruned checkpoints listed again after a restart: {} in {} runs",
-            self.pruned_but_listed.0, self.pruned_but_listed.1
+            "submissions refused (first record not written; submitted again): {}",
+            self.submissions_refused
         )?;
         writeln!(
             f,
@@ -287,11 +257,9 @@ impl fmt::Display for Summary {
         )?;
         writeln!(
             f,
-            "invariant violations: {} in {} runs ({} of them in runs with a reused generation \
-             number)",
+            "invariant violations: {} in {} runs",
             self.violations,
-            self.failing.len(),
-            self.violations_with_reused_generation
+            self.failing.len()
         )?;
         for (seed, workers, v) in self.failing.iter().take(20) {
             writeln!(f, "  seed {seed} ({workers} workers):")?;

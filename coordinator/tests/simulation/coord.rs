@@ -117,7 +117,12 @@ impl Sim {
         match e {
             Effect::Send { worker_id, command } => self.send_command(worker_id, command),
             Effect::Publish(_) | Effect::AppendMetrics { .. } => {}
-            Effect::Save { job_id, record, .. } => {
+            Effect::Save {
+                job_id,
+                record,
+                seq,
+                ..
+            } => {
                 if self.now < self.coord.record_outage_until {
                     self.after(
                         5,
@@ -127,7 +132,20 @@ impl Sim {
                         },
                     );
                 } else {
-                    self.coord.records.insert(job_id, *record);
+                    let generation = record.generation;
+                    self.coord.records.insert(job_id.clone(), *record);
+                    let d = self.rng.range(1, 5);
+                    self.after(
+                        d,
+                        Ev::Driver {
+                            epoch,
+                            input: DriverInput::Saved {
+                                job_id,
+                                seq,
+                                generation,
+                            },
+                        },
+                    );
                 }
             }
             Effect::Prepare { job_id, .. } => {
@@ -250,10 +268,18 @@ impl Sim {
         }
     }
 
-    /// The user submits job `job` (again a second later while the coordinator is down).
+    /// The user submits job `job` (again a second later while the coordinator is down;
+    /// after a submission left without an answer, only if the coordinator does not know it).
     pub(super) fn submit(&mut self, job: usize) {
-        if self.coord.machine.is_none() {
+        let Some(m) = self.coord.machine.as_ref() else {
             self.after(1000, Ev::Submit { job });
+            return;
+        };
+        if let Some(id) = self.in_doubt[job].take()
+            && m.job(&id).is_ok()
+        {
+            self.trace(|| format!("{id}: the unanswered submission is there"));
+            self.submitted[job] = Some(id);
             return;
         }
         let spec = self.to_submit[job].clone();
@@ -263,14 +289,58 @@ impl Sim {
             return;
         };
         self.coord.specs.insert(id.clone(), spec.clone());
-        self.submitted[job] = Some(id.clone());
         let wall = self.wall();
         let _ = self.step(Input::Submitted {
-            id,
+            id: id.clone(),
             spec,
             dir,
             wall,
         });
+        let epoch = self.coord.epoch;
+        let since = self.now;
+        self.after(
+            1,
+            Ev::SubmitPoll {
+                job,
+                id,
+                epoch,
+                since,
+            },
+        );
+    }
+
+    /// The submit handler (`CoordinatorService::recorded_or_withdrawn`): answers once the
+    /// job's record is written; after 5 s without, withdraws the job, removes its folder and
+    /// refuses (the user submits again a second later).
+    pub(super) fn submit_poll(&mut self, job: usize, id: String, epoch: u64, since: u64) {
+        let recorded = match self.coord.machine.as_ref() {
+            Some(m) if epoch == self.coord.epoch => m.job(&id).is_ok_and(|j| j.is_recorded()),
+            _ => {
+                self.in_doubt[job] = Some(id);
+                self.after(1000, Ev::Submit { job });
+                return;
+            }
+        };
+        if recorded {
+            self.submitted[job] = Some(id);
+        } else if self.now.saturating_sub(since) < 5000 {
+            self.after(
+                100,
+                Ev::SubmitPoll {
+                    job,
+                    id,
+                    epoch,
+                    since,
+                },
+            );
+        } else if self.step(Input::Withdraw { job_id: id.clone() }).is_ok() {
+            self.trace(|| format!("{id}: submission refused, its record was not written"));
+            self.coord.records.remove(&id);
+            self.report.submissions_refused += 1;
+            self.after(1000, Ev::Submit { job });
+        } else {
+            self.submitted[job] = Some(id);
+        }
     }
 
     /// The coordinator process dies: the machine and everything in flight to it are lost;
@@ -373,8 +443,21 @@ impl Sim {
             },
             DriverInput::SaveFailed { job_id } => {
                 self.trace(|| format!("save of {job_id} failed"));
-                Input::SaveFailed { job_id }
+                Input::SaveFailed {
+                    job_id,
+                    error: "no space left on device (simulated)".into(),
+                    storage_full: true,
+                }
             }
+            DriverInput::Saved {
+                job_id,
+                seq,
+                generation,
+            } => Input::Saved {
+                job_id,
+                seq,
+                generation,
+            },
             DriverInput::Detached { worker_id, attach } => Input::Detached { worker_id, attach },
         };
         let _ = self.step(input);

@@ -85,6 +85,12 @@ pub(super) enum DriverInput {
     },
     /// A record could not be written.
     SaveFailed { job_id: String },
+    /// A record was written (save `seq`, naming `generation`).
+    Saved {
+        job_id: String,
+        seq: u64,
+        generation: u64,
+    },
     /// A worker's attach stream closed (its process died).
     Detached { worker_id: String, attach: u64 },
 }
@@ -96,6 +102,14 @@ pub(super) enum Ev {
     Tick { epoch: u64 },
     /// The user submits the `job`th job.
     Submit { job: usize },
+    /// The submit handler looks again whether the record of `id` (the `job`th job's
+    /// submission, since `since` ms, to the process `epoch`) is written.
+    SubmitPoll {
+        job: usize,
+        id: String,
+        epoch: u64,
+        since: u64,
+    },
     /// The coordinator process starts again.
     CoordinatorRestart,
     /// An RPC reaches the coordinator.

@@ -98,20 +98,6 @@ pub enum FaultKind {
     RecordWriteOutage,
 }
 
-/// The known bugs the simulation finds and that are not fixed (see their `#[ignore]`d
-/// tests in `cluster_simulation.rs`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Known {
-    /// A checkpoint the machine lists after its folder was pruned: a restart read back a
-    /// record older than the pruning.
-    PrunedCheckpointListed,
-    /// A generation number launched by two coordinator processes: a restart read back a
-    /// record older than the launch.
-    GenerationReused,
-    /// An accepted submission lost in a restart because its first record write failed.
-    SubmissionLost,
-}
-
 /// What one run simulates.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -125,9 +111,6 @@ pub struct Config {
     pub deadline_ms: u64,
     /// The most events one run may take (a bound on every loop).
     pub max_events: u64,
-    /// The known, unfixed bug to count as a violation (its `#[ignore]`d regression test sets
-    /// it); otherwise the known bugs are only counted in the report.
-    pub strict_known: Option<Known>,
     /// Print the run's main events to stderr (`KEEL_SIM_TRACE=1`), to study one seed.
     pub trace: bool,
 }
@@ -141,7 +124,6 @@ impl Config {
             fault_window_ms: 60_000,
             deadline_ms: 900_000,
             max_events: 3_000_000,
-            strict_known: None,
             trace: std::env::var_os("KEEL_SIM_TRACE").is_some(),
         }
     }
@@ -225,8 +207,11 @@ pub struct Sim {
     launched_by: HashMap<(String, u64), u64>,
     /// Job specs to submit, and the ids they got.
     to_submit: Vec<JobSpec>,
-    /// The id each job got, once submitted.
+    /// The id each job got, once its submission was answered as accepted.
     submitted: Vec<Option<String>>,
+    /// A submission whose answer never came (the coordinator died while it waited): the
+    /// user looks for it before submitting again.
+    in_doubt: Vec<Option<String>>,
     /// Runs started so far (each worker run's serial number).
     run_serial: u64,
     /// The fault window has closed.
@@ -273,6 +258,7 @@ impl Sim {
             worlds: BTreeMap::new(),
             launched_by: HashMap::new(),
             submitted: vec![None; to_submit.len()],
+            in_doubt: vec![None; to_submit.len()],
             to_submit,
             run_serial: 0,
             faults_over: false,
@@ -400,6 +386,12 @@ impl Sim {
         match ev {
             Ev::Tick { epoch } => self.tick(epoch),
             Ev::Submit { job } => self.submit(job),
+            Ev::SubmitPoll {
+                job,
+                id,
+                epoch,
+                since,
+            } => self.submit_poll(job, id, epoch, since),
             Ev::CoordinatorRestart => self.coordinator_restart(),
             Ev::Deliver {
                 w,

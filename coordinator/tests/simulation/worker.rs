@@ -438,17 +438,13 @@ impl Sim {
             .entry((key.job_id.clone(), key.generation))
             .or_insert(epoch);
         if *launched != epoch {
-            // The known bug of `a_generation_number_is_reused_after_a_restart`.
-            self.report.generations_reused += 1;
-            if self.cfg.strict_known == Some(Known::GenerationReused) {
-                self.violation(format!(
-                    "{} generation {} launched again by a restarted coordinator",
-                    key.job_id, key.generation
-                ));
-            }
+            self.violation(format!(
+                "{} generation {} launched again by a restarted coordinator",
+                key.job_id, key.generation
+            ));
         }
-        // Rings are told apart by the process that formed them too: a restarted coordinator
-        // may launch a generation number again (see above).
+        // Rings are told apart by the process that formed them too, so that a generation
+        // number launched again (a violation) does not merge two rings.
         let ring = match self
             .ring_index
             .get(&(key.job_id.clone(), key.generation, epoch))

@@ -186,6 +186,8 @@ fn records_are_saved_at_once_for_changes_and_every_2_s_for_progress() {
     assert_eq!(saves(&mut h), 1, "a checkpoint is saved at once");
     h.feed(Input::SaveFailed {
         job_id: job.clone(),
+        error: "disk full".into(),
+        storage_full: true,
     })
     .unwrap();
     h.tick();

@@ -2,6 +2,7 @@
 //! end-to-end cluster reached before. A harness plays the driver: it feeds inputs at chosen
 //! instants, answers preparations and file builds, and reads the effects.
 
+mod durability;
 mod lifecycle;
 mod recovery;
 mod ring;
@@ -60,6 +61,9 @@ pub(super) struct Harness {
     pub(super) now: Instant,
     /// Effects not yet looked at.
     seen: Vec<Effect>,
+    /// Records handed out are written at once ([`Input::Saved`]), as by a driver whose disk
+    /// works; when false they stay unconfirmed until a test says otherwise.
+    pub(super) writes_records: bool,
 }
 
 impl Harness {
@@ -70,6 +74,7 @@ impl Harness {
             t0,
             now: t0,
             seen: Vec::new(),
+            writes_records: true,
         }
     }
 
@@ -86,7 +91,8 @@ impl Harness {
         reply
     }
 
-    /// Takes the machine's effects; file builds succeed at once (one empty list per rank).
+    /// Takes the machine's effects; file builds succeed at once (one empty list per rank), and
+    /// records are written at once while `writes_records`.
     pub(super) fn drain(&mut self) {
         loop {
             let effects = self.m.take_effects();
@@ -99,6 +105,23 @@ impl Harness {
                         job_id: l.job_id.clone(),
                         generation: l.generation,
                         result: Ok(vec![Vec::new(); l.workers.len()]),
+                    };
+                    self.seen.push(e.clone());
+                    let _ = self.m.step(self.now, input);
+                    continue;
+                }
+                if let Effect::Save {
+                    job_id,
+                    record,
+                    seq,
+                    ..
+                } = &e
+                    && self.writes_records
+                {
+                    let input = Input::Saved {
+                        job_id: job_id.clone(),
+                        seq: *seq,
+                        generation: record.generation,
                     };
                     self.seen.push(e.clone());
                     let _ = self.m.step(self.now, input);
