@@ -98,7 +98,7 @@ pub const KEYS: &[KeyDoc] = &[
         "integer",
         Some("one of `vocab_size`, `vocab` required"),
         "100 to 1,000,000",
-        "train a WordPiece vocabulary of this size on the corpus (every character of the corpus is kept, so a CJK corpus can give more entries)",
+        "train a WordPiece vocabulary of this size on the corpus (every character of the corpus is kept, so a CJK corpus can give more entries; the same corpus gives the same vocabulary)",
     ),
     k(
         "data",
@@ -106,7 +106,7 @@ pub const KEYS: &[KeyDoc] = &[
         "path",
         Some("one of `vocab_size`, `vocab` required"),
         "a `vocab.txt` or `tokenizer.json`",
-        "use this vocabulary instead of training one (a trained vocabulary is not reproducible run to run: give this for bit-identical runs)",
+        "use this vocabulary instead of training one (training is deterministic: the same corpus and settings give the same vocabulary)",
     ),
     k(
         "data",

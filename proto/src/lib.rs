@@ -8,7 +8,8 @@
 //! - `precision`: a job's GEMM precision (`train.precision`) and the once-per-job decision.
 //! - `weights`: `model.safetensors` load/save in the layout `save_pretrained` writes.
 //! - `tokenizer`, `shard`, `split`: WordPiece vocabulary, the binary shard format, and how
-//!   sequences are split among workers.
+//!   sequences are split among workers; `wordpiece_trainer` (private): the vocabulary's
+//!   deterministic training.
 //! - `jobspec`, `checkpoint`: the job file (TOML) and the checkpoint folder;
 //!   `jobfile_reference`: the job file's reference tables (`docs/job-file.md`) made from them.
 //! - `metrics`: the typed lines of a job's `metrics.jsonl` ([`metrics::MetricsLine`]).
@@ -66,3 +67,4 @@ pub mod tensorboard;
 pub mod tokenizer;
 pub mod transfer;
 pub mod weights;
+mod wordpiece_trainer;

@@ -8,6 +8,13 @@
 //! `[UNK]` for words longer than 100 characters or with no piece decomposition, and the
 //! `[CLS] A [SEP] B [SEP]` post-processor.
 //!
+//! All but the vocabulary's merges: training is deterministic (the same texts and
+//! [`TrainOptions`] give the same `vocab.txt`, byte for byte, in any process), and the library's
+//! `WordPieceTrainer` is not (it breaks ties between pairs of equal count by ids handed out in
+//! hash-map order, seeded at random per process). So the library normalizes and cuts the words
+//! and `wordpiece_trainer.rs` merges them: the library's algorithm, a tie going to the pair of
+//! the tokens that joined the vocabulary first, with ids in an order fixed by the words.
+//!
 //! # Layout
 //! - [`KeelTokenizer`]: train / load / save / encode / decode, special ids, the vocabulary hash.
 //! - [`TrainOptions`]: vocabulary training settings.
@@ -20,11 +27,13 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 use tokenizers::decoders::wordpiece::WordPiece as WordPieceDecoder;
-use tokenizers::models::wordpiece::{WordPiece, WordPieceTrainer};
+use tokenizers::models::wordpiece::WordPiece;
 use tokenizers::normalizers::bert::BertNormalizer;
 use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
 use tokenizers::processors::bert::BertProcessing;
 use tokenizers::{AddedToken, Tokenizer, TokenizerBuilder};
+
+use crate::wordpiece_trainer::{DeterministicWordPieceTrainer, Settings};
 
 /// The special tokens, in the order training places them (ids 0..4).
 pub const SPECIAL_TOKENS: [&str; 5] = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"];
@@ -179,10 +188,17 @@ type BertImpl = tokenizers::TokenizerImpl<
 
 impl KeelTokenizer {
     /// Trains a WordPiece vocabulary on `texts` (each item a line or a document of raw text).
-    /// The special tokens get ids 0..4 (`[PAD] [UNK] [CLS] [SEP] [MASK]`).
+    /// The special tokens get ids 0..4 (`[PAD] [UNK] [CLS] [SEP] [MASK]`), then come the
+    /// characters, the `##` continuation characters (each in code-point order) and the merged
+    /// tokens in the order they were made.
+    ///
+    /// Deterministic: the vocabulary depends only on the words of `texts`, their counts and
+    /// `options`, not on the order of `texts` or on any hash seed. HF's merge algorithm, with
+    /// a tie between pairs of equal count going to the pair whose left, then right, token has
+    /// the smaller id, i.e. joined the vocabulary first (`wordpiece_trainer.rs`).
     ///
     /// Errors: `InvalidSetting` for `vocab_size` < 6, `Tokenizers` if training fails.
-    /// The trainer runs on the `tokenizers` crate's rayon pool and holds its word counts in memory.
+    /// Words are counted on the `tokenizers` crate's rayon pool; the counts are held in memory.
     pub fn train<I, S>(options: &TrainOptions, texts: I) -> Result<Self, TokenizerError>
     where
         I: Iterator<Item = S> + Send,
@@ -212,19 +228,12 @@ impl KeelTokenizer {
             .with_decoder(Some(WordPieceDecoder::new("##".to_string(), true)))
             .build()
             .map_err(|e| lib_err("building the tokenizer", e))?;
-        let mut trainer = WordPieceTrainer::builder()
-            .vocab_size(options.vocab_size)
-            .min_frequency(options.min_frequency)
-            .show_progress(false)
-            .special_tokens(
-                SPECIAL_TOKENS
-                    .iter()
-                    .map(|t| AddedToken::from(*t, true))
-                    .collect(),
-            )
-            .continuing_subword_prefix("##".to_string())
-            .build();
-        trainer.set_limit_alphabet(options.limit_alphabet);
+        let mut trainer = DeterministicWordPieceTrainer::new(Settings {
+            vocab_size: options.vocab_size,
+            min_frequency: options.min_frequency,
+            limit_alphabet: options.limit_alphabet,
+            special_tokens: SPECIAL_TOKENS.iter().map(|t| t.to_string()).collect(),
+        });
         tokenizer
             .train(&mut trainer, texts)
             .map_err(|e| lib_err("training the WordPiece vocabulary", e))?;

@@ -130,9 +130,8 @@ fn trained_vocabulary_has_specials_first_and_round_trips() {
     let lines = corpus_lines("corpora/en-kjv/kjv.txt", 1_000_000);
     let options = TrainOptions::new(3000);
     let a = KeelTokenizer::train(&options, lines.iter()).unwrap();
-    // No determinism assertion across trainings: HF's BPE/WordPiece trainer breaks count
-    // ties with ids assigned in hash-map order (huggingface/tokenizers#1794), so two trainings
-    // may differ in a few tokens. `prepare` is deterministic given a vocabulary.
+    // That training twice gives the same vocabulary, also in another process, is
+    // tests/vocab_determinism.rs's.
     let s = a.special();
     assert_eq!((s.pad, s.unk, s.cls, s.sep, s.mask), (0, 1, 2, 3, 4));
     assert_eq!(
