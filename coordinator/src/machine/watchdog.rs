@@ -12,7 +12,8 @@
 //! Progress is any of: the job's step advancing (rank 0's `ReportStep`, or a member's
 //! heartbeat naming a later step of the current generation: heartbeats keep coming while
 //! step reports queue behind a checkpoint upload), an evaluation report, or a checkpoint
-//! upload chunk arriving. The clock restarts whenever a generation starts.
+//! upload chunk arriving. The clock restarts whenever a generation starts, and does not run
+//! before its workers are sent it (`machine::durability`).
 
 use super::Machine;
 use super::phase::Phase;
@@ -96,6 +97,12 @@ impl Machine {
             let Phase::Running(run) = &job.phase else {
                 continue;
             };
+            if run.starting.is_some() {
+                // Its workers have not been sent the generation yet (its files are being
+                // built, or its record is not on disk: a full data folder): none of them can
+                // be holding it up. The clock starts again when they are sent it.
+                continue;
+            }
             let timeout_seconds = job.spec.cluster.progress_timeout_seconds;
             let Some(silent) = overdue(
                 run.progress.at,

@@ -180,3 +180,36 @@ fn a_queued_job_waits_for_its_record_and_can_be_withdrawn_only_before_it() {
     );
     assert!(h.m.job(&other).is_ok());
 }
+
+#[test]
+fn a_generation_waiting_for_its_record_blames_no_worker() {
+    let mut h = Harness::new();
+    let a = h.worker("127.0.0.1:7001", None);
+    let b = h.worker("127.0.0.1:7002", None);
+    let job = h.job(spec("min_workers = 2\nprogress_timeout_seconds = 30"));
+    h.writes_records = false;
+    h.tick();
+    assert_eq!(h.state(&job), JobState::Running);
+    let launch = saves(&h.take(|_| true));
+    let (seq, generation, _) = *launch.last().unwrap();
+    // The data folder is full for ten minutes: the workers keep heartbeating, idle.
+    for second in 1..=600 {
+        h.at(second as f64);
+        for w in [&a, &b] {
+            h.feed(Input::Heartbeat {
+                worker_id: w.clone(),
+                key: None,
+                times: None,
+            })
+            .unwrap();
+        }
+        h.tick();
+    }
+    let effects = h.take(|_| true);
+    assert!(starts(&effects).is_empty());
+    assert_eq!(h.state(&job), JobState::Running, "no stall while nothing was sent");
+    assert_eq!(h.generation(&job), generation);
+    // Room again: the record is written and both ranks start.
+    written(&mut h, &job, seq, generation);
+    assert_eq!(starts(&h.take(|_| true)).len(), 2);
+}
