@@ -207,7 +207,11 @@ fn a_generation_waiting_for_its_record_blames_no_worker() {
     }
     let effects = h.take(|_| true);
     assert!(starts(&effects).is_empty());
-    assert_eq!(h.state(&job), JobState::Running, "no stall while nothing was sent");
+    assert_eq!(
+        h.state(&job),
+        JobState::Running,
+        "no stall while nothing was sent"
+    );
     assert_eq!(h.generation(&job), generation);
     // Room again: the record is written and both ranks start.
     written(&mut h, &job, seq, generation);
