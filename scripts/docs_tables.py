@@ -184,6 +184,32 @@ def before_after(path, cpu, date, command):
     return out
 
 
+def memory_before_after(path, cpu, date, command):
+    """Peak RSS and the activations kept, fp32 and bf16, of the build before and after a change
+    (alternated; medians)."""
+    rows = read_jsonl(path)
+
+    def med(binary, config, precision, field):
+        return median([r[field] for r in rows if r["binary"] == binary and r["config"] == config
+                       and r["precision"] == precision])
+
+    out = source_line(cpu, date, command, [path])
+    body = []
+    for config in ("tiny", "mini", "base"):
+        if med("old", config, "fp32", "peak_rss_mib") is None:
+            continue
+        cells = [config + (" (batch 8)" if config == "base" else " (batch 32)")]
+        for binary in ("old", "new"):
+            f, b = (med(binary, config, p, "peak_rss_mib") for p in ("fp32", "bf16"))
+            cells += [fmt_int(f), fmt_int(b), "**%.2fx**" % (b / f)]
+        per = lambda binary, p: fmt_int(med(binary, config, p, "saved_activation_bytes_per_token"))
+        cells += [per("old", "fp32"), per("old", "bf16"), per("new", "bf16")]
+        body.append(cells)
+    out += table(["model", "before: peak RSS fp32 (MiB)", "bf16", "bf16 / fp32", "after: fp32", "bf16",
+                  "bf16 / fp32", "kept a token, fp32 (bytes)", "bf16 before", "bf16 after"], body)
+    return out
+
+
 # --- the step pass by pass --------------------------------------------------------------------
 
 def step_roofline(path, cpu, date, command, config):
@@ -330,6 +356,7 @@ def scale_model(pattern_files, cpu, date):
 AMX_STEP = os.path.join(MEASURED, "bf16-amx-2026-12-05", "bench-bf16.jsonl")
 AMX_PASSES = os.path.join(MEASURED, "bf16-amx-2026-12-05", "passes.jsonl")
 AMX_BEFORE_AFTER = os.path.join(MEASURED, "bf16-amx-2026-12-05", "before-after.jsonl")
+AMX_MEMORY = os.path.join(MEASURED, "bf16-memory-2026-12-05", "memory.jsonl")
 ZEN4_STEP = os.path.join(MEASURED, "bf16-zen4-2026-12-04", "bench-bf16.jsonl")
 RING_FILES = [os.path.join(MEASURED, "ring-2026-12-04", f)
               for f in ("bench-ring-gloo-2-3-4.jsonl", "bench-ring-gloo-256.jsonl", "bench-ring-gloo-8.jsonl")]
@@ -379,6 +406,9 @@ TABLES = {
     "step-memory-amx": lambda: step_memory(
         AMX_STEP,
         XEON_AMX, "2026-12-05", "ROUNDS=2 scripts/bench-bf16.sh"),
+    "bf16-memory-before-after": lambda: memory_before_after(
+        AMX_MEMORY, XEON_AMX, "2026-12-05",
+        "keel-worker bench --steps 2 --threads 1, two builds alternated (notes.md)"),
     "step-roofline-tiny": lambda: step_roofline(
         AMX_PASSES, XEON_AMX, "2026-12-05", "ROUNDS=2 scripts/bench-passes.sh", "tiny"),
     "step-roofline-mini": lambda: step_roofline(

@@ -87,20 +87,26 @@ fn copies_for(copies: &mut Vec<Copies16>, parts: usize) -> &mut [Copies16] {
 }
 
 /// Scratch elements per part of at most `seqs` sequences: `blocks` `[t, t]` blocks for the
-/// per-(sequence, head) loop, or as many per (sequence, head) for the batched route.
+/// per-(sequence, head) loop, or as many per (sequence, head) for the batched route. Where the
+/// bf16 copy of the probabilities after dropout is kept, the batched route needs one block
+/// less (its forward makes the copy a block at a time, its backward reads it: no f32
+/// probabilities after dropout are held).
 fn scratch_per_part(dims: &AttentionDims<'_>, seqs: usize, blocks: usize, batched: bool) -> usize {
     let tt = dims.t * dims.t;
-    if batched {
-        blocks * seqs * dims.h * tt
-    } else {
-        blocks * tt
+    match (batched, dims.gemms.keeps()) {
+        (true, true) if blocks == 1 => tt,
+        (true, true) => (blocks - 1) * seqs * dims.h * tt,
+        (true, false) => blocks * seqs * dims.h * tt,
+        (false, _) => blocks * tt,
     }
 }
 
 /// Fills `probs` `[b, h, t, t]` (before dropout) and `ctx` `[n, c]`, the sequences split
 /// among the model's threads. `scratch.values` grows to `threads * t * t` (the batched route:
-/// `b * h * t * t`). On the batched route `kept` receives the bf16 copies of the operands
-/// for [`backward`] (when `dims.gemms` keeps copies); elsewhere it is left empty.
+/// `b * h * t * t`). Where `dims.gemms` keeps copies (the batched route), `kept` comes with
+/// the bf16 copies of `q`, `k`, `v` (made by the layer, which then keeps no f32 values: `q`,
+/// `k`, `v` are empty) and receives that of the probabilities after dropout for [`backward`];
+/// elsewhere `kept` is empty and `q`, `k`, `v` are `[n, c]`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<A: Element>(
     ctx: &mut [A],
@@ -122,7 +128,7 @@ pub(crate) fn forward<A: Element>(
     let parts = parallel::split(dims.b, parallel::available_threads());
     let batched = Route::of(dims.gemms) == Route::Batched;
     let (n, tt) = (dims.b * t * c, dims.b * h * t * t);
-    kept.keep_inputs(dims.gemms, &q[..n], &k[..n], &v[..n], tt);
+    kept.size_probs(tt);
     let most = parts.iter().map(|r| r.len()).max().unwrap_or(0);
     let per_part = scratch_per_part(dims, most, 1, batched);
     let values = grow(&mut scratch.values, parts.len() * per_part);
@@ -155,7 +161,11 @@ pub(crate) fn forward<A: Element>(
     parallel::run_parts(work, |(r, ctx, probs, scratch, kept_probs, copies)| {
         let rows = r.start * t * c..r.end * t * c;
         let local = dims.part(&r);
-        let (q, k, v) = (&q[rows.clone()], &k[rows.clone()], &v[rows.clone()]);
+        let (q, k, v) = (
+            value_rows(q, &rows),
+            value_rows(k, &rows),
+            value_rows(v, &rows),
+        );
         if batched {
             let kept = KeptPart {
                 q: kept_rows(kq, &rows),
@@ -175,6 +185,11 @@ pub(crate) fn forward<A: Element>(
 /// The rows `rows` of a kept copy, or nothing when nothing was kept.
 fn kept_rows<'k>(kept: &'k [u16], rows: &std::ops::Range<usize>) -> &'k [u16] {
     kept.get(rows.clone()).unwrap_or(&[])
+}
+
+/// The rows `rows` of `q`, `k` or `v`, or nothing when only their copy was kept (empty).
+fn value_rows<'x, A>(x: &'x [A], rows: &std::ops::Range<usize>) -> &'x [A] {
+    if x.is_empty() { x } else { &x[rows.clone()] }
 }
 
 pub(super) fn forward_seqs<A: Element>(
@@ -245,7 +260,8 @@ pub(super) fn forward_seqs<A: Element>(
 
 /// Given `dctx` `[n, c]`: writes `dq`, `dk`, `dv` `[n, c]`, the sequences split among the
 /// model's threads. `scratch.values` grows to `threads * 2 * t * t` (the batched route:
-/// `2 * b * h * t * t`). `kept` is what [`forward`] kept from the same `probs`, `q`, `k`, `v`.
+/// `2 * b * h * t * t`). `kept` is what [`forward`] kept from the same `probs`, `q`, `k`, `v`
+/// (`q`, `k`, `v` empty where only their copies were kept, as for [`forward`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<A: Element>(
     dq: &mut [A],
@@ -293,9 +309,9 @@ pub(crate) fn backward<A: Element>(
         let p = &probs[prows.clone()];
         let (dctx, q, k, v) = (
             &dctx[rows.clone()],
-            &q[rows.clone()],
-            &k[rows.clone()],
-            &v[rows.clone()],
+            value_rows(q, &rows),
+            value_rows(k, &rows),
+            value_rows(v, &rows),
         );
         if batched {
             let kept = KeptPart {

@@ -15,7 +15,8 @@
 
 use super::Element;
 use super::attention_dims::AttentionDims;
-use super::bf16_shared::{keep, round_once};
+use super::bf16_shared::{round_in_place, round_once};
+use super::element::f32_slice;
 use super::gemm::{GemmSite, gemm_batched};
 use super::gemms::Gemms;
 use super::onednn::Strided4;
@@ -24,7 +25,7 @@ use super::softmax::{masked_softmax, softmax_backward, softmax_keys};
 /// One part's buffers for the bf16 copies of the operands on the native route, each made once
 /// per call and shared by the GEMMs that read it; owned by the model's attention scratch
 /// (`super::attention::AttentionScratch`), so no allocation once grown.
-pub(crate) type Copies16 = [Vec<u16>; 6];
+pub(crate) type Copies16 = [Vec<u16>; 5];
 
 /// The bf16 copy of `x` in `buf` on the native route (`None` elsewhere: each GEMM then takes
 /// `x` as it is).
@@ -47,8 +48,11 @@ fn kept_or_copy<'c, A: Element>(
 }
 
 /// The bf16 copies of attention's GEMM operands that the forward keeps for the backward: `q`,
-/// `k`, `v` `[n, c]` and the probabilities after dropout `[b, h, t, t]`, each rounded once
-/// instead of once in forward and again in backward. All empty off the native bf16 route.
+/// `k`, `v` `[n, c]` (made by the encoder layer as it projects them, `super::bf16_shared::keep`;
+/// their f32 values are then not kept: only GEMMs read them) and the probabilities after
+/// dropout `[b, h, t, t]` (their f32 values before dropout are kept too: the softmax backward
+/// reads them), each rounded once instead of once in forward and again in backward. All
+/// empty off the native bf16 route.
 #[derive(Debug, Default)]
 pub(crate) struct KeptOperands {
     pub q: Vec<u16>,
@@ -58,19 +62,9 @@ pub(crate) struct KeptOperands {
 }
 
 impl KeptOperands {
-    /// Keeps the bf16 copies of `q`, `k`, `v` ([`keep`]) and sizes `probs` to `probs_len` for
-    /// the forward to fill, or leaves all four empty where `gemms` keeps no copies.
-    pub fn keep_inputs<A: Element>(
-        &mut self,
-        gemms: Gemms,
-        q: &[A],
-        k: &[A],
-        v: &[A],
-        probs_len: usize,
-    ) {
-        keep(gemms, q, &mut self.q);
-        keep(gemms, k, &mut self.k);
-        keep(gemms, v, &mut self.v);
+    /// Sizes `probs` to `probs_len` for the forward to fill where `q` was kept, or empties it
+    /// where nothing was.
+    pub fn size_probs(&mut self, probs_len: usize) {
         self.probs.clear();
         if !self.q.is_empty() {
             self.probs.resize(probs_len, 0);
@@ -121,8 +115,41 @@ fn dropped<'p, A: Element>(probs: &'p [A], out: &'p mut [A], dims: &AttentionDim
     &out[..n]
 }
 
+/// The bf16 patterns of the probabilities after this thread's attention-probs dropout, in
+/// `out` `[b, h, t, t]`: the bits of rounding [`dropped`]'s output, made one `[t, t]` block at
+/// a time through `block` (f32, at least `t * t`) instead of a `[b, h, t, t]` f32 buffer.
+/// Only for f32 (copies are kept only there).
+fn round_dropped<A: Element>(
+    probs: &[A],
+    out: &mut [u16],
+    block: &mut [A],
+    dims: &AttentionDims<'_>,
+) {
+    let tt = dims.t * dims.t;
+    let block = &mut block[..tt];
+    for bi in 0..dims.b {
+        let mask = dims.mask_of(bi);
+        for j in 0..dims.h {
+            let at = (bi * dims.h + j) * tt;
+            let p = &probs[at..at + tt];
+            let p = match &mask {
+                Some(m) => {
+                    block.copy_from_slice(p);
+                    dims.drop_block(m, j, block);
+                    &*block
+                }
+                None => p,
+            };
+            let p = f32_slice(p).expect("bf16 copies are kept only for f32");
+            super::bf16_convert::convert_slice(&mut out[at..at + tt], p);
+        }
+    }
+}
+
 /// Forward for this thread's sequences: fills `probs` (before dropout) and `ctx`, and
 /// `kept.probs` (when not empty) with the bf16 copy of the probabilities after dropout.
+/// `q`, `k`, `v` may be empty where `kept` has their copies. `scratch` holds `t * t` elements
+/// where `kept.probs` is not empty, else `b * h * t * t`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward_seqs<A: Element>(
     ctx: &mut [A],
@@ -164,21 +191,24 @@ pub(crate) fn forward_seqs<A: Element>(
                 masked_softmax(row, keys);
             }
         }
-        // ctx = P' V.
-        let p = dropped(probs, scratch, dims);
-        let p16 = match super::element::f32_slice(p) {
-            Some(p32) if !kept.probs.is_empty() => {
-                super::bf16_convert::convert_slice(kept.probs, p32);
-                Some(&*kept.probs)
-            }
-            _ => copy(g, p, p16),
+        // ctx = P' V: where the copy of P' is kept, the GEMM reads only it.
+        let (p, p16): (&[A], _) = if kept.probs.is_empty() {
+            let p = dropped(probs, scratch, dims);
+            (p, copy(g, p, p16))
+        } else {
+            round_dropped(probs, kept.probs, scratch, dims);
+            (&[], Some(&*kept.probs))
         };
         let (p_op, v_op) = ((p, p16, bl), (v, v16, hv));
         gemm_batched(g, context, A::one(), p_op, v_op, A::zero(), (ctx, hv));
     }
 }
 
-/// Backward for this thread's sequences: writes `dq`, `dk`, `dv` from `dctx`.
+/// Backward for this thread's sequences: writes `dq`, `dk`, `dv` from `dctx`. `q`, `k`, `v`
+/// may be empty where `kept` has their copies. `scratch` holds `b * h * t * t` elements where
+/// `kept.probs` is not empty (the probabilities after dropout are then read from it alone),
+/// else twice that. On the native route the gradient of the scores is rounded in place
+/// (`super::bf16_convert::round_in_place`): only the two GEMMs after it read it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_seqs<A: Element>(
     dq: &mut [A],
@@ -198,18 +228,23 @@ pub(crate) fn backward_seqs<A: Element>(
     let tt = t * t;
     let scale = A::one() / A::of(dims.d as f64).sqrt();
     let (hv, bl) = (heads(dims), blocks(dims));
-    let (drop_buf, dp) = scratch[..2 * b * h * tt].split_at_mut(b * h * tt);
+    let drop_len = if kept.probs.is_empty() { b * h * tt } else { 0 };
+    let (drop_buf, dp) = scratch[..drop_len + b * h * tt].split_at_mut(drop_len);
     let (g, scores, context) = (
         dims.gemms,
         GemmSite::AttentionScores,
         GemmSite::AttentionContext,
     );
     {
-        let [dctx16, v16, k16, q16, p16, ds16] = copies;
+        let [dctx16, v16, k16, q16, p16] = copies;
         let (dctx16, v16) = (copy(g, dctx, dctx16), kept_or_copy(g, kept.v, v, v16));
-        // dV = P'^T dctx.
-        let p_used = dropped(probs, drop_buf, dims);
-        let p16 = kept_or_copy(g, kept.probs, p_used, p16);
+        // dV = P'^T dctx (P' as the forward kept it, or again).
+        let (p_used, p16): (&[A], _) = if kept.probs.is_empty() {
+            let p = dropped(probs, drop_buf, dims);
+            (p, copy(g, p, p16))
+        } else {
+            (&[], Some(kept.probs))
+        };
         gemm_batched(
             g,
             context,
@@ -240,19 +275,20 @@ pub(crate) fn backward_seqs<A: Element>(
                 softmax_backward(block, &probs[at..at + tt], t);
             }
         }
-        // dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d).
-        let ds16 = copy(g, &*dp, ds16);
+        // dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d); dS rounded once, in place.
+        let ds = round_in_place(g, dp);
+        let (ds, ds16) = (ds.f32, ds.bf16);
         let (k16, q16) = (
             kept_or_copy(g, kept.k, k, k16),
             kept_or_copy(g, kept.q, q, q16),
         );
-        let (ds_op, k_op) = ((&*dp, ds16, bl), (k, k16, hv));
+        let (ds_op, k_op) = ((ds, ds16, bl), (k, k16, hv));
         gemm_batched(g, scores, scale, ds_op, k_op, A::zero(), (dq, hv));
         gemm_batched(
             g,
             scores,
             scale,
-            (&*dp, ds16, bl.t()),
+            (ds, ds16, bl.t()),
             (q, q16, hv),
             A::zero(),
             (dk, hv),

@@ -90,9 +90,12 @@ struct ReadyRanges {
 #[derive(Debug, Default)]
 struct State<A> {
     emb: EmbeddingsCache<A>,
-    /// Hidden states `[L + 1][n, c]`: embeddings output, then each layer's output.
+    /// Hidden states `[L + 1][n, c]`: embeddings output, then each layer's output (only the
+    /// last, and one buffer to spare, when `encode` keeps not all).
     hidden: Vec<Vec<A>>,
     layers: Vec<LayerCache<A>>,
+    /// Backward scratch shared by the layers; in the forward, where the f32 values of the
+    /// activations kept as bf16 copies alone are made (`EncoderLayer::forward`).
     scratch: LayerScratch<A>,
     /// `[n, c]` scratch.
     tmp: Vec<A>,
@@ -192,9 +195,11 @@ impl<A: Element> Bert<A> {
     }
 
     /// Bytes of the activations the last forward kept for the backward: every layer's cache
-    /// (bf16 copies included), the hidden states `[L + 1][n, c]`, the embeddings' LayerNorm
-    /// and the MLM head's buffers (its logits `[m, v]`). Scratch shared by the layers is left
-    /// out. Counted by capacity: what stays allocated between steps.
+    /// (bf16 copies included; where only they are kept, the f32 values of `q`, `k`, `v`,
+    /// `ctx`, `h1` and `act` are not), the hidden states `[L + 1][n, c]` (two buffers where
+    /// the layers keep their inputs' bf16 copies: `encode`), the embeddings' LayerNorm and the
+    /// MLM head's buffers (its logits `[m, v]`). Scratch shared by the layers is left out.
+    /// Counted by capacity: what stays allocated between steps.
     pub fn saved_activation_bytes(&self) -> usize {
         use super::element::held;
         let st = &self.state;
@@ -222,8 +227,14 @@ impl<A: Element> Bert<A> {
 
     /// Embeddings and encoder: plans `state.packing` (padding left out, rows rounded up to a
     /// multiple of `pack`, see `super::packing`; `masked` `[m]` are the flat positions the
-    /// heads will read) and fills
-    /// `state.hidden[0..=L]`, `[n, c]` each.
+    /// heads will read) and fills `state.hidden[L]` `[n, c]`, and `state.hidden[0..L]` too
+    /// when `all_hidden`.
+    ///
+    /// Without `all_hidden` a state is overwritten once the layer that reads it has run: two
+    /// buffers serve all `L + 1` (the second left in a slot of its own for the next call).
+    /// Only for callers that read no state but the last after this: the eval losses, and a
+    /// training step whose layers keep the bf16 copies of their inputs (the backward then
+    /// reads the copies, [`Gemms::keeps`]).
     fn encode(
         &mut self,
         params: Flat<'_, A>,
@@ -231,8 +242,16 @@ impl<A: Element> Bert<A> {
         dropout: Option<(DropoutKey, &[u64])>,
         masked: &[usize],
         pack: Option<usize>,
+        all_hidden: bool,
     ) {
         let st = &mut self.state;
+        // Without `all_hidden`: the allocated buffers, handed out as the states are made.
+        let mut spare: Vec<Vec<A>> = Vec::new();
+        if !all_hidden {
+            spare.extend(st.hidden.iter_mut().map(std::mem::take));
+            spare.retain(|buf| buf.capacity() > 0);
+            st.hidden[0] = spare.pop().unwrap_or_default();
+        }
         st.packing.plan(tok.mask, tok.b, tok.t, masked, pack);
         let (n, c) = (st.packing.rows(), self.config.hidden_size);
         let inputs = TokenInputs {
@@ -256,17 +275,30 @@ impl<A: Element> Bert<A> {
             gemms: self.gemms,
         };
         for (l, layer) in self.layers.iter().enumerate() {
+            if !all_hidden {
+                st.hidden[l + 1] = spare.pop().unwrap_or_default();
+            }
             let (before, after) = st.hidden.split_at_mut(l + 1);
             let y = grow(&mut after[0], n * c);
             layer.forward(
                 y,
                 &mut st.layers[l],
                 &mut st.tmp,
+                &mut st.scratch,
                 &mut st.attn,
                 &before[l],
                 &layer_inputs,
                 params,
             );
+            if !all_hidden {
+                // State `l` is read no more.
+                spare.push(std::mem::take(&mut st.hidden[l]));
+            }
+        }
+        for buf in spare {
+            if let Some(slot) = st.hidden.iter_mut().find(|h| h.capacity() == 0) {
+                *slot = buf;
+            }
         }
     }
 
@@ -379,7 +411,10 @@ impl<A: Element> Bert<A> {
         on_grad_ready: &mut dyn FnMut(Range<usize>, &[A]),
     ) -> LossSums<A> {
         let dropout = opts.dropout.map(|key| (key, batch.sample_ids.as_slice()));
-        self.encode(params, tok, dropout, &batch.masked_positions, self.unpad);
+        // The backward reads a layer's input only where no bf16 copy of it is kept.
+        let all_hidden = !self.gemms.keeps();
+        let masked = &batch.masked_positions;
+        self.encode(params, tok, dropout, masked, self.unpad, all_hidden);
         let g = self.gemms;
 
         let (b, t) = (tok.b, tok.t);
@@ -414,9 +449,8 @@ impl<A: Element> Bert<A> {
             sums.mlm_loss_sum = ce.loss_sum;
             sums.mlm_count = m;
             sums.mlm_correct = ce.correct;
-            let copy16 = &mut st.scratch.dy16;
             self.mlm
-                .backward(g, dh, &mut st.mlm, positions, params, grads, copy16);
+                .backward(g, dh, &mut st.mlm, positions, params, grads);
         }
         // NSP head on [CLS].
         if let (Some(nsp), Some(labels)) = (&self.nsp, &batch.next_sentence_labels) {
@@ -426,7 +460,7 @@ impl<A: Element> Bert<A> {
             sums.nsp_loss_sum = ce.loss_sum;
             sums.nsp_count = b;
             sums.nsp_correct = ce.correct;
-            nsp.backward(g, dh, &mut st.nsp, cls, params, grads, &mut st.scratch.dy16);
+            nsp.backward(g, dh, &mut st.nsp, cls, params, grads);
         }
         report(self.ready.heads.clone(), grads);
         if lookup.is_some() {

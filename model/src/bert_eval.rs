@@ -22,7 +22,14 @@ impl<A: Element> Bert<A> {
         // Each weight is read once here: its GEMM rounds it (no copy made up front).
         let params = Flat::plain(params);
         let g = self.gemms;
-        self.encode(params, &tok, None, &batch.masked_positions, self.unpad);
+        self.encode(
+            params,
+            &tok,
+            None,
+            &batch.masked_positions,
+            self.unpad,
+            false,
+        );
         let (b, v) = (tok.b, self.config.vocab_size);
         let last = self.layers.len();
         let st = &mut self.state;
@@ -91,7 +98,7 @@ impl<A: Element> Bert<A> {
             b: 1,
             t,
         };
-        self.encode(params, &tok, None, positions, None);
+        self.encode(params, &tok, None, positions, None, false);
         Ok(self.head_logits(params, positions))
     }
 
@@ -125,7 +132,7 @@ impl<A: Element> Bert<A> {
         let params = Flat::plain(params);
         let tok = self.tokens(batch)?;
         // Every row, padding too: HF returns them all.
-        self.encode(params, &tok, None, &[], None);
+        self.encode(params, &tok, None, &[], None, true);
         let (b, t, c) = (tok.b, tok.t, self.config.hidden_size);
         let n = b * t;
         let hidden_states = self.state.hidden[..=self.layers.len()]

@@ -160,8 +160,10 @@ pub(crate) fn emulated_gemm<A: Element>(
 }
 
 /// One f32 GEMM operand on the native route: its values and, when its caller made it, their
-/// bf16 copy with the same shape and strides (`super::bf16_shared::Operand`).
-pub(crate) type NativeOperand<'v, 'a> = (&'v ArrayView2<'a, f32>, Option<ArrayView2<'a, u16>>);
+/// bf16 copy with the same shape and strides (`super::bf16_shared::Operand`); at least one of
+/// the two (the values may be left out where the copy is given).
+pub(crate) type NativeOperand<'v, 'a> =
+    (Option<&'v ArrayView2<'a, f32>>, Option<ArrayView2<'a, u16>>);
 
 /// The native route: `c = alpha * bf16(a) bf16(b) (+ bias) + beta * c`, each operand's bf16
 /// copy read when given, else rounded here, then oneDNN per part (each part given its columns
@@ -180,13 +182,14 @@ pub(crate) fn native_gemm_f32(
     parts: usize,
 ) {
     crate::thread_state::with_u16_pair(|ba, bb| {
+        let missing = "a native operand has its values or its bf16 copy";
         let a16 = match a16 {
             Some(v) => v.reborrow(),
-            None => converted_bits(a, ba),
+            None => converted_bits(a.expect(missing), ba),
         };
         let b16 = match b16 {
             Some(v) => v.reborrow(),
-            None => converted_bits(b, bb),
+            None => converted_bits(b.expect(missing), bb),
         };
         if bias.is_none() && super::gemm_ksplit::worth_cutting_k(&a16, &b16, parts) {
             super::gemm_ksplit::gemm_cut_k(alpha, &a16, &b16, beta, c, parts);

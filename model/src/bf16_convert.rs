@@ -75,6 +75,48 @@ pub(crate) fn convert_slice(out: &mut [u16], x: &[f32]) {
 /// Fewest elements worth a thread of their own (a few microseconds of work).
 const MIN_PER_THREAD: usize = 1 << 16;
 
+/// Elements rounded first, through a buffer of their own: after them, each further run's
+/// bf16 patterns land on f32 values already read.
+const IN_PLACE_FIRST: usize = 1 << 12;
+
+/// Rounds the f32 values of `x` `[len]` to bf16 bit patterns in place and returns them,
+/// `[len]`: the first half of `x`'s memory (its f32 values are lost). The same bits as
+/// [`extend_bits`]. For a large buffer read after this only as a GEMM's bf16 operand (the MLM
+/// decoder's `d logits` `[m, v]`), so that no second buffer holds its copy.
+///
+/// Value `i`'s pattern goes to bytes `2i..2i + 2`, under the values `i / 2` and before. The
+/// first [`IN_PLACE_FIRST`] go through a buffer; then runs `r..2r` (`r` doubling), each read
+/// at bytes `4r..8r` and written at `2r..4r`, where the values of `r / 2..r` were, rounded by
+/// the run before: within a run the two do not overlap, so it is cut among the model's threads
+/// as [`extend_bits`] is.
+pub(crate) fn round_in_place(x: &mut [f32]) -> &mut [u16] {
+    let len = x.len();
+    let _region = region(Pass::Bf16Cast, bytes::<f32>(len), bytes::<u16>(len));
+    let first = len.min(IN_PLACE_FIRST);
+    let head: Vec<u16> = x[..first].iter().map(|&v| bf16_bits(v)).collect();
+    let base = x.as_mut_ptr();
+    // SAFETY: `x` is borrowed mutably for the lifetime of the result and not read through
+    // again: every access below goes through `base`. The patterns of values `0..first` are
+    // written over values `0..first / 2`, already read into `head`. Each run then reads values
+    // `r..r + n` (bytes `4r..4r + 4n`) and writes patterns `r..r + n` (bytes `2r..2r + 2n`,
+    // `n <= r`, so below `4r`): disjoint slices, both inside `x`. u16 has a smaller alignment
+    // than f32, and every bit pattern is a valid u16.
+    unsafe {
+        let out = base.cast::<u16>();
+        std::ptr::copy_nonoverlapping(head.as_ptr(), out, first);
+        let mut r = first;
+        while r < len {
+            let n = r.min(len - r);
+            let src = std::slice::from_raw_parts(base.add(r).cast_const(), n);
+            let dst =
+                std::slice::from_raw_parts_mut(out.add(r).cast::<std::mem::MaybeUninit<u16>>(), n);
+            super::parallel::zip_units(dst, 1, src, 1, n, MIN_PER_THREAD, convert_into);
+            r += n;
+        }
+        std::slice::from_raw_parts_mut(out, len)
+    }
+}
+
 /// Writes `bf16_bits(x[i])` to `out[i]` for every `i` (`out.len() == x.len()`).
 fn convert_into(out: &mut [std::mem::MaybeUninit<u16>], x: &[f32]) {
     assert_eq!(out.len(), x.len(), "one output per input");
@@ -160,6 +202,27 @@ mod tests {
                 .chain(x[..len].iter().map(|&v| bf16_bits(v)))
                 .collect();
             assert_eq!(wide, scalar, "len {len}");
+        }
+    }
+
+    /// Rounding in place gives the bits of rounding into a buffer of their own, for lengths
+    /// around each run's edge (the first run, and doubling runs long enough to be cut among
+    /// threads).
+    #[test]
+    fn rounding_in_place_gives_the_scalar_bits() {
+        let long = 5 * MIN_PER_THREAD + 3;
+        for len in [
+            0,
+            1,
+            IN_PLACE_FIRST,
+            IN_PLACE_FIRST + 1,
+            3 * IN_PLACE_FIRST - 1,
+            long,
+        ] {
+            let x: Vec<f32> = (0..len).map(|i| (i as f32 * 0.071).sin() * 300.0).collect();
+            let scalar: Vec<u16> = x.iter().map(|&v| bf16_bits(v)).collect();
+            let mut buf = x.clone();
+            assert_eq!(round_in_place(&mut buf), &scalar[..], "len {len}");
         }
     }
 

@@ -353,8 +353,8 @@ fn bias_added_by_the_gemm_is_the_product_plus_the_bias() {
             if super::bf16::support().native {
                 super::bf16::native_gemm_f32(
                     1.0,
-                    (&a.view(), None),
-                    (&b.t(), None),
+                    (Some(&a.view()), None),
+                    (Some(&b.t()), None),
                     Some(&bias),
                     0.0,
                     &mut got.view_mut(),

@@ -14,19 +14,26 @@
 //! with the operand's own shape and strides (so `W` and `W^T` are both served by one copy of
 //! `W`): results are bit-identical with or without it; only the passes over memory change.
 //! Copies exist only on the native route ([`Gemms::native`]); elsewhere every `bf16` is `None`.
+//!
+//! Where an activation is read in the backward only by GEMMs (a Linear's input for its weight
+//! gradient, attention's `q`, `k`, `v`), a layer keeping copies stores only the copy
+//! ([`Flat::copy_only`]): its operand then has no f32 values (`Operand::f32` is `None`), which
+//! only the native route, reading the copy, accepts.
 
 use ndarray::{ArrayView2, ShapeBuilder};
 
 use super::Element;
-use super::element::f32_slice;
+use super::element::{f32_slice, f32_slice_mut};
 use super::gemms::Gemms;
 
 /// One input of a GEMM: its values and, on the native bf16 route, optionally the bf16 bit
 /// patterns of exactly those values with the same shape and strides (`[rows, cols]` both).
+/// At least one of the two is there; the values may be left out only where the copy is given
+/// (an activation kept as its copy alone, read by native GEMMs only).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Operand<'a, A> {
-    /// The values (f32 or f64), any strides.
-    pub f32: ArrayView2<'a, A>,
+    /// The values (f32 or f64), any strides; `None` when only the copy was kept.
+    pub f32: Option<ArrayView2<'a, A>>,
     /// Their bf16 copy, element `[i, j]` the rounding of `f32[[i, j]]`; `None`: the GEMM
     /// rounds them itself when it needs bf16.
     pub bf16: Option<ArrayView2<'a, u16>>,
@@ -35,15 +42,37 @@ pub(crate) struct Operand<'a, A> {
 impl<'a, A> Operand<'a, A> {
     /// An operand without a copy.
     pub(crate) fn plain(f32: ArrayView2<'a, A>) -> Operand<'a, A> {
-        Operand { f32, bf16: None }
+        Operand {
+            f32: Some(f32),
+            bf16: None,
+        }
     }
 
     /// The transposed operand (its copy transposed with it).
     pub(crate) fn t(self) -> Operand<'a, A> {
         Operand {
-            f32: self.f32.reversed_axes(),
+            f32: self.f32.map(|v| v.reversed_axes()),
             bf16: self.bf16.map(|v| v.reversed_axes()),
         }
+    }
+
+    /// `[rows, cols]`, from the values or, without them, from the copy.
+    pub(crate) fn dim(&self) -> (usize, usize) {
+        match (&self.f32, &self.bf16) {
+            (Some(v), _) => v.dim(),
+            (None, Some(c)) => c.dim(),
+            (None, None) => unreachable!("an operand has its values or its copy"),
+        }
+    }
+
+    /// The values, for a route that reads them (fp32, emulated bf16).
+    ///
+    /// Panics if only the copy was kept: such operands are made only where the GEMMs run
+    /// natively ([`Gemms::keeps`]), so this is a caller's bug.
+    pub(crate) fn values(&self) -> &ArrayView2<'a, A> {
+        self.f32
+            .as_ref()
+            .expect("an operand kept as its bf16 copy alone reaches only native bf16 GEMMs")
     }
 }
 
@@ -54,12 +83,13 @@ impl<'a, A> From<ArrayView2<'a, A>> for Operand<'a, A> {
 }
 
 /// A flat buffer (the parameters, a layer's activation) and, optionally, its bf16 copy element
-/// for element: where GEMM operands are cut from ([`Flat::mat`]).
+/// for element: where GEMM operands are cut from ([`Flat::mat`]). An activation kept as its
+/// copy alone ([`Flat::copy_only`]) has empty values.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Flat<'a, A> {
-    /// The values.
+    /// The values (empty when only the copy was kept).
     pub f32: &'a [A],
-    /// `[f32.len()]` bf16 bit patterns of `f32`, or `None`.
+    /// `[f32.len()]` bf16 bit patterns of `f32` (or of the values no longer kept), or `None`.
     pub bf16: Option<&'a [u16]>,
 }
 
@@ -85,16 +115,48 @@ impl<'a, A> Flat<'a, A> {
         }
     }
 
-    /// `[rows, cols]` row-major from element `at`, as a GEMM operand (with the copy's view).
+    /// The bf16 copy of an activation whose f32 values were not kept (the caller's promise:
+    /// only native bf16 GEMMs read it, [`Gemms::keeps`]). An empty `copy` is an empty operand
+    /// (no rows).
+    pub(crate) fn copy_only(copy: &'a [u16]) -> Flat<'a, A> {
+        Flat {
+            f32: &[],
+            bf16: Some(copy),
+        }
+    }
+
+    /// The first `len` elements of an activation a layer's forward kept for GEMMs alone, as
+    /// its backward reads them: the copy alone where `gemms` keeps copies (the forward then
+    /// kept no f32 values: `f32` is not read and may be empty), else the values (`copy` is
+    /// then empty).
     ///
-    /// Panics if the buffer is shorter than `at + rows * cols` (a caller's bug).
+    /// Panics if the buffer read is shorter than `len` (a caller's bug).
+    pub(crate) fn activation(
+        gemms: Gemms,
+        f32: &'a [A],
+        copy: &'a [u16],
+        len: usize,
+    ) -> Flat<'a, A> {
+        if gemms.keeps() {
+            Flat::copy_only(&copy[..len])
+        } else {
+            Flat::plain(&f32[..len])
+        }
+    }
+
+    /// `[rows, cols]` row-major from element `at`, as a GEMM operand (with the copy's view;
+    /// the copy's view alone for [`Flat::copy_only`]).
+    ///
+    /// Panics if the buffer (or, for a copy alone, the copy) is shorter than
+    /// `at + rows * cols` (a caller's bug).
     pub(crate) fn mat(self, at: usize, rows: usize, cols: usize) -> Operand<'a, A> {
         fn view<T>(s: &[T], at: usize, rows: usize, cols: usize) -> ArrayView2<'_, T> {
             ArrayView2::from_shape((rows, cols).strides((cols, 1)), &s[at..at + rows * cols])
                 .expect("rows * cols elements")
         }
+        let copy_only = self.f32.is_empty() && self.bf16.is_some();
         Operand {
-            f32: view(self.f32, at, rows, cols),
+            f32: (!copy_only).then(|| view(self.f32, at, rows, cols)),
             bf16: self.bf16.map(|c| view(c, at, rows, cols)),
         }
     }
@@ -123,6 +185,19 @@ pub(crate) fn round_once<'a, A: Element>(
     }
     round_into(x, buf);
     Flat::kept(x, buf)
+}
+
+/// `x` as the operand of the native GEMMs about to read it, rounded once in place
+/// (`super::bf16_convert::round_in_place`: its f32 values are lost, the copy alone is left);
+/// `x` as it is off the native route (or for f64). For a gradient whose f32 values nothing
+/// reads after those GEMMs, so that no second buffer holds its copy.
+pub(crate) fn round_in_place<'a, A: Element>(gemms: Gemms, x: &'a mut [A]) -> Flat<'a, A> {
+    // Whether `A` is f32, asked of an empty slice (so that `x` is borrowed once).
+    if !gemms.native() || f32_slice::<A>(&[]).is_none() {
+        return Flat::plain(x);
+    }
+    let x32 = f32_slice_mut(x).expect("A is f32");
+    Flat::copy_only(super::bf16_convert::round_in_place(x32))
 }
 
 /// Appends the bf16 bits of `x` to `out` when `A` is f32.
@@ -156,14 +231,14 @@ mod tests {
             ("a block of columns", {
                 let Operand { f32, bf16 } = m;
                 Operand {
-                    f32: f32.slice_move(s![.., 3..7]),
+                    f32: f32.map(|f| f.slice_move(s![.., 3..7])),
                     bf16: bf16.map(|b| b.slice_move(s![.., 3..7])),
                 }
             }),
         ] {
             let bits = v.bf16.expect("a copy");
-            assert_eq!(bits.dim(), v.f32.dim(), "{what}");
-            for (g, &x) in bits.iter().zip(v.f32.iter()) {
+            assert_eq!(bits.dim(), v.dim(), "{what}");
+            for (g, &x) in bits.iter().zip(v.values().iter()) {
                 assert_eq!(*g, bf16_bits(x), "{what}");
             }
         }
@@ -237,11 +312,11 @@ mod tests {
         let twos = Array2::from_elem((4, 4), bf16_bits(2.0));
         let mut c = Array2::zeros((4, 4));
         let twos_op = Operand {
-            f32: a.view(),
+            f32: Some(a.view()),
             bf16: Some(twos.view()),
         };
         let ones_op = Operand {
-            f32: a.view(),
+            f32: Some(a.view()),
             bf16: Some(ones.view()),
         };
         gemm(

@@ -51,22 +51,30 @@ pub(crate) struct EncoderLayer {
 }
 
 /// What the backward of one layer needs, saved by its forward. Buffers grow once and are reused.
+///
+/// Where the GEMMs keep bf16 copies (`Gemms::keeps`, the native bf16 route), an activation the
+/// backward reads only as a GEMM operand is kept once, as its copy: `q`, `k`, `v`, `ctx`, `h1`
+/// and `act` (and the layer's input `x`, the caller's) are then empty. The f32 values the
+/// backward reads outside GEMMs stay: `probs` (the softmax backward), `pre` (the activation's
+/// derivative), `xhat*` and `rstd*` (the LayerNorms').
 #[derive(Debug, Default)]
 pub(crate) struct LayerCache<A> {
-    /// `[b * t, c]` each (attention's padded layout).
+    /// `[b * t, c]` each (attention's padded layout); empty where only copies are kept.
     pub q: Vec<A>,
     pub k: Vec<A>,
     pub v: Vec<A>,
     /// Softmax output before dropout, `[b, h, t, t]`.
     pub probs: Vec<A>,
-    /// Attention context (input of the output projection), `[n, c]`.
+    /// Attention context (input of the output projection), `[n, c]`; empty where only copies
+    /// are kept.
     pub ctx: Vec<A>,
     /// LN1 normalised input `[n, c]` and inverse std `[n]`.
     pub xhat1: Vec<A>,
     pub rstd1: Vec<A>,
-    /// LN1 output `[n, c]`.
+    /// LN1 output `[n, c]`; empty where only copies are kept.
     pub h1: Vec<A>,
-    /// Intermediate pre-activation and activation, `[n, f]`.
+    /// Intermediate pre-activation and activation, `[n, f]` (`act` empty where only copies
+    /// are kept).
     pub pre: Vec<A>,
     pub act: Vec<A>,
     /// LN2 normalised input `[n, c]` and inverse std `[n]`.
@@ -115,7 +123,8 @@ impl<A> LayerCache<A> {
     }
 }
 
-/// Backward scratch shared by all layers.
+/// Backward scratch shared by all layers. Where only bf16 copies of activations are kept,
+/// the forward makes their f32 values here first (`EncoderLayer::forward`): no extra buffer.
 #[derive(Debug, Default)]
 pub(crate) struct LayerScratch<A> {
     /// `[n, c]` each; `da`, `dq`, `dk`, `dv` grow to `[b * t, c]` when padding is left out.
@@ -128,9 +137,6 @@ pub(crate) struct LayerScratch<A> {
     pub dg: Vec<A>,
     /// Attention's backward scratch (`2 * t * t` a thread, more on the batched route).
     pub attn: AttentionScratch<A>,
-    /// bf16 copy of a Linear's `dy`, made once for both of its GEMMs (native bf16 only); the
-    /// heads' backward uses it too (the MLM decoder's `d logits`), one buffer for all.
-    pub dy16: Vec<u16>,
 }
 
 /// The batch-level inputs every layer sees.
@@ -204,12 +210,19 @@ impl EncoderLayer {
     /// `y[n, c]` from `x[n, c]`; fills `cache`. `tmp` is `[n, c]` scratch, `attn_scratch`
     /// attention's. `params` is the flat parameter buffer (with its bf16 copy on the native
     /// route).
+    ///
+    /// Where `inputs.gemms` keeps bf16 copies, the activations the backward reads only through
+    /// GEMMs (`q`, `k`, `v`, `ctx`, `h1`, `act`, and `x`, the caller's) are kept as their copies
+    /// alone: their f32 values are made in `stage` (the backward's scratch, idle during the
+    /// forward: `dq` `[b * t, c]` for each of `q`, `k`, `v` in turn, `dh1` `[n, c]` for `ctx`
+    /// then `h1`, `dg` `[n, f]` for `act`), rounded, and overwritten by the next layer.
     #[allow(clippy::too_many_arguments)]
     pub fn forward<A: Element>(
         &self,
         y: &mut [A],
         cache: &mut LayerCache<A>,
         tmp: &mut Vec<A>,
+        stage: &mut LayerScratch<A>,
         attn_scratch: &mut AttentionScratch<A>,
         x: &[A],
         inputs: &LayerInputs<'_>,
@@ -224,91 +237,96 @@ impl EncoderLayer {
         );
         let padded = b * t * c;
         let g = inputs.gemms;
+        // Only the bf16 copies of the GEMM-only activations are kept (see above).
+        let copies_only = g.keeps();
         let x = &x[..n * c];
         // `x` feeds the query, key and value projections here and their weight gradients in
         // the backward: rounded once, kept in the cache.
         keep(g, x, &mut cache.x_bf16);
         let x16 = Flat::kept(x, &cache.x_bf16);
-        for (linear, out) in [
-            (&self.query, &mut cache.q),
-            (&self.key, &mut cache.k),
-            (&self.value, &mut cache.v),
+        let kept = &mut cache.attention_bf16;
+        for (linear, values, copy) in [
+            (&self.query, &mut cache.q, &mut kept.q),
+            (&self.key, &mut cache.k, &mut kept.k),
+            (&self.value, &mut cache.v, &mut kept.v),
         ] {
-            if packing.is_identity() {
-                linear.forward(g, grow(out, n * c), x16, params, n);
+            let values = values_in(copies_only, values, &mut stage.dq);
+            let out = if packing.is_identity() {
+                let out = grow(values, n * c);
+                linear.forward(g, out, x16, params, n);
+                out
             } else {
                 let rows = grow(tmp, n * c);
                 linear.forward(g, rows, x16, params, n);
-                packing.scatter(rows, grow(out, padded), c);
-            }
+                let out = grow(values, padded);
+                packing.scatter(rows, out, c);
+                out
+            };
+            // Attention reads it in its GEMMs, forward and backward: rounded once.
+            keep(g, out, copy);
         }
         let probs = grow(&mut cache.probs, b * h * t * t);
+        let ctx_values = values_in(copies_only, &mut cache.ctx, &mut stage.dh1);
         let ctx_padded = if packing.is_identity() {
-            grow(&mut cache.ctx, n * c)
+            grow(ctx_values, n * c)
         } else {
             grow(tmp, padded)
+        };
+        let (q, k, v): (&[A], &[A], &[A]) = if copies_only {
+            (&[], &[], &[])
+        } else {
+            (&cache.q[..padded], &cache.k[..padded], &cache.v[..padded])
         };
         attention::forward(
             ctx_padded,
             probs,
             attn_scratch,
-            &cache.q[..padded],
-            &cache.k[..padded],
-            &cache.v[..padded],
+            q,
+            k,
+            v,
             &mut cache.attention_bf16,
             &self.dims(inputs),
         );
         if !packing.is_identity() {
-            packing.gather(&tmp[..padded], grow(&mut cache.ctx, n * c), c);
+            packing.gather(&tmp[..padded], grow(ctx_values, n * c), c);
         }
 
         let a = grow(tmp, n * c);
         {
-            let ctx = &cache.ctx[..n * c];
+            let ctx = &ctx_values[..n * c];
             keep(g, ctx, &mut cache.ctx_bf16);
             let ctx = Flat::kept(ctx, &cache.ctx_bf16);
             self.attn_out.forward(g, a, ctx, params, n);
         }
         self.hidden_dropout(a, inputs, Site::AttentionOutput);
-        let h1 = grow(&mut cache.h1, n * c);
+        // `ctx` is read no more: `h1` may take its place.
+        let h1 = grow(values_in(copies_only, &mut cache.h1, &mut stage.dh1), n * c);
         let xhat1 = grow(&mut cache.xhat1, n * c);
         let rstd1 = grow(&mut cache.rstd1, n);
         self.ln1
             .forward(h1, xhat1, rstd1, a, Some(x), params.f32, n);
 
         let pre = grow(&mut cache.pre, n * f);
-        {
-            let h1 = &cache.h1[..n * c];
-            keep(g, h1, &mut cache.h1_bf16);
-            let h1 = Flat::kept(h1, &cache.h1_bf16);
-            self.intermediate.forward(g, pre, h1, params, n);
-        }
-        let act = grow(&mut cache.act, n * f);
+        keep(g, h1, &mut cache.h1_bf16);
+        self.intermediate
+            .forward(g, pre, Flat::kept(h1, &cache.h1_bf16), params, n);
+        let act = grow(values_in(copies_only, &mut cache.act, &mut stage.dg), n * f);
         activation::forward(self.act, act, &cache.pre[..n * f]);
 
         let o = grow(tmp, n * c);
-        {
-            let act = &cache.act[..n * f];
-            keep(g, act, &mut cache.act_bf16);
-            let act = Flat::kept(act, &cache.act_bf16);
-            self.output.forward(g, o, act, params, n);
-        }
+        keep(g, act, &mut cache.act_bf16);
+        self.output
+            .forward(g, o, Flat::kept(act, &cache.act_bf16), params, n);
         self.hidden_dropout(o, inputs, Site::FeedForwardOutput);
         let xhat2 = grow(&mut cache.xhat2, n * c);
         let rstd2 = grow(&mut cache.rstd2, n);
-        self.ln2.forward(
-            &mut y[..n * c],
-            xhat2,
-            rstd2,
-            o,
-            Some(&cache.h1[..n * c]),
-            params.f32,
-            n,
-        );
+        self.ln2
+            .forward(&mut y[..n * c], xhat2, rstd2, o, Some(&*h1), params.f32, n);
     }
 
     /// Given `dy[n, c]` (used as scratch): writes `dx[n, c]` and accumulates this layer's
-    /// parameter gradients.
+    /// parameter gradients. `x` is the layer's input `[n, c]`, read only where the forward
+    /// kept no bf16 copies (else it may be empty: its copy in `cache` is read).
     #[allow(clippy::too_many_arguments)]
     pub fn backward<A: Element>(
         &self,
@@ -325,7 +343,6 @@ impl EncoderLayer {
         let (n, c, f) = (packing.rows(), self.query.out, self.intermediate.out);
         let padded = b * t * c;
         let g = inputs.gemms;
-        let x = &x[..n * c];
         let dx = &mut dx[..n * c];
 
         // LN2: d(o_dropped + h1)
@@ -345,17 +362,15 @@ impl EncoderLayer {
         // Output projection, activation, intermediate projection.
         let dg = grow(&mut s.dg, n * f);
         {
-            let act = Flat::kept(&cache.act[..n * f], &cache.act_bf16);
+            let act = Flat::activation(g, &cache.act, &cache.act_bf16, n * f);
             let dx = Some((&mut *dg, false));
-            self.output
-                .backward(g, dx, da, act, params, grads, n, &mut s.dy16);
+            self.output.backward(g, dx, da, act, params, grads, n);
         }
         activation::backward(self.act, dg, &cache.pre[..n * f]);
         {
-            let h1 = Flat::kept(&cache.h1[..n * c], &cache.h1_bf16);
+            let h1 = Flat::activation(g, &cache.h1, &cache.h1_bf16, n * c);
             let dx = Some((&mut *dh1, true));
-            self.intermediate
-                .backward(g, dx, dg, h1, params, grads, n, &mut s.dy16);
+            self.intermediate.backward(g, dx, dg, h1, params, grads, n);
         }
         // LN1: d(a_dropped + x)
         self.ln1
@@ -365,10 +380,9 @@ impl EncoderLayer {
         // Attention output projection; reuse dh1 for d ctx.
         let dctx = &mut *dh1;
         {
-            let ctx = Flat::kept(&cache.ctx[..n * c], &cache.ctx_bf16);
+            let ctx = Flat::activation(g, &cache.ctx, &cache.ctx_bf16, n * c);
             let dx = Some((&mut *dctx, false));
-            self.attn_out
-                .backward(g, dx, da, ctx, params, grads, n, &mut s.dy16);
+            self.attn_out.backward(g, dx, da, ctx, params, grads, n);
         }
         let dctx_padded: &[A] = if packing.is_identity() {
             dctx
@@ -387,27 +401,44 @@ impl EncoderLayer {
             &mut s.attn,
             dctx_padded,
             &cache.probs,
-            &cache.q,
-            &cache.k,
-            &cache.v,
+            &cache.q[..],
+            &cache.k[..],
+            &cache.v[..],
             &cache.attention_bf16,
             &self.dims(inputs),
         );
-        let x16 = Flat::kept(x, &cache.x_bf16);
+        let x16 = Flat::activation(g, x, &cache.x_bf16, n * c);
         for (linear, d) in [
-            (&self.query, &s.dq),
-            (&self.key, &s.dk),
-            (&self.value, &s.dv),
+            (&self.query, &mut s.dq),
+            (&self.key, &mut s.dk),
+            (&self.value, &mut s.dv),
         ] {
             let d_rows = if packing.is_identity() {
-                &d[..n * c]
+                &mut d[..n * c]
             } else {
                 let rows = grow(&mut s.dh1, n * c);
                 packing.gather(&d[..padded], rows, c);
-                &*rows
+                rows
             };
             let dx = Some((&mut *dx, true));
-            linear.backward(g, dx, d_rows, x16, params, grads, n, &mut s.dy16);
+            linear.backward(g, dx, d_rows, x16, params, grads, n);
         }
+    }
+}
+
+/// Where a forward writes the f32 values of an activation read in the backward only by GEMMs:
+/// `stage` (scratch the next layer overwrites) when only its bf16 copy is kept
+/// (`copies_only`; the cache's buffer, which a step of another precision may have filled, is
+/// let go), else `cached`, kept for the backward.
+fn values_in<'v, A>(
+    copies_only: bool,
+    cached: &'v mut Vec<A>,
+    stage: &'v mut Vec<A>,
+) -> &'v mut Vec<A> {
+    if copies_only {
+        *cached = Vec::new();
+        stage
+    } else {
+        cached
     }
 }

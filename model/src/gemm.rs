@@ -179,8 +179,8 @@ pub(crate) fn gemm<A: Element>(
     beta: A,
     c: &mut ArrayViewMut2<'_, A>,
 ) {
-    let (m, k) = a.f32.dim();
-    let n = b.f32.ncols();
+    let (m, k) = a.dim();
+    let n = b.dim().1;
     if m == 0 || n == 0 {
         return;
     }
@@ -222,8 +222,8 @@ pub(crate) fn gemm_bias<A: Element>(
     bias: &[A],
     c: &mut ArrayViewMut2<'_, A>,
 ) {
-    let (m, k) = a.f32.dim();
-    let n = b.f32.ncols();
+    let (m, k) = a.dim();
+    let n = b.dim().1;
     assert_eq!(bias.len(), n, "bias of a [{m}, {k}] x [{k}, {n}] product");
     if m == 0 || n == 0 {
         return;
@@ -305,12 +305,12 @@ pub(crate) fn block<A: Element>(
     parts: usize,
 ) -> usize {
     if !gemms.bf16() {
-        multiply(alpha, &a.f32, &b.f32, beta, c, parts);
+        multiply(alpha, a.values(), b.values(), beta, c, parts);
         0
     } else if gemms.native() && native(alpha, a, b, None, beta, c, parts) {
         2
     } else {
-        bf16::emulated_gemm(alpha, &a.f32, &b.f32, beta, c, parts);
+        bf16::emulated_gemm(alpha, a.values(), b.values(), beta, c, parts);
         1
     }
 }
@@ -327,13 +327,11 @@ fn native<A: Element>(
     c: &mut ArrayViewMut2<'_, A>,
     parts: usize,
 ) -> bool {
-    let (Some(a32), Some(b32), Some(mut c32)) = (
-        A::as_f32(a.f32),
-        A::as_f32(b.f32),
-        A::as_f32_mut(c.view_mut()),
-    ) else {
+    // `c` says whether `A` is f32; an operand may have only its bf16 copy (no values).
+    let Some(mut c32) = A::as_f32_mut(c.view_mut()) else {
         return false;
     };
+    let (a32, b32) = (a.f32.and_then(A::as_f32), b.f32.and_then(A::as_f32));
     let bias = match bias {
         Some(z) => match f32_slice(z) {
             Some(z) => Some(z),
@@ -344,8 +342,8 @@ fn native<A: Element>(
     let (alpha, beta) = (alpha.to64() as f32, beta.to64() as f32);
     bf16::native_gemm_f32(
         alpha,
-        (&a32, a.bf16),
-        (&b32, b.bf16),
+        (a32.as_ref(), a.bf16),
+        (b32.as_ref(), b.bf16),
         bias,
         beta,
         &mut c32,
@@ -393,8 +391,12 @@ pub(crate) fn gemm_batched<A: Element>(
         sb.dims,
         sc.dims
     );
+    // An operand kept as its bf16 copy alone comes with empty values (native route only).
+    let fits = |x: &[A], x16: Option<&[u16]>, s: Strided4| {
+        s.extent() <= x.len() || (x.is_empty() && x16.is_some_and(|c| s.extent() <= c.len()))
+    };
     assert!(
-        sa.extent() <= a.len() && sb.extent() <= b.len() && sc.extent() <= c.len(),
+        fits(a, a16, sa) && fits(b, b16, sb) && sc.extent() <= c.len(),
         "batched GEMM operand past its slice"
     );
     if sc.extent() == 0 {

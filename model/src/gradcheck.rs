@@ -121,7 +121,6 @@ fn linear() {
         GemmSite::Intermediate,
     );
     let g = Gemms::FP32;
-    let mut dy16 = Vec::new();
     let (n, i, o) = (B * T, lin.inp, lin.out);
     let x = values(2, n * i, 1.0);
     let w = values(3, n * o, 1.0);
@@ -134,7 +133,7 @@ fn linear() {
     let mut dx = vec![7.0; n * i];
     let (xf, pf) = (Flat::plain(&x[..]), Flat::plain(&params[..]));
     let dx_acc = Some((&mut dx[..], false));
-    lin.backward(g, dx_acc, &w, xf, pf, &mut grads, n, &mut dy16);
+    lin.backward(g, dx_acc, &mut w.clone(), xf, pf, &mut grads, n);
     check("linear dx", &x, &dx, 0..n * i, |x| forward(&params, x));
     let idx = range_of(&layout, "bert.encoder.layer.0.intermediate.dense.weight").chain(range_of(
         &layout,
@@ -144,7 +143,7 @@ fn linear() {
     // Accumulating: dx += dy W.
     let mut dx2 = vec![1.0; n * i];
     let dx_acc = Some((&mut dx2[..], true));
-    lin.backward(g, dx_acc, &w, xf, pf, &mut grads, n, &mut dy16);
+    lin.backward(g, dx_acc, &mut w.clone(), xf, pf, &mut grads, n);
     assert!(
         dx2.iter()
             .zip(&dx)
@@ -359,14 +358,17 @@ fn encoder_layer_with_dropout_on(act: HiddenAct, packing: &Packing) {
         let x = values(15, n * c, 1.0);
         let w = values(16, n * c, 1.0);
         let forward = |p: &[f64], x: &[f64]| {
-            let (mut y, mut cache, mut tmp, mut s) = (
+            let (mut y, mut cache, mut tmp, mut stage, mut s) = (
                 vec![0.0; n * c],
                 LayerCache::default(),
                 Vec::new(),
+                LayerScratch::default(),
                 AttentionScratch::default(),
             );
             let p = Flat::plain(p);
-            layer.forward(&mut y, &mut cache, &mut tmp, &mut s, x, &inputs, p);
+            layer.forward(
+                &mut y, &mut cache, &mut tmp, &mut stage, &mut s, x, &inputs, p,
+            );
             (dot(&y, &w), cache)
         };
         let (_, cache) = forward(&params, &x);
@@ -416,16 +418,7 @@ fn mlm_head() {
     let mut grads = vec![0.0; params.len()];
     let mut dh = vec![0.0; n * c];
     let pf = Flat::plain(&params[..]);
-    let mut copy16 = Vec::new();
-    head.backward(
-        Gemms::FP32,
-        &mut dh,
-        &mut cache,
-        &positions,
-        pf,
-        &mut grads,
-        &mut copy16,
-    );
+    head.backward(Gemms::FP32, &mut dh, &mut cache, &positions, pf, &mut grads);
     check("mlm head dhidden", &hidden, &dh, 0..n * c, |h| {
         forward(&params, h).0
     });
@@ -462,16 +455,7 @@ fn nsp_head() {
     let mut grads = vec![0.0; params.len()];
     let mut dh = vec![0.0; n * c];
     let pf = Flat::plain(&params[..]);
-    let mut copy16 = Vec::new();
-    head.backward(
-        Gemms::FP32,
-        &mut dh,
-        &mut cache,
-        &CLS,
-        pf,
-        &mut grads,
-        &mut copy16,
-    );
+    head.backward(Gemms::FP32, &mut dh, &mut cache, &CLS, pf, &mut grads);
     check("nsp head dhidden", &hidden, &dh, 0..n * c, |h| {
         forward(&params, h).0
     });

@@ -6,7 +6,7 @@ use super::pass_profile::{Pass, bytes, region};
 use keel_proto::params::LinearParams;
 
 use super::Element;
-use super::bf16_shared::{Flat, round_once};
+use super::bf16_shared::{Flat, round_in_place};
 use super::gemm::{GemmSite, gemm, gemm_bias, mat_mut};
 use super::gemms::Gemms;
 use super::parallel;
@@ -67,22 +67,23 @@ impl Linear {
 
     /// Given `dy[n, o]`: `dW += dy^T x`, `db += sum_n dy`, and `dx[n, i] = dy W`
     /// (`dx += dy W` when `accumulate_dx`). `dx: None` skips the input gradient. On the native
-    /// bf16 route `dy` is rounded once into `dy16` (scratch) for both GEMMs.
+    /// bf16 route `dy` is rounded once for both GEMMs, in place, after the bias gradient (its
+    /// last f32 reader): the caller's `dy` is then lost.
     #[allow(clippy::too_many_arguments)]
     pub fn backward<A: Element>(
         &self,
         gemms: Gemms,
         dx: Option<(&mut [A], bool)>,
-        dy: &[A],
+        dy: &mut [A],
         x: Flat<'_, A>,
         params: Flat<'_, A>,
         grads: &mut [A],
         n: usize,
-        dy16: &mut Vec<u16>,
     ) {
-        let dy = &dy[..n * self.out];
+        let dy = &mut dy[..n * self.out];
+        bias_gradient(&mut grads[self.b..self.b + self.out], dy, n);
         // `dy` feeds both GEMMs: round it once.
-        let dy = round_once(gemms, dy, dy16);
+        let dy = round_in_place(gemms, dy);
         let dy_m = dy.mat(0, n, self.out);
         {
             let mut dw = mat_mut(
@@ -93,7 +94,6 @@ impl Linear {
             let x = x.mat(0, n, self.inp);
             gemm(gemms, self.site, A::one(), dy_m.t(), x, A::one(), &mut dw);
         }
-        bias_gradient(&mut grads[self.b..self.b + self.out], dy.f32, n);
         if let Some((dx, accumulate)) = dx {
             let w = params.mat(self.w, self.out, self.inp);
             let beta = if accumulate { A::one() } else { A::zero() };

@@ -12,7 +12,7 @@ use keel_proto::params::{MlmHeadParams, ParamView};
 
 use super::Element;
 use super::activation;
-use super::bf16_shared::{Flat, round_once};
+use super::bf16_shared::{Flat, round_in_place};
 use super::element::grow;
 use super::gemm::{GemmSite, gemm, gemm_bias, mat, mat_mut};
 use super::gemms::Gemms;
@@ -130,10 +130,10 @@ impl MlmHead {
 
     /// Given `cache.logits` holding `d loss / d logits`: accumulates the head's gradients (and
     /// the decoder's share of the word-embedding gradient) and adds `d loss / d hidden` into
-    /// `dhidden` `[n, c]` at `positions`. `copy16` is scratch for the bf16 copies of
-    /// `d logits` `[m, v]` and of the transform's `dy` `[m, c]`, each made once for the two
-    /// GEMMs that read it (native bf16 only; the model's one such buffer, shared with the
-    /// encoder layers, so it grows to the largest of them).
+    /// `dhidden` `[n, c]` at `positions`. On the native bf16 route `d logits` `[m, v]` is
+    /// rounded once for its two GEMMs, in place (`cache.logits` then holds its bf16 patterns:
+    /// after the bias gradient only those GEMMs read it, and a copy would be half as large
+    /// again as the logits, the step's largest buffer).
     #[allow(clippy::too_many_arguments)]
     pub fn backward<A: Element>(
         &self,
@@ -143,13 +143,12 @@ impl MlmHead {
         positions: &[usize],
         params: Flat<'_, A>,
         grads: &mut [A],
-        copy16: &mut Vec<u16>,
     ) {
         let (m, c, v) = (positions.len(), self.c, self.vocab);
-        let dlogits = &cache.logits[..m * v];
+        let dlogits = &mut cache.logits[..m * v];
         super::linear::bias_gradient(&mut grads[self.bias..self.bias + v], dlogits, m);
-        // `d logits` feeds both GEMMs: round it once.
-        let dlogits = round_once(gemms, dlogits, copy16).mat(0, m, v);
+        // `d logits` feeds both GEMMs: round it once (in place, see above).
+        let dlogits = round_in_place(gemms, dlogits).mat(0, m, v);
         gemm(
             gemms,
             GemmSite::Decoder,
@@ -184,12 +183,11 @@ impl MlmHead {
         self.dense.backward(
             gemms,
             Some((&mut *dx, false)),
-            &cache.d2[..m * c],
+            &mut cache.d2[..m * c],
             Flat::plain(&cache.x),
             params,
             grads,
             m,
-            copy16,
         );
         for (row, &p) in cache.d1[..m * c].chunks_exact(c).zip(positions) {
             for (g, &d) in dhidden[p * c..(p + 1) * c].iter_mut().zip(row) {

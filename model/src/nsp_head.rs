@@ -74,7 +74,6 @@ impl NspHead {
 
     /// Given `cache.logits` holding `d loss / d logits`: accumulates the head's gradients and
     /// adds `d loss / d hidden` into the `[CLS]` rows `cls` `[b]` of `dhidden` `[n, c]`.
-    /// `copy16` is scratch for a Linear's bf16 copy of its `dy` (native bf16 only).
     #[allow(clippy::too_many_arguments)]
     pub fn backward<A: Element>(
         &self,
@@ -84,31 +83,28 @@ impl NspHead {
         cls: &[usize],
         params: Flat<'_, A>,
         grads: &mut [A],
-        copy16: &mut Vec<u16>,
     ) {
         let (b, c) = (cls.len(), self.pooler.inp);
         let dpooled = grow(&mut cache.d, b * c);
         self.classifier.backward(
             gemms,
             Some((&mut *dpooled, false)),
-            &cache.logits[..b * 2],
+            &mut cache.logits[..b * 2],
             Flat::plain(&cache.pooled),
             params,
             grads,
             b,
-            copy16,
         );
         tanh_backward(dpooled, &cache.pooled[..b * c]);
         let dx = grow(&mut cache.pre, b * c);
         self.pooler.backward(
             gemms,
             Some((&mut *dx, false)),
-            &cache.d[..b * c],
+            &mut cache.d[..b * c],
             Flat::plain(&cache.x),
             params,
             grads,
             b,
-            copy16,
         );
         for (row, &r) in cache.pre[..b * c].chunks_exact(c).zip(cls) {
             for (g, &d) in dhidden[r * c..(r + 1) * c].iter_mut().zip(row) {

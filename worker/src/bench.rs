@@ -4,7 +4,8 @@
 //! Fields: `config`, `threads`, `batch`, `seq`, `vocab`, `steps`, `s_per_step` (seconds,
 //! mean over the timed steps after one warm-up step), `tokens_per_s`, `gflops` (GEMM
 //! GFLOP per second of step time), `sgemm_share` (fraction of step time inside GEMM calls),
-//! `peak_rss_mib` (VmHWM), and `cpu_s_per_step` (process CPU seconds per step: on a shared
+//! `peak_rss_mib` (VmHWM after the steps, before the bandwidth probe below allocates its
+//! buffers), and `cpu_s_per_step` (process CPU seconds per step: on a shared
 //! machine the wall time includes waiting for a core). Precision: `precision_setting` (the
 //! `--precision` given), `precision` (what ran: `auto` resolves as the coordinator would, bf16
 //! only with native bf16), `bf16_support` (what the probe found), `gemm_backends` (per GEMM
@@ -241,6 +242,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             (class.to_string(), value)
         })
         .collect();
+    // The step's peak, read before the bandwidth probe: its buffers (256 MiB a thread) would
+    // be the peak's largest share.
+    let peak_rss = peak_rss_mib();
     let bandwidth = bench_roofline::copy_bandwidth_gb_s(args.threads);
     let saved = model.saved_activation_bytes();
     let line = serde_json::json!({
@@ -258,7 +262,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "unpadding": !args.keep_padding,
         "gflops": stats.flops as f64 / elapsed / 1e9,
         "sgemm_share": stats.seconds / elapsed,
-        "peak_rss_mib": peak_rss_mib(),
+        "peak_rss_mib": peak_rss,
         "openblas_core": crate::blas_core::core_name(),
         "precision_setting": args.precision.as_str(),
         "precision": precision.as_str(),
