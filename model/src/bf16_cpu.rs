@@ -167,6 +167,8 @@ struct Race {
     fp32_s: f64,
     /// Floating-point operations of one round.
     flops: f64,
+    /// OpenBLAS's thread count while fp32 was timed (1: the clock counts this thread only).
+    fp32_threads: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -177,9 +179,11 @@ impl Race {
 
     fn describe(&self) -> String {
         format!(
-            "{:.0} GFLOP/s against {:.0} for OpenBLAS fp32 ({:.2}x; bf16 taken from {RACE_MARGIN}x): {}",
+            "{:.0} GFLOP/s against {:.0} for OpenBLAS fp32 on {} thread{} ({:.2}x; bf16 taken from {RACE_MARGIN}x): {}",
             self.flops / self.bf16_s / 1e9,
             self.flops / self.fp32_s / 1e9,
+            self.fp32_threads,
+            if self.fp32_threads == 1 { "" } else { "s" },
             self.fp32_s / self.bf16_s,
             if self.pays() {
                 "bf16 is native"
@@ -219,9 +223,13 @@ fn race() -> Result<Race, super::onednn::DnnlError> {
     use super::onednn::{InputType, matmul};
     use ndarray::{Array2, linalg::general_mat_mul};
 
-    // OpenBLAS as the process has set it: one thread in the worker and the bench (their
-    // `set_blas_threads` runs first). The probe must not change it: a result's bits depend on
-    // OpenBLAS's thread count, and a test process may be mid-way through comparing two runs.
+    // OpenBLAS on one thread for the race, whatever the process has set, and the count put
+    // back after it. The worker and the bench set one thread before they probe, but a process
+    // that never set it (`keel-worker bf16-probe`, a test) has OpenBLAS's default of one per
+    // core: its fp32 GEMMs then ran on every core while the clock counted this thread alone,
+    // and on a 2-core Xeon with AVX512_BF16 fp32 read 380 GFLOP/s against 223 on one thread,
+    // turning oneDNN's 1.7x into 0.95x and the probe's answer from native to emulated.
+    let _one_thread = OneBlasThread::take();
     let fill = |r: usize, c: usize, seed: usize| {
         Array2::from_shape_fn((r, c), |(i, j)| {
             ((i * 31 + j * 17 + seed) % 97) as f32 / 97.0 - 0.5
@@ -275,7 +283,28 @@ fn race() -> Result<Race, super::onednn::DnnlError> {
         bf16_s: best_bf16,
         fp32_s: best_fp32,
         flops,
+        fp32_threads: crate::parallel::openblas_threads(),
     })
+}
+
+/// OpenBLAS set to one thread while it lives; the count it had comes back when it drops.
+#[cfg(target_arch = "x86_64")]
+struct OneBlasThread(usize);
+
+#[cfg(target_arch = "x86_64")]
+impl OneBlasThread {
+    fn take() -> Self {
+        let before = crate::parallel::openblas_threads();
+        crate::parallel::set_openblas_threads(1);
+        OneBlasThread(before)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Drop for OneBlasThread {
+    fn drop(&mut self) {
+        crate::parallel::set_openblas_threads(self.0);
+    }
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]
@@ -288,6 +317,7 @@ mod tests {
             bf16_s,
             fp32_s: 1.2,
             flops: 1e9,
+            fp32_threads: 1,
         };
         assert!(race(1.0).pays(), "exactly 1.2x faster");
         assert!(!race(1.01).pays(), "1.19x faster");
@@ -312,6 +342,30 @@ mod tests {
         assert!(
             thread_cpu_seconds() - start > 0.0,
             "30 ms of spinning counted as no CPU"
+        );
+    }
+
+    /// The race times OpenBLAS on one thread even in a process whose OpenBLAS runs on more
+    /// (the failing case: `keel-worker bf16-probe`, which never sets a thread count), and puts
+    /// the process's count back afterwards.
+    #[test]
+    fn the_race_runs_openblas_on_one_thread_and_restores_the_count() {
+        use crate::parallel::{openblas_threads, set_openblas_threads};
+        set_openblas_threads(2);
+        let race = race();
+        let after = openblas_threads();
+        set_openblas_threads(1);
+        let race = match race {
+            Ok(race) => race,
+            Err(e) => {
+                println!("SKIPPED: oneDNN runs no bf16 matmul on this CPU ({e})");
+                return;
+            }
+        };
+        assert_eq!(race.fp32_threads, 1, "{race:?}");
+        assert_eq!(
+            after, 2,
+            "the race left OpenBLAS at {after} threads, not the 2 it had"
         );
     }
 

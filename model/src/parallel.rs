@@ -37,13 +37,22 @@ fn as_part<R>(f: impl FnOnce() -> R) -> R {
 
 unsafe extern "C" {
     fn openblas_set_num_threads(num_threads: std::ffi::c_int);
+    fn openblas_get_num_threads() -> std::ffi::c_int;
 }
 
 /// Sets OpenBLAS's thread count (process-wide).
-fn set_openblas_threads(n: usize) {
+pub(crate) fn set_openblas_threads(n: usize) {
     let n = n.clamp(1, i32::MAX as usize) as std::ffi::c_int;
     // SAFETY: OpenBLAS's documented setter; it takes any positive count.
     unsafe { openblas_set_num_threads(n) };
+}
+
+/// OpenBLAS's thread count now (process-wide). Until [`set_threads`] runs it is OpenBLAS's
+/// own default (`OPENBLAS_NUM_THREADS`, else one per core), not 1.
+pub(crate) fn openblas_threads() -> usize {
+    // SAFETY: OpenBLAS's documented getter; no arguments.
+    let n = unsafe { openblas_get_num_threads() };
+    usize::try_from(n).unwrap_or(1).max(1)
 }
 
 /// The helper pool for `threads` model threads (`threads - 1` helpers), built on first use
