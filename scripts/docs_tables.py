@@ -30,6 +30,7 @@ MEASURED = os.path.join(REPO, "docs", "measured")
 
 XEON_AMX = "2-core Intel Xeon, family 6 model 167 as the VM reports it (AVX-512, AVX512_BF16, AMX-BF16)"
 ZEN4 = "2-core AMD EPYC, family 25 model 17: Zen 4 (AVX-512, AVX512_BF16, no AMX)"
+ZEN5 = "2-core AMD EPYC, family 26 model 2: Zen 5 (AVX-512, AVX512_BF16, no AMX)"
 
 
 def rel(path):
@@ -252,6 +253,38 @@ def step_roofline(path, cpu, date, command, config):
     return out
 
 
+def ceiling(path, shapes, cpu, date, command):
+    """`scripts/bench/ceiling.py --json` output: the best ratio to PyTorch that the core's bf16
+    ceiling allows, beside the ratio measured; and oneDNN's GFLOP/s at the step's shapes
+    (`scripts/bench/onednn_shapes.c` output) as a share of that ceiling."""
+    data = json.load(open(path))
+    peak = data["peak_gflops"]
+    out = source_line(cpu, date, command, [path, shapes])
+    body = []
+    for config, c in data["configs"].items():
+        now = c["keel_step_s"]
+        tokens = c["most_tokens_per_s"] * c["shortest_step_s"]
+        ratio = tokens / now / c["pytorch_bf16_tokens_per_s"]
+        body.append([config, "%.1f" % c["gemm_gflop_per_step"], "%.0f ms" % (1e3 * c["shortest_step_s"]),
+                     "%.0f ms" % (1e3 * now), "**%.2fx**" % ratio, "%.2fx" % c["best_ratio"],
+                     "%.0f%%" % (100 * ratio / c["best_ratio"])])
+    out += table(["model", "GEMM GFLOP a step", "the step's GEMMs at the ceiling", "Keel bf16 step now",
+                  "Keel bf16 / PyTorch bf16", "best ratio the ceiling allows",
+                  "of the best (target for CPUs without AMX: 85%)"], body)
+    rates = []
+    with open(shapes) as f:
+        for line in f:
+            m = re.search(r"(\d+) GFLOP/s", line)
+            if m:
+                rates.append(int(m.group(1)))
+    out.append("")
+    out.append("Ceiling: %.1f GFLOP/s, register-only `vdpbf16ps` chains on one core (`scripts/bench/bf16_peak.c`). "
+               "oneDNN's bf16 matmul alone at the step's shapes, one thread: %d-%d GFLOP/s (%.0f-%.0f%% of it). "
+               "The step's times are medians of the alternated rounds." % (
+                   peak, min(rates), max(rates), 100 * min(rates) / peak, 100 * max(rates) / peak))
+    return out
+
+
 # --- time to quality and fine-tuning --------------------------------------------------------
 
 def machine(folder):
@@ -358,6 +391,9 @@ AMX_PASSES = os.path.join(MEASURED, "bf16-amx-2026-12-05", "passes.jsonl")
 AMX_BEFORE_AFTER = os.path.join(MEASURED, "bf16-amx-2026-12-05", "before-after.jsonl")
 AMX_MEMORY = os.path.join(MEASURED, "bf16-memory-2026-12-05", "memory.jsonl")
 ZEN4_STEP = os.path.join(MEASURED, "bf16-zen4-2026-12-04", "bench-bf16.jsonl")
+ZEN5_DIR = os.path.join(MEASURED, "bf16-zen5-2026-12-06")
+ZEN5_STEP = os.path.join(ZEN5_DIR, "bench-bf16.jsonl")
+ZEN5_PASSES = os.path.join(ZEN5_DIR, "passes.jsonl")
 RING_FILES = [os.path.join(MEASURED, "ring-2026-12-04", f)
               for f in ("bench-ring-gloo-2-3-4.jsonl", "bench-ring-gloo-256.jsonl", "bench-ring-gloo-8.jsonl")]
 
@@ -369,6 +405,7 @@ def headline():
 
     rows = []
     for path, cpu, what, date in ((AMX_STEP, "Intel Xeon with AMX (family 6 model 167)", "training step of BERT-mini, bf16, 1 core", "2026-12-05"),
+                                  (ZEN5_STEP, "AMD EPYC Zen 5 (family 26 model 2)", "the same on a Zen 5", "2026-12-06"),
                                   (ZEN4_STEP, "AMD EPYC Zen 4 (family 25 model 17)", "the same on a Zen 4", "2026-12-04")):
         m = step_medians(path)
         ratio = {c: m[(c, "keel", "bf16", 1)] / m[(c, "pytorch", "bf16-autocast", 1)] for c in ("tiny", "mini", "base")}
@@ -419,6 +456,16 @@ TABLES = {
     "step-speed-zen4": lambda: step_speed(
         ZEN4_STEP,
         ZEN4, "2026-12-04", "ROUNDS=2 scripts/bench-bf16.sh"),
+    "step-speed-zen5": lambda: step_speed(
+        ZEN5_STEP,
+        ZEN5, "2026-12-06", "ROUNDS=2 scripts/bench-bf16.sh"),
+    "ceiling-zen5": lambda: ceiling(
+        os.path.join(ZEN5_DIR, "ceiling.json"), os.path.join(ZEN5_DIR, "onednn-shapes.txt"),
+        ZEN5, "2026-12-06", "scripts/bench/ceiling.py bench-bf16.jsonl --peak-gflops 472.9"),
+    "step-roofline-mini-zen5": lambda: step_roofline(
+        ZEN5_PASSES, ZEN5, "2026-12-06", "ROUNDS=2 CONFIGS='tiny:32 mini:32' scripts/bench-passes.sh", "mini"),
+    "step-roofline-tiny-zen5": lambda: step_roofline(
+        ZEN5_PASSES, ZEN5, "2026-12-06", "ROUNDS=2 CONFIGS='tiny:32 mini:32' scripts/bench-passes.sh", "tiny"),
     "time-to-quality": lambda: time_to_quality([
         "ttq-mini-2026-12-04-unpad",
         "ttq-mini-2026-12-04-zen4",
