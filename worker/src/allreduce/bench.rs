@@ -4,7 +4,8 @@
 //! 127.0.0.1:0, serves the ring service and prints `LISTEN host:port`; the parent answers every
 //! peer with `PEERS a,b,...` on its stdin. Each peer then runs, per size, warm-up plus timed
 //! all-reduces of rank-dependent integer-valued inputs (the sum is known exactly and checked),
-//! each preceded by a one-element all-reduce as a barrier, and prints one JSON line of its
+//! each between two one-element all-reduces as barriers (so that no rank checks its sum
+//! or refills its input while another is still reducing), and prints one JSON line of its
 //! per-iteration seconds. The parent takes, per iteration, the slowest rank, then the median,
 //! and prints one JSON line per (workers, size):
 //! `{"workers","bytes","seconds","seconds_per_ring_step","algbw_gb_s","busbw_gb_s","dtype",...}` where
@@ -390,6 +391,11 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
                 seconds.push(elapsed);
                 cpu_seconds.push(process_cpu_seconds() - cpu_before);
             }
+            // A second barrier before checking the sum and refilling the input: a rank that
+            // finished first would otherwise do that work (a pass over the buffer each) on
+            // cores the slower ranks still need for their last frames.
+            let done = ring.all_reduce_sum(step, 2, vec![1.0f32]).await?;
+            correct &= done[0] == n as f32;
             correct &= token[0] == n as f32 && is_known_sum(&data, n);
             step += 1;
         }
