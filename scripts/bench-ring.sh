@@ -3,10 +3,12 @@
 # per round, `keel-worker bench-allreduce --threads T` for each T of --io-threads (the worker's
 # `--io-threads`: 1 is its default, every ring task on one thread) and then
 # `tcp_ring_ceiling` (the same pipelined ring over plain blocking sockets, no HTTP/2 and no
-# async runtime: an upper bound for a ring over TCP here), all on 127.0.0.1, alternated round
-# by round. Also the 1-element all-reduce (the ring's latency, 2 (n - 1) hops of nothing).
-# With --gloo PYTHON, each round also runs PyTorch's gloo all_reduce with that interpreter
-# (`scripts/peer/gloo_allreduce_bench.py`; needs torch, not a Keel dependency).
+# async runtime: an upper bound for a ring over TCP here), all on 127.0.0.1, alternated cell
+# by cell: each (workers, size) is run by every peer back to back, then the next cell. Also the
+# 1-element all-reduce (the ring's latency, 2 (n - 1) hops of nothing).
+# With --gloo PYTHON, each cell also runs PyTorch's gloo all_reduce with that interpreter
+# (`scripts/peer/gloo_allreduce_bench.py`; needs torch, not a Keel dependency), and a third
+# table gives each Keel run over the gloo run of its cell and round.
 #
 # Prints one JSON line per (round, peer, workers, size) and then two Markdown tables: bus
 # bandwidth in GB/s (2 (n - 1) / n x bytes / seconds, median over rounds of each run's median
@@ -106,6 +108,24 @@ for r in rows:
         cpu[(r["peer"], r["workers"], r["bytes"])].append(r["cpu_seconds_all_ranks"] / sent * 1e9)
 print("\nCPU time of all ranks per byte sent, ns (median over rounds):\n")
 table(cpu, "ns/B", 3)
+# Each Keel run against the gloo run of the same cell and round (seconds apart), median over rounds.
+paired = defaultdict(list)
+by_round = {(r["peer"], r["workers"], r["bytes"], r.get("round")): r["busbw_gb_s"]
+            for r in rows if r["bytes"] >= 1024}
+for (p, w, b, rnd), v in by_round.items():
+    g = by_round.get(("gloo", w, b, rnd))
+    if p not in ("gloo", "tcp") and g:
+        paired[(p, w, b)].append(v / g)
+if paired:
+    print("\nKeel / gloo, each round's pair (seconds apart), median over rounds [min-max]:\n")
+    print("| workers | MiB | " + " | ".join(sorted({p for p, _, _ in paired})) + " |")
+    print("|---|---|" + "---|" * len({p for p, _, _ in paired}))
+    for w, b in sorted({(w, b) for _, w, b in paired}):
+        cells = []
+        for p in sorted({p for p, _, _ in paired}):
+            v = paired.get((p, w, b), [])
+            cells.append(f"{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]" if v else "-")
+        print(f"| {w} | {b >> 20} | " + " | ".join(cells) + " |")
 PY
 }
 
@@ -139,19 +159,29 @@ for line in sys.stdin:
     row.update(peer=sys.argv[1], round=int(sys.argv[2]))
     print(json.dumps(row), flush=True)
 ' "$1" "$2"; }
+# Alternated cell by cell: each (workers, size) is run by every peer back to back, so that the
+# peers of one cell are seconds apart (speeds on a shared VM drift by up to 2x within minutes;
+# a whole sweep per peer put minutes between the runs that are compared).
 for round in $(seq 1 "$ROUNDS"); do
-  for t in ${IO_THREADS//,/ }; do
-    timeout 900 "$BIN_DIR/keel-worker" bench-allreduce --workers "$WORKERS" \
-        --sizes-mib "0.000004,$SIZES" --iters "$ITERS" --warmup 3 --threads "$t" \
-      | tag "keel-io$t" "$round" | tee -a "$OUT"
+  for w in ${WORKERS//,/ }; do
+    first=1
+    for m in ${SIZES//,/ }; do
+      # The 1-element all-reduce (the ring's latency) once per world size.
+      keel_sizes="$m"; [ "$first" = 1 ] && keel_sizes="0.000004,$m"; first=0
+      for t in ${IO_THREADS//,/ }; do
+        timeout 900 "$BIN_DIR/keel-worker" bench-allreduce --workers "$w" \
+            --sizes-mib "$keel_sizes" --iters "$ITERS" --warmup 3 --threads "$t" \
+          | tag "keel-io$t" "$round" | tee -a "$OUT"
+      done
+      timeout 900 "$CEILING" --workers "$w" --sizes-mib "$m" --iters "$ITERS" --warmup 3 \
+        | tag tcp "$round" | tee -a "$OUT"
+      if [ -n "$GLOO_PYTHON" ]; then
+        timeout 900 "$GLOO_PYTHON" "$REPO/scripts/peer/gloo_allreduce_bench.py" --workers "$w" \
+            --sizes-mib "$m" --iters "$ITERS" --warmup 3 \
+          | tag gloo "$round" | tee -a "$OUT"
+      fi
+    done
   done
-  timeout 900 "$CEILING" --workers "$WORKERS" --sizes-mib "$SIZES" --iters "$ITERS" --warmup 3 \
-    | tag tcp "$round" | tee -a "$OUT"
-  if [ -n "$GLOO_PYTHON" ]; then
-    timeout 900 "$GLOO_PYTHON" "$REPO/scripts/peer/gloo_allreduce_bench.py" --workers "$WORKERS" \
-        --sizes-mib "$SIZES" --iters "$ITERS" \
-      | tag gloo "$round" | tee -a "$OUT"
-  fi
 done
 
 summary "$OUT"

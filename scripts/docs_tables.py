@@ -31,6 +31,7 @@ MEASURED = os.path.join(REPO, "docs", "measured")
 XEON_AMX = "2-core Intel Xeon, family 6 model 167 as the VM reports it (AVX-512, AVX512_BF16, AMX-BF16)"
 ZEN4 = "2-core AMD EPYC, family 25 model 17: Zen 4 (AVX-512, AVX512_BF16, no AMX)"
 ZEN5 = "2-core AMD EPYC, family 26 model 2: Zen 5 (AVX-512, AVX512_BF16, no AMX)"
+ZEN3 = "2-core AMD EPYC, family 25 model 1: Zen 3 (AVX2, no AVX-512)"
 
 
 def rel(path):
@@ -86,6 +87,20 @@ def ring_medians(files):
             if r["bytes"] < (1 << 20):
                 continue
             cells.setdefault((r["peer"], r["workers"], r["bytes"] >> 20), []).append(r["busbw_gb_s"])
+    return {k: median(v) for k, v in cells.items()}
+
+
+def ring_cpu_medians(files):
+    """(peer, workers, MiB) -> median CPU time of all ranks per byte sent, ns (every rank sends
+    2 (n - 1) / n x bytes); only the runs that report their CPU."""
+    cells = {}
+    for path in files:
+        for r in read_jsonl(path):
+            if r["bytes"] < (1 << 20) or not r.get("cpu_seconds_all_ranks"):
+                continue
+            sent = 2 * (r["workers"] - 1) * r["bytes"]
+            cells.setdefault((r["peer"], r["workers"], r["bytes"] >> 20), []).append(
+                r["cpu_seconds_all_ranks"] / sent * 1e9)
     return {k: median(v) for k, v in cells.items()}
 
 
@@ -348,11 +363,33 @@ def time_to_quality(folders):
 
 # --- the ring against gloo and the bare TCP ring --------------------------------------------
 
+def ring_paired(files, peer, against):
+    """(workers, MiB) -> median over rounds of peer / against, each pair from one round's run of
+    that cell (the runs bench-ring.sh puts seconds apart)."""
+    runs = {}
+    for path in files:
+        for r in read_jsonl(path):
+            if r["bytes"] >= (1 << 20):
+                runs[(r["peer"], r["workers"], r["bytes"] >> 20, r.get("round"))] = r["busbw_gb_s"]
+    cells = {}
+    for (p, w, m, rnd), v in runs.items():
+        other = runs.get((against, w, m, rnd))
+        if p == peer and other:
+            cells.setdefault((w, m), []).append(v / other)
+    return {k: median(v) for k, v in cells.items()}
+
+
 def ring(files, cpu, date, command):
     cells = ring_medians(files)
+    ns = ring_cpu_medians(files)
+    paired = ring_paired(files, "keel-io1", "gloo")
     out = source_line(cpu, date, command, files)
     body = []
     sizes = sorted({(w, m) for (_, w, m) in cells})
+
+    def cpu_cell(peer, w, m):
+        return "%.2f" % ns[(peer, w, m)] if (peer, w, m) in ns else "-"
+
     for w, m in sizes:
         keel = cells.get(("keel-io1", w, m))
         gloo = cells.get(("gloo", w, m))
@@ -360,12 +397,17 @@ def ring(files, cpu, date, command):
         if keel is None or gloo is None or tcp is None:
             continue
         body.append([str(w), str(m), "%.2f" % keel, "%.2f" % gloo, "%.2f" % tcp,
-                     "**%.2f**" % (keel / gloo), "%.2f" % (keel / tcp)])
-    out += table(["workers", "MiB", "Keel", "gloo", "bare TCP ring", "Keel / gloo", "Keel / bare ring"], body)
+                     "**%.2f**" % paired.get((w, m), keel / gloo), "%.2f" % (keel / tcp),
+                     cpu_cell("keel-io1", w, m), cpu_cell("gloo", w, m), cpu_cell("tcp", w, m)])
+    out += table(["workers", "MiB", "Keel", "gloo", "bare TCP ring", "Keel / gloo", "Keel / bare ring",
+                  "Keel ns/B", "gloo ns/B", "bare ring ns/B"], body)
     out.append("")
     out.append("Bus bandwidth in GB/s (2 (n - 1) / n x bytes / time, the slowest rank), median over the "
                "alternated rounds; every process on 127.0.0.1; Keel with one network thread, 4 streams per "
-               "link, 512 KiB frames; gloo is PyTorch 2.15's `all_reduce`, one thread per process.")
+               "link, 512 KiB frames; gloo is PyTorch 2.15's `all_reduce`, one thread per process. "
+               "Keel / gloo: each round's Keel run over the gloo run of the same cell, seconds apart, median "
+               "over the rounds (the GB/s columns are medians of their own). "
+               "ns/B: CPU time (user + system) of all ranks per byte each rank sends, median over the rounds.")
     return out
 
 
@@ -394,8 +436,7 @@ ZEN4_STEP = os.path.join(MEASURED, "bf16-zen4-2026-12-04", "bench-bf16.jsonl")
 ZEN5_DIR = os.path.join(MEASURED, "bf16-zen5-2026-12-06")
 ZEN5_STEP = os.path.join(ZEN5_DIR, "bench-bf16.jsonl")
 ZEN5_PASSES = os.path.join(ZEN5_DIR, "passes.jsonl")
-RING_FILES = [os.path.join(MEASURED, "ring-2026-12-04", f)
-              for f in ("bench-ring-gloo-2-3-4.jsonl", "bench-ring-gloo-256.jsonl", "bench-ring-gloo-8.jsonl")]
+RING_FILES = [os.path.join(MEASURED, "ring-2026-12-07", "bench-ring-gloo-2-3-4.jsonl")]
 
 
 def headline():
@@ -423,15 +464,16 @@ def headline():
                      "DDP: %.0f s (**%.2fx**)" % (peer["seconds_to_bar"], keel["time_ratio_to_peer"]),
                      cpu, machine(folder).get("date", "?")[:10], rlink(folder, name)])
     cells = ring_medians(RING_FILES)
+    paired = ring_paired(RING_FILES, "keel-io1", "gloo")
     k4, k64 = cells[("keel-io1", 2, 4)], cells[("keel-io1", 2, 64)]
     g4, g64 = cells[("gloo", 2, 4)], cells[("gloo", 2, 64)]
     folder = os.path.dirname(RING_FILES[0])
     rows.append(["ring all-reduce, 2 workers, 4 / 64 MiB", "%.2f / %.2f GB/s" % (k4, k64),
-                 "gloo: %.2f / %.2f (**%.2fx / %.2fx**)" % (g4, g64, k4 / g4, k64 / g64),
-                 "Intel Xeon with AMX", "2026-12-04", rlink(folder, "ring-2026-12-04")])
+                 "gloo: %.2f / %.2f (**%.2fx / %.2fx**)" % (g4, g64, paired[(2, 4)], paired[(2, 64)]),
+                 "AMD EPYC Zen 3", "2026-12-07", rlink(folder, "ring-2026-12-07")])
     k, g = cells[("keel-io1", 4, 64)], cells[("gloo", 4, 64)]
-    rows.append(["ring all-reduce, 4 workers, 64 MiB", "%.2f GB/s" % k, "gloo: %.2f (**%.2fx**)" % (g, k / g),
-                 "Intel Xeon with AMX", "2026-12-04", rlink(folder, "ring-2026-12-04")])
+    rows.append(["ring all-reduce, 4 workers, 64 MiB", "%.2f GB/s" % k, "gloo: %.2f (**%.2fx**)" % (g, paired[(4, 64)]),
+                 "AMD EPYC Zen 3", "2026-12-07", rlink(folder, "ring-2026-12-07")])
     return table(["what", "Keel", "against", "CPU", "date", "data"], rows)
 
 
@@ -476,7 +518,7 @@ TABLES = {
     ]),
     "ring": lambda: ring(
         RING_FILES,
-        XEON_AMX, "2026-12-04", "scripts/bench-ring.sh --rounds 3 --gloo PYTHON"),
+        ZEN3, "2026-12-07", "scripts/bench-ring.sh --rounds 3 --io-threads 1 --gloo PYTHON"),
     "scale-model": lambda: scale_model(
         ["calibration-loopback-2026-12-04-xeon-amx.jsonl", "calibration-1gbit-2026-12-04-xeon-amx.jsonl"],
         XEON_AMX, "2026-12-04 (calibration runs)"),
