@@ -18,21 +18,26 @@ scripts/setup.sh "${extra[@]}"
 scripts/corpora.sh
 if ! command -v cargo >/dev/null; then export PATH="$HOME/.cargo/bin:$PATH"; fi
 
-step() { printf '\n== %s\n' "$*"; }
+step() { printf '\n== %s (at %d s)\n' "$*" "$SECONDS"; }
 failed=()
+# Each step's wall time, listed at the end: the suite must stay well inside CI's limit, and
+# this shows which step grew.
+timings=()
 # run NAME COMMAND...: one step of the suite; a failure is noted and the suite goes on.
 run() {
-  local name=$1
+  local name=$1 started=$SECONDS
   shift
   step "$name"
   if ! "$@"; then
     failed+=("$name")
     echo "== FAILED: $name"
   fi
+  timings+=("$(printf '%6d s  %s' $((SECONDS - started)) "$name")")
 }
 log_dir=$(mktemp -d /tmp/keel-test.XXXXXX)
 trap 'rm -rf "$log_dir"' EXIT
 
+setup_seconds=$SECONDS
 step "this machine"
 grep -m1 'model name' /proc/cpuinfo || true
 echo "bf16 instructions: $(grep -o -w -E 'avx512_bf16|amx_bf16|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ')"
@@ -78,6 +83,8 @@ fi
 run "docs checks" scripts/check-docs.sh target/release
 
 step "summary"
+echo "wall time of each step (before them: packages and corpora $setup_seconds s, then the bf16 probe and its build):"
+printf '%s\n' "${timings[@]}"
 if [ ${#failed[@]} -eq 0 ]; then
   echo "every step passed"
   exit 0

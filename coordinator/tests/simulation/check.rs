@@ -62,7 +62,7 @@ impl Sim {
     /// every checkpoint the machine counts is stored and holds weights a rank reached at
     /// that step; no worker is left on a finished job.
     pub(super) fn final_checks(&mut self) {
-        let Some(m) = self.coord.machine.take() else {
+        let Some(mut m) = self.coord.machine.take() else {
             self.violation("the coordinator is down at the end".into());
             return;
         };
@@ -166,7 +166,64 @@ impl Sim {
                 ));
             }
         }
+        self.baseline_checks(&mut m);
         self.coord.machine = Some(m);
+    }
+
+    /// Once every job has ended and the cluster has been quiet for a while, memory and
+    /// connections are back at their baseline and memory agrees with the disk:
+    /// - the registry holds exactly the live workers' sessions (no entry left of a crashed
+    ///   incarnation, a lost session or a worker replaced under the same address);
+    /// - no effect waits to be carried out;
+    /// - the record on disk of every job says what the machine says (state, generation, step,
+    ///   checkpoints, error): a coordinator that restarted now would contradict nothing.
+    fn baseline_checks(&mut self, m: &mut Machine) {
+        let sessions: BTreeSet<String> = self
+            .workers
+            .iter()
+            .filter(|w| w.alive)
+            .filter_map(|w| w.session.as_ref().map(|(id, _)| id.clone()))
+            .collect();
+        let registered: BTreeSet<String> = m.workers().map(|w| w.id().to_string()).collect();
+        for id in registered.difference(&sessions) {
+            self.violation(format!(
+                "the registry still holds {id}, which no live worker's session names"
+            ));
+        }
+        for id in sessions.difference(&registered) {
+            self.violation(format!(
+                "a live worker believes it is registered as {id}, which the registry lost"
+            ));
+        }
+        let left = m.take_effects();
+        if !left.is_empty() {
+            self.violation(format!("{} effects were never carried out", left.len()));
+        }
+        for job in m.jobs() {
+            let now = job.record();
+            let id = job.id().to_string();
+            match self.coord.records.get(&id) {
+                None => self.violation(format!("{id} has no record on disk at the end")),
+                Some(disk) => {
+                    let seen = |r: &JobRecord| {
+                        (
+                            r.state.clone(),
+                            r.generation,
+                            r.step,
+                            r.checkpoints.clone(),
+                            r.error.clone(),
+                        )
+                    };
+                    if seen(disk) != seen(&now) {
+                        self.violation(format!(
+                            "{id}: the record on disk {:?} is not what the machine holds {:?}",
+                            seen(disk),
+                            seen(&now)
+                        ));
+                    }
+                }
+            }
+        }
     }
 }
 
