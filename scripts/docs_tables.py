@@ -268,6 +268,28 @@ def step_roofline(path, cpu, date, command, config):
     return out
 
 
+def thread_scaling(files, cpu, date, command):
+    """Whole-step time at 1 and 2 threads per (config, precision), from bench-passes runs."""
+    rows = [r for f in files for r in read_jsonl(f)]
+    body = []
+    for key in dict.fromkeys((r["config"], r["precision"]) for r in rows):
+        mine = [r for r in rows if (r["config"], r["precision"]) == key]
+        s1 = median([r["s_per_step"] for r in mine if r["threads"] == 1])
+        s2 = median([r["s_per_step"] for r in mine if r["threads"] == 2])
+        slow = min((p for p in dict.fromkeys(q["pass"] for r in mine for q in r["passes"])
+                    if p.startswith("gemm")),
+                   key=lambda p: median([q["ms_per_step"] for r in mine if r["threads"] == 1
+                                         for q in r["passes"] if q["pass"] == p]) /
+                   median([q["ms_per_step"] for r in mine if r["threads"] == 2
+                           for q in r["passes"] if q["pass"] == p]))
+        route = mine[0].get("gemm_backends", {}).get("linear", key[1])
+        body.append(["%s b%d" % (key[0], mine[0]["batch"]), route, fmt_int(s1 * 1e3), fmt_int(s2 * 1e3),
+                     "**%.2fx**" % (s1 / s2), slow])
+    return source_line(cpu, date, command, files) + table(
+        ["model", "GEMM route", "ms a step, 1 thread", "2 threads", "2 threads / 1", "GEMM class that scales least"],
+        body)
+
+
 def ceiling(path, shapes, cpu, date, command):
     """`scripts/bench/ceiling.py --json` output: the best ratio to PyTorch that the core's bf16
     ceiling allows, beside the ratio measured; and oneDNN's GFLOP/s at the step's shapes
@@ -495,6 +517,10 @@ TABLES = {
     "threads-before-after": lambda: before_after(
         AMX_BEFORE_AFTER, XEON_AMX, "2026-12-05",
         "keel-worker bench --precision bf16, two builds alternated (notes.md)"),
+    "threads-zen3": lambda: thread_scaling(
+        [os.path.join(MEASURED, "threads-zen3-2026-12-07", f)
+         for f in ("passes-fp32.jsonl", "passes-bf16-emulated.jsonl")],
+        ZEN3, "2026-12-07", "ROUNDS=3 CONFIGS='tiny:32 mini:32' PRECISION=fp32|bf16 scripts/bench-passes.sh"),
     "step-speed-zen4": lambda: step_speed(
         ZEN4_STEP,
         ZEN4, "2026-12-04", "ROUNDS=2 scripts/bench-bf16.sh"),
