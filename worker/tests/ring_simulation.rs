@@ -7,7 +7,10 @@
 //! Checked after every run: every rank ended (no hang: a bound on virtual time); every rank that
 //! returned a result has the exact sums, bit-identical to every other's; a run whose faults lose
 //! nothing (no lost or cut frame, no death) ends with every rank successful; every failure is
-//! an all-reduce error. Each seed is also run twice and must give the same outcome.
+//! an all-reduce error; once every rank has ended and the network has delivered what it held,
+//! no task (link, stream, timer) is left on the runtime, no mailbox of a ring that succeeded
+//! holds a frame, and none holds one once it joined the next generation. Every
+//! tenth seed is also run twice and must give the same outcome.
 //!
 //! `KEEL_SIM_SEEDS=N` (default 300) runs seeds `0..N`; `KEEL_SIM_FIRST=K` starts at `K`. A seed
 //! that breaks an invariant is printed; add it to `REGRESSIONS` once fixed.
@@ -135,8 +138,25 @@ enum End {
     Killed,
 }
 
-/// Runs `s` on one thread with a paused clock; each rank's end, and the virtual time taken.
-fn run(s: &Scenario, seed: u64) -> (Vec<End>, Duration) {
+/// What is left once every rank has ended and the network has had `REST` of virtual time to
+/// deliver what it still held, in the mailboxes of the ranks that lived: the bytes of frames
+/// held, then those held once each mailbox joined the job's next generation (as a worker does
+/// for the next ring), and the tasks still alive on the runtime (links, streams, timers: the
+/// in-memory network's connections).
+#[derive(Clone, Debug, PartialEq)]
+struct AtRest {
+    held_bytes: usize,
+    held_after_next_join: usize,
+    alive_tasks: usize,
+}
+
+/// Virtual time given to the network after the last rank ended, before [`AtRest`] is read:
+/// longer than any injected delay and than the ring's timeout.
+const REST: Duration = Duration::from_secs(30);
+
+/// Runs `s` on one thread with a paused clock; each rank's end, the virtual time taken, and
+/// what was left at rest.
+fn run(s: &Scenario, seed: u64) -> (Vec<End>, Duration, AtRest) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)
@@ -146,10 +166,11 @@ fn run(s: &Scenario, seed: u64) -> (Vec<End>, Duration) {
         let start = tokio::time::Instant::now();
         let net = MemoryNetwork::new(seed);
         let peers: Vec<String> = (0..s.ranks).map(|r| format!("rank-{r}:7071")).collect();
-        let mut tasks = Vec::new();
+        let (mut tasks, mut mailboxes) = (Vec::new(), Vec::new());
         for r in 0..s.ranks {
             let mailbox = Mailbox::new();
             net.attach(&peers[r], Arc::clone(&mailbox));
+            mailboxes.push(Arc::clone(&mailbox));
             let cfg = RingConfig {
                 job_id: "job-1".into(),
                 generation: 1,
@@ -190,7 +211,38 @@ fn run(s: &Scenario, seed: u64) -> (Vec<End>, Duration) {
             };
             ends.push(end);
         }
-        (ends, start.elapsed())
+        let took = start.elapsed();
+        tokio::time::sleep(REST).await;
+        let lived: Vec<(usize, Arc<Mailbox>)> = mailboxes
+            .into_iter()
+            .enumerate()
+            .filter(|(r, _)| s.kill.is_none_or(|(v, _)| v != *r))
+            .collect();
+        let held_bytes = lived.iter().map(|(_, m)| m.held_bytes()).sum();
+        // The next generation, on a ring of one (joining is what releases the old frames).
+        for (r, m) in &lived {
+            let cfg = RingConfig {
+                job_id: "job-1".into(),
+                generation: 2,
+                rank: 0,
+                world_size: 1,
+                peers: vec![peers[*r].clone()],
+                streams_per_link: 1,
+                frame_bytes: s.frame_bytes,
+                timeout: s.timeout,
+            };
+            if let Err(e) = Ring::connect_over(cfg, Arc::clone(m), &net).await {
+                panic!("rank {r} could not join generation 2: {e}");
+            }
+        }
+        let rest = AtRest {
+            held_bytes,
+            held_after_next_join: lived.iter().map(|(_, m)| m.held_bytes()).sum(),
+            alive_tasks: tokio::runtime::Handle::current()
+                .metrics()
+                .num_alive_tasks(),
+        };
+        (ends, took, rest)
     })
 }
 
@@ -205,7 +257,30 @@ fn kind(e: &AllReduceError) -> String {
 }
 
 /// The invariants a run must hold; `Err` names the one broken.
-fn check(s: &Scenario, ends: &[End], took: Duration) -> Result<(), String> {
+fn check(s: &Scenario, ends: &[End], took: Duration, rest: &AtRest) -> Result<(), String> {
+    // Memory and connections back at their baseline: a finished ring holds no frame and
+    // leaves no task behind (a leak here grows with every step of a long job).
+    // A ring whose every living rank succeeded consumed every frame it was sent; a failed one
+    // may hold frames of its last step until the worker joins its next generation.
+    let all_done = ends.iter().all(|e| matches!(e, End::Done(_) | End::Killed));
+    if all_done && rest.held_bytes != 0 {
+        return Err(format!(
+            "{} bytes of frames still held {REST:?} after every rank succeeded",
+            rest.held_bytes
+        ));
+    }
+    if rest.held_after_next_join != 0 {
+        return Err(format!(
+            "{} bytes of frames still held after each mailbox joined the next generation",
+            rest.held_after_next_join
+        ));
+    }
+    if rest.alive_tasks != 0 {
+        return Err(format!(
+            "{} tasks still alive {REST:?} after every rank ended",
+            rest.alive_tasks
+        ));
+    }
     let mut first: Option<&Vec<u32>> = None;
     for (r, end) in ends.iter().enumerate() {
         match end {
@@ -255,15 +330,15 @@ fn seeded_ring_simulations_hold_every_invariant_and_replay_exactly() {
     let (mut failed_runs, mut faulty, mut killed, mut broken) = (0, 0, 0, Vec::new());
     for &seed in &seeds {
         let s = Scenario::draw(seed);
-        let (ends, took) = run(&s, seed);
-        if let Err(why) = check(&s, &ends, took) {
+        let (ends, took, rest) = run(&s, seed);
+        if let Err(why) = check(&s, &ends, took, &rest) {
             broken.push(format!("seed {seed}: {why}\n  {s:?}"));
             continue;
         }
         // Every 10th seed is replayed: the same seed, the same ends, the same virtual time.
         if seed % 10 == 0 {
             let again = run(&s, seed);
-            if again != (ends.clone(), took) {
+            if again != (ends.clone(), took, rest) {
                 broken.push(format!("seed {seed}: the replay differs\n  {s:?}"));
             }
         }
