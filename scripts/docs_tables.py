@@ -268,6 +268,40 @@ def step_roofline(path, cpu, date, command, config):
     return out
 
 
+def builds_alternated(path, cpu, date, command):
+    """`scripts/bench-builds.sh` output: two builds' ms a step, alternated (medians), with each
+    build's 2 threads / 1 and the step thread's wait for its helpers."""
+    rows = read_jsonl(path)
+
+    def med(binary, config, threads, f):
+        return median([f(r) for r in rows
+                       if (r["binary"], r["config"], r["threads"]) == (binary, config, threads)])
+
+    def step(r):
+        return r["s_per_step"] * 1e3
+
+    def join(r):
+        return sum(p["ms_per_step"] for p in r["passes"] if p["pass"] == "join_wait")
+
+    body = []
+    for config in dict.fromkeys(r["config"] for r in rows):
+        for threads in sorted({r["threads"] for r in rows if r["config"] == config}):
+            o, n = med("old", config, threads, step), med("new", config, threads, step)
+            if o is None or n is None:
+                continue
+            o1, n1 = med("old", config, 1, step), med("new", config, 1, step)
+            body.append([
+                "%s b%d" % (config, rows[0]["batch"]), str(threads), "%.1f" % o, "%.1f" % n,
+                "**%.3f**" % (n / o),
+                "%.2fx / %.2fx" % (o1 / o, n1 / n) if threads > 1 and o1 and n1 else "-",
+                "%.1f / %.1f" % (med("old", config, threads, join), med("new", config, threads, join))
+                if threads > 1 else "-",
+            ])
+    return source_line(cpu, date, command, [path]) + table(
+        ["model", "threads", "before (ms a step)", "after", "after / before", "2 threads / 1, before / after",
+         "step thread's wait for its helper (ms a step), before / after"], body)
+
+
 def thread_scaling(files, cpu, date, command):
     """Whole-step time at 1 and 2 threads per (config, precision), from bench-passes runs."""
     rows = [r for f in files for r in read_jsonl(f)]
@@ -521,6 +555,9 @@ TABLES = {
         [os.path.join(MEASURED, "threads-zen3-2026-12-07", f)
          for f in ("passes-fp32.jsonl", "passes-bf16-emulated.jsonl")],
         ZEN3, "2026-12-07", "ROUNDS=3 CONFIGS='tiny:32 mini:32' PRECISION=fp32|bf16 scripts/bench-passes.sh"),
+    "threads-join-zen5": lambda: builds_alternated(
+        os.path.join(MEASURED, "threads-zen5-2026-12-08", "builds.jsonl"), ZEN5, "2026-12-08",
+        "scripts/bench-builds.sh OLD NEW (ROUNDS=6, tiny batch 32 20 steps, mini batch 32 8 steps, bf16)"),
     "step-speed-zen4": lambda: step_speed(
         ZEN4_STEP,
         ZEN4, "2026-12-04", "ROUNDS=2 scripts/bench-bf16.sh"),
