@@ -3,9 +3,10 @@
 # minutes (this machine's speed drifts by tens of percent within an hour: only ratios of runs
 # made side by side mean much): per round, for each config and thread count, the old build
 # and then the new one. Each JSON line of `keel-worker bench` is written with a `binary` field
-# naming its build (`old` or `new`). Then prints a Markdown table: median ms a step of each,
-# new over old (below 1: faster), 2 threads over 1 for each build, and the step thread's wait
-# for its helpers (`join_wait`).
+# naming its build (`old` or `new`). Then prints the Markdown table that
+# `scripts/docs_tables.py --builds` makes of it: median ms a step of each, new over old (below
+# 1: faster), 2 threads over 1 for each build, and the step thread's wait for its helper
+# (`join_wait`).
 #
 # Usage: scripts/bench-builds.sh OLD_KEEL_WORKER NEW_KEEL_WORKER [OUT.jsonl]
 #   CONFIGS="tiny:32:20 mini:32:8" (config:batch:steps), PRECISION=bf16, ROUNDS=6,
@@ -46,26 +47,5 @@ print("round %d %-3s %s t%d: %.1f ms a step, join_wait %.1f ms" % (r["round"], r
     done
   done
 done
-python3 - "$out" <<'EOF'
-import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-cpu = open("/proc/cpuinfo").read()
-model = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("model name")), "?")
-print(f"\nCPU: {model}; precision {rows[0]['precision'] if rows else '?'}; {len(rows)} runs\n")
-def med(binary, config, threads, f):
-    xs = [f(r) for r in rows if (r["binary"], r["config"], r["threads"]) == (binary, config, threads)]
-    return statistics.median(xs) if xs else None
-step = lambda r: r["s_per_step"] * 1e3
-join = lambda r: sum(p["ms_per_step"] for p in r["passes"] if p["pass"] == "join_wait")
-print("| model | threads | old ms a step | new | new / old | 2 threads / 1, old / new | join_wait ms, old / new |")
-print("|---|---|---|---|---|---|---|")
-for config in dict.fromkeys(r["config"] for r in rows):
-    for threads in sorted({r["threads"] for r in rows if r["config"] == config}):
-        o, n = med("old", config, threads, step), med("new", config, threads, step)
-        if o is None or n is None:
-            continue
-        o1, n1 = med("old", config, 1, step), med("new", config, 1, step)
-        speed = "%.2fx / %.2fx" % (o1 / o, n1 / n) if threads > 1 and o1 and n1 else "-"
-        jw = "%.1f / %.1f" % (med("old", config, threads, join), med("new", config, threads, join)) if threads > 1 else "-"
-        print(f"| {config} | {threads} | {o:.1f} | {n:.1f} | {n / o:.3f} | {speed} | {jw} |")
-EOF
+echo
+python3 scripts/docs_tables.py --builds "$out"

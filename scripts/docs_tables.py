@@ -5,6 +5,7 @@
 scripts/scale/.)
 
 Usage: scripts/docs_tables.py [--check]
+       scripts/docs_tables.py --builds FILE.jsonl   (the table of a scripts/bench-builds.sh run)
 
 The tables are README.md's headline table and docs/performance.md's. Each sits in its doc between `<!-- table:NAME -->` and `<!-- /table:NAME -->`. Without
 --check the script rewrites what lies between the markers; with --check it changes nothing and
@@ -18,6 +19,7 @@ from the runs' notes); the time-to-quality folders carry a machine.txt, which is
 """
 
 import argparse
+import datetime
 import difflib
 import json
 import os
@@ -291,7 +293,8 @@ def builds_alternated(path, cpu, date, command):
                 continue
             o1, n1 = med("old", config, 1, step), med("new", config, 1, step)
             body.append([
-                "%s b%d" % (config, rows[0]["batch"]), str(threads), "%.1f" % o, "%.1f" % n,
+                "%s b%d" % (config, next(r["batch"] for r in rows if r["config"] == config)), str(threads),
+                "%.1f" % o, "%.1f" % n,
                 "**%.3f**" % (n / o),
                 "%.2fx / %.2fx" % (o1 / o, n1 / n) if threads > 1 and o1 and n1 else "-",
                 "%.1f / %.1f" % (med("old", config, threads, join), med("new", config, threads, join))
@@ -607,7 +610,17 @@ DOCS = [os.path.join(REPO, "README.md"), os.path.join(REPO, "docs", "performance
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="fail (exit 1) when the doc's tables differ from the data")
+    ap.add_argument("--builds", metavar="FILE.jsonl",
+                    help="print the table of a scripts/bench-builds.sh run made on this machine, and stop")
     args = ap.parse_args()
+    if args.builds:
+        with open("/proc/cpuinfo") as f:
+            info = dict((k.strip(), v.strip()) for k, v in (l.split(":", 1) for l in f if ":" in l))
+        cpu = "%s, family %s model %s" % (cpu_name({"cpu": info.get("model name", "?"), "flags": info.get("flags", "")}),
+                                          info.get("cpu family", "?"), info.get("model", "?"))
+        print("\n".join(builds_alternated(os.path.abspath(args.builds), cpu, datetime.date.today().isoformat(),
+                                          "scripts/bench-builds.sh")))
+        return 0
     status = 0
     found = set()
     pattern = re.compile(r"<!-- table:([\w-]+) -->")
