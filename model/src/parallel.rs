@@ -83,16 +83,18 @@ fn pool(threads: usize) -> Option<Arc<rayon::ThreadPool>> {
 }
 
 /// Runs `first` on the caller and each of `rest` on the helper pool, and returns when all
-/// are done (a panic in any of them is raised here, after all have ended).
+/// are done (a panic in a helper's part is raised here, after all have ended). Without a pool,
+/// or on one of the pool's own threads (a split inside a part), the parts run in turn on the
+/// caller: a pool thread waiting for parts queued behind it would wait for ever.
 ///
 /// The caller spins a little (then parks) until the helpers' parts have ended, instead of
-/// sleeping at once: the step thread is not one of the pool's, and a rayon scope's end would put it to
-/// sleep on a condition variable, whose wake-up took ~100 us on a VM after the helper's last
+/// sleeping at once: the step thread is not one of the pool's, and a rayon scope's end would
+/// put it to sleep on a condition variable, whose wake-up took ~100 us on a VM after the helper's last
 /// part ended, for parts of ~1 ms (`keel-worker bench`, BERT-mini bf16, 2 threads, 2-core
 /// Zen 5 EPYC, 2026-12-07, means over 1,900 splits: the step thread's part ended at 897 us,
 /// the helper's ran from 5 to 911 us, and the split ended at 1,011 us).
 fn fork_join<'s>(first: impl FnOnce() + Send + 's, rest: Vec<Box<dyn FnOnce() + Send + 's>>) {
-    let Some(p) = pool(threads()) else {
+    let Some(p) = pool(threads()).filter(|p| p.current_thread_index().is_none()) else {
         first();
         rest.into_iter().for_each(|job| job());
         return;
@@ -139,7 +141,8 @@ fn fork_join<'s>(first: impl FnOnce() + Send + 's, rest: Vec<Box<dyn FnOnce() + 
 struct Parts {
     /// Parts handed to the pool and not yet ended.
     pending: AtomicUsize,
-    /// The first panic of a part, raised on the caller once all have ended.
+    /// The first panic recorded by a part, raised on the caller once all have ended (unless
+    /// the caller's own part panicked: that one is raised).
     panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
     /// The caller, unparked when the last part ends (it may have stopped spinning).
     caller: std::thread::Thread,
@@ -357,8 +360,9 @@ pub fn for_each_part<A: Send + Sync>(x: &mut [A], f: impl Fn(&mut [A]) + Sync) {
     zip_units(x, 1, none, 0, x.len(), MIN_PASS_ELEMENTS, |part, _| f(part));
 }
 
-/// Runs `f(work)` for each work item on its own thread (the first on the caller); GEMMs
-/// and elementwise work inside an item are not split again.
+/// Runs `f(work)` for each work item, the first on the caller and the others on the helper
+/// pool (more items than helpers queue up on them; see [`fork_join`] for when all run on the
+/// caller); GEMMs and elementwise work inside an item are not split again.
 pub fn run_parts<T: Send>(work: Vec<T>, f: impl Fn(T) + Sync) {
     if work.len() <= 1 {
         work.into_iter().for_each(f);
@@ -408,6 +412,25 @@ mod tests {
             .cloned()
             .unwrap_or_default();
         (message, ended.load(Ordering::SeqCst))
+    }
+
+    /// A split inside a part that runs on a helper thread ends: its parts run in turn there
+    /// (a helper waiting for parts queued behind it on itself would wait for ever).
+    #[test]
+    fn a_split_inside_a_helpers_part_ends() {
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut out = [0u32; 4];
+            super::zip_parts(2, &mut out, 2, &[1u32, 2], 1, 2, |outer, x| {
+                let inner = [x[0], x[0] * 10];
+                super::zip_parts(2, outer, 1, &inner, 1, 2, |o, i| o[0] = i[0]);
+            });
+            let _ = done.send(out);
+        });
+        let out = finished
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the nested split ended within 20 s");
+        assert_eq!(out, [1, 10, 2, 20]);
     }
 
     /// A helper's panic reaches the caller only once every other part has ended.
