@@ -361,8 +361,9 @@ pub fn for_each_part<A: Send + Sync>(x: &mut [A], f: impl Fn(&mut [A]) + Sync) {
 }
 
 /// Runs `f(work)` for each work item, the first on the caller and the others on the helper
-/// pool (more items than helpers queue up on them; see [`fork_join`] for when all run on the
-/// caller); GEMMs and elementwise work inside an item are not split again.
+/// pool (more items than helpers queue up on them; without a pool, or on one of its threads,
+/// all run in turn on the caller); GEMMs and elementwise work inside an item are not split
+/// again.
 pub fn run_parts<T: Send>(work: Vec<T>, f: impl Fn(T) + Sync) {
     if work.len() <= 1 {
         work.into_iter().for_each(f);
