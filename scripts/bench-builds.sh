@@ -38,11 +38,10 @@ for round in $(seq "$rounds"); do
           --precision "$precision" |
           python3 -c 'import json, sys
 r = json.loads(sys.stdin.read()); r["binary"] = sys.argv[1]; r["round"] = int(sys.argv[2])
-print(json.dumps(r, sort_keys=True))' "$which" "$round" >>"$out"
-        tail -n 1 "$out" | python3 -c 'import json, sys
-r = json.loads(sys.stdin.read())
+with open(sys.argv[3], "a") as f:
+    f.write(json.dumps(r, sort_keys=True) + "\n")
 j = sum(p["ms_per_step"] for p in r["passes"] if p["pass"] == "join_wait")
-print("round %d %-3s %s t%d: %.1f ms a step, join_wait %.1f ms" % (r["round"], r["binary"], r["config"], r["threads"], r["s_per_step"] * 1e3, j))'
+print("round %d %-3s %s t%d: %.1f ms a step, join_wait %.1f ms" % (r["round"], r["binary"], r["config"], r["threads"], r["s_per_step"] * 1e3, j))' "$which" "$round" "$out"
       done
     done
   done

@@ -89,8 +89,8 @@ fn pool(threads: usize) -> Option<Arc<rayon::ThreadPool>> {
 ///
 /// The caller spins a little (then parks) until the helpers' parts have ended, instead of
 /// sleeping at once: the step thread is not one of the pool's, and a rayon scope's end would
-/// put it to sleep on a condition variable, whose wake-up took ~100 us on a VM after the helper's last
-/// part ended, for parts of ~1 ms (`keel-worker bench`, BERT-mini bf16, 2 threads, 2-core
+/// put it to sleep on a condition variable, whose wake-up took ~100 us on a VM after the
+/// helper's last part ended, for parts of ~1 ms (`keel-worker bench`, BERT-mini bf16, 2 threads, 2-core
 /// Zen 5 EPYC, 2026-12-07, means over 1,900 splits: the step thread's part ended at 897 us,
 /// the helper's ran from 5 to 911 us, and the split ended at 1,011 us).
 fn fork_join<'s>(first: impl FnOnce() + Send + 's, rest: Vec<Box<dyn FnOnce() + Send + 's>>) {
